@@ -1,0 +1,443 @@
+"""compressed-tensors `quantization_config`: parsed into frozen Schemes, matched to modules.
+
+Mirrors the library's rules (compressed-tensors 0.20.1, see FORMATS.md) without importing it:
+- a config group is a scheme dict or, in shorthand, a preset name mapped to its targets;
+- a target is an exact module name, a `re:` regex (re.match on the module name) or a class name;
+- when several targets match a module, exact names win over regexes over class names (alphabetical
+  within a kind), and a target listed by two groups belongs to the later one;
+- `ignore` entries use the same matching and always win.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from quantkit.errors import InvalidInput
+
+FORMATS = frozenset({
+    "dense", "naive-quantized", "int-quantized", "float-quantized", "pack-quantized",
+    "nvfp4-pack-quantized", "mxfp4-pack-quantized", "mxfp6-pack-quantized", "mxfp8-quantized",
+    "mixed-precision", "sparse-bitmask", "sparse-24-bitmask", "marlin-24",
+})
+SPARSE_FORMATS = frozenset({"sparse-bitmask", "sparse-24-bitmask", "marlin-24"})
+STRATEGIES = ("tensor", "channel", "group", "block", "token", "tensor_group", "attn_head")
+_ARG_KEYS = frozenset({
+    "num_bits", "type", "symmetric", "group_size", "strategy", "block_structure", "dynamic",
+    "actorder", "scale_dtype", "zp_dtype", "observer", "observer_kwargs",
+})
+
+
+@dataclass(frozen=True)
+class QuantArgs:
+    """How one tensor (weights or activations) is quantized; fields as in the library."""
+
+    num_bits: int = 8
+    type: str = "int"  # "int" | "float"
+    symmetric: bool = True
+    group_size: int | None = None  # > 0 for group / tensor_group, -1 = channel
+    strategy: str = "tensor"
+    block_structure: tuple[int, int] | None = None
+    dynamic: bool | str = False  # False | True | "local"
+    actorder: str | None = None  # None | "weight" | "group"
+    scale_dtype: str | None = None
+
+    @classmethod
+    def parse(cls, d: object, where: str) -> "QuantArgs":
+        if not isinstance(d, dict):
+            raise InvalidInput(f"{where}: expected an object, found {type(d).__name__}")
+        unknown = set(d) - _ARG_KEYS
+        if unknown:
+            raise InvalidInput(f"{where}: unknown key(s) {sorted(unknown)}")
+
+        def get(key, types, default):
+            v = d.get(key, default)
+            if v is not None and (not isinstance(v, types) or (isinstance(v, bool) and bool not in types)):
+                raise InvalidInput(f"{where}.{key}: invalid value {v!r}")
+            return v
+
+        num_bits = get("num_bits", (int,), 8)
+        if not 1 <= num_bits <= 32:
+            raise InvalidInput(f"{where}.num_bits: {num_bits} is not a bit width")
+        qtype = str(get("type", (str,), "int")).lower()
+        if qtype not in ("int", "float"):
+            raise InvalidInput(f"{where}.type: {qtype!r} is neither 'int' nor 'float'")
+        group_size = get("group_size", (int,), None)
+        if group_size is not None and group_size < -1:
+            raise InvalidInput(f"{where}.group_size: {group_size} (use > 0, or -1 for channel)")
+        strategy = get("strategy", (str,), None)
+        if strategy is None:
+            strategy = "tensor" if group_size is None else "group" if group_size > 0 else "channel"
+            if group_size == 0:
+                raise InvalidInput(f"{where}.group_size: 0 (use > 0, or -1 for channel)")
+        strategy = strategy.lower()
+        if strategy not in STRATEGIES:
+            raise InvalidInput(f"{where}.strategy: unknown strategy {strategy!r}")
+        if strategy in ("group", "tensor_group") and not (group_size and group_size > 0):
+            raise InvalidInput(f"{where}: strategy {strategy} needs a positive group_size")
+        block = d.get("block_structure")
+        if isinstance(block, str):
+            try:
+                block = [int(x) for x in block.split("x")]
+            except ValueError:
+                raise InvalidInput(f"{where}.block_structure: invalid value {block!r}") from None
+        if block is not None:
+            if not (isinstance(block, list) and len(block) == 2 and all(
+                isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block
+            )):
+                raise InvalidInput(f"{where}.block_structure: expected [rows, cols], found {block!r}")
+            block = (block[0], block[1])
+        if (strategy == "block") != (block is not None):
+            raise InvalidInput(f"{where}: strategy 'block' and block_structure go together")
+        dynamic = d.get("dynamic", False)
+        if isinstance(dynamic, str) and dynamic.lower() == "local":
+            dynamic = "local"
+        elif not isinstance(dynamic, bool):
+            raise InvalidInput(f"{where}.dynamic: invalid value {dynamic!r}")
+        actorder = d.get("actorder")
+        if actorder is True:  # legacy: True meant "group"
+            actorder = "group"
+        elif actorder is False:
+            actorder = None
+        elif isinstance(actorder, str):
+            actorder = {"static": "weight", "dynamic": "group"}.get(actorder.lower(), actorder.lower())
+            if actorder not in ("weight", "group"):
+                raise InvalidInput(f"{where}.actorder: unknown value {actorder!r}")
+        elif actorder is not None:
+            raise InvalidInput(f"{where}.actorder: invalid value {actorder!r}")
+        symmetric = get("symmetric", (bool,), True)
+        scale_dtype = d.get("scale_dtype")
+        return cls(
+            num_bits=num_bits, type=qtype, symmetric=True if symmetric is None else symmetric,
+            group_size=group_size, strategy=strategy, block_structure=block, dynamic=dynamic,
+            actorder=actorder, scale_dtype=None if scale_dtype is None else str(scale_dtype),
+        )
+
+    def as_json(self) -> dict:
+        """The `scheme` object of inspect's JSON (CLI.md)."""
+        return {
+            "type": self.type, "num_bits": self.num_bits, "strategy": self.strategy,
+            "group_size": self.group_size, "symmetric": self.symmetric,
+            "dynamic": self.dynamic, "actorder": self.actorder,
+            **({"block_structure": list(self.block_structure)} if self.block_structure else {}),
+        }
+
+
+@dataclass(frozen=True)
+class Scheme:
+    """One config group: what a matched module's weights and activations are, and the storage format."""
+
+    name: str
+    targets: tuple[str, ...]
+    format: str
+    weights: QuantArgs | None = None
+    input_activations: QuantArgs | None = None
+    output_activations: QuantArgs | None = None
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    """A parsed `quantization_config` (compressed-tensors)."""
+
+    format: str
+    version: str | None
+    status: str | None
+    groups: tuple[Scheme, ...]
+    ignore: tuple[str, ...]
+    kv_cache_scheme: QuantArgs | None
+    sparsity: bool  # a non-empty sparsity_config
+    transform: bool  # a non-empty transform_config
+
+    def scheme_for(self, name: str, class_name: str | None) -> Scheme | None:
+        """The scheme that applies to module `name` of class `class_name` (e.g. "Linear"), or None."""
+        if any(_matches(name, class_name, t) for t in self.ignore):
+            return None
+        target_to_scheme: dict[str, Scheme] = {}
+        for g in self.groups:
+            for t in g.targets:
+                target_to_scheme[t] = g  # a later group takes over a repeated target
+        ordered = sorted(target_to_scheme, key=lambda t: ("re:" in t, t))
+        for t in ordered:
+            if _match_name(name, t):
+                return target_to_scheme[t]
+        for t in ordered:
+            if class_name is not None and t == class_name:
+                return target_to_scheme[t]
+        return None
+
+
+def _match_name(name: str, target: str) -> bool:
+    if target.startswith("re:"):
+        return _regex(target[3:]).match(name) is not None
+    return target == name
+
+
+def _matches(name: str, class_name: str | None, target: str) -> bool:
+    return _match_name(name, target) or (class_name is not None and target == class_name)
+
+
+_REGEX_CACHE: dict[str, re.Pattern] = {}
+
+
+def _regex(pattern: str) -> re.Pattern:
+    if pattern not in _REGEX_CACHE:
+        _REGEX_CACHE[pattern] = re.compile(pattern)
+    return _REGEX_CACHE[pattern]
+
+
+# ---- presets (the library's PRESET_SCHEMES, as data) -----------------------------------------------
+
+def _int_w(bits: int, **kw) -> dict:
+    return {"num_bits": bits, "type": "int", "strategy": "group", "group_size": 128, "symmetric": True, **kw}
+
+
+_INT_TOKEN = lambda bits: {"num_bits": bits, "type": "int", "strategy": "token", "dynamic": True}  # noqa: E731
+_FP8_TOKEN = {"num_bits": 8, "type": "float", "strategy": "token", "dynamic": True}
+_MX = lambda bits: {"num_bits": bits, "type": "float", "strategy": "group", "group_size": 32, "scale_dtype": "torch.uint8"}  # noqa: E731
+_NV = {"num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": 16, "scale_dtype": "torch.float8_e4m3fn"}
+
+PRESETS: dict[str, dict] = {
+    "UNQUANTIZED": {},
+    "W4A16_ASYM": {"weights": _int_w(4, symmetric=False)},
+    "W8A8": {"weights": {"num_bits": 8, "strategy": "channel"}, "input_activations": _INT_TOKEN(8)},
+    "INT8": {"weights": {"num_bits": 8, "strategy": "channel"}, "input_activations": _INT_TOKEN(8)},
+    "W4AFP8": {"weights": _int_w(4), "input_activations": _FP8_TOKEN},
+    "FP8": {"weights": {"num_bits": 8, "type": "float", "strategy": "tensor"},
+            "input_activations": {"num_bits": 8, "type": "float", "strategy": "tensor"}},
+    "FP8_DYNAMIC": {"weights": {"num_bits": 8, "type": "float", "strategy": "channel"},
+                    "input_activations": _FP8_TOKEN},
+    "FP8_BLOCK": {"weights": {"num_bits": 8, "type": "float", "strategy": "block", "block_structure": [128, 128]},
+                  "input_activations": {"num_bits": 8, "type": "float", "strategy": "group", "group_size": 128,
+                                        "dynamic": True}},
+    "NVFP4A16": {"weights": _NV},
+    "NVFP4": {"weights": _NV, "input_activations": {**_NV, "dynamic": "local"}},
+    "MXFP4A16": {"weights": _MX(4)},
+    "MXFP4": {"weights": _MX(4), "input_activations": {**_MX(4), "dynamic": True}},
+    "MXFP4XFP8": {"weights": _MX(4), "input_activations": {"num_bits": 8, "type": "float", "strategy": "group",
+                                                           "group_size": 128, "dynamic": True}},
+    "MXFP6A16": {"weights": _MX(6)},
+    "MXFP6A8": {"weights": _MX(6), "input_activations": {**_MX(8), "dynamic": True}},
+    "MXFP8A16": {"weights": _MX(8)},
+    "MXFP8": {"weights": _MX(8), "input_activations": {**_MX(8), "dynamic": True}},
+}
+for _w, _a in [(w, a) for w in range(2, 9) for a in (4, 8, 16) if w <= a]:
+    PRESETS[f"W{_w}A{_a}"] = {"weights": _int_w(_w), **({"input_activations": _INT_TOKEN(_a)} if _a < 16 else {})}
+
+
+def _strings(value: object, where: str) -> tuple[str, ...]:
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise InvalidInput(f"{where}: expected a list of strings")
+    for v in value:
+        if v.startswith("re:"):
+            try:
+                _regex(v[3:])
+            except re.error as e:
+                raise InvalidInput(f"{where}: invalid regex {v!r}: {e}") from None
+    return tuple(value)
+
+
+def parse_quantization_config(qc: object, where: str = "quantization_config") -> QuantConfig:
+    """Parses a compressed-tensors `quantization_config` object.
+
+    Args:
+        qc: the object from config.json.
+        where: prefix for error messages (e.g. "config.json: quantization_config").
+    Returns:
+        The QuantConfig. Raises InvalidInput with one line naming the bad field.
+    """
+    if not isinstance(qc, dict):
+        raise InvalidInput(f"{where}: expected an object")
+    fmt = qc.get("format", "dense")
+    if not isinstance(fmt, str):
+        raise InvalidInput(f"{where}.format: expected a string, found {fmt!r}")
+    groups_in = qc.get("config_groups")
+    if not isinstance(groups_in, dict):
+        raise InvalidInput(f"{where}.config_groups: expected an object mapping group names to schemes")
+    groups = []
+    for gname, g in groups_in.items():
+        gw = f"{where}.config_groups.{gname}"
+        if isinstance(g, list):  # shorthand: "W4A16": ["Linear"]
+            preset = PRESETS.get(gname.upper())
+            if preset is None:
+                raise InvalidInput(f"{gw}: {gname!r} is not a preset scheme name (known: {', '.join(PRESETS)})")
+            targets, body, gfmt = _strings(g, gw), preset, None
+        elif isinstance(g, dict):
+            unknown = set(g) - {"targets", "weights", "input_activations", "output_activations", "format"}
+            if unknown:
+                raise InvalidInput(f"{gw}: unknown key(s) {sorted(unknown)}")
+            targets, body, gfmt = _strings(g.get("targets"), f"{gw}.targets"), g, g.get("format")
+        else:
+            raise InvalidInput(f"{gw}: expected a scheme object or a list of targets")
+        if gfmt is None:
+            if fmt == "mixed-precision":
+                raise InvalidInput(f"{gw}: format is mixed-precision, so every group needs its own 'format'")
+            gfmt = fmt
+        if not isinstance(gfmt, str):
+            raise InvalidInput(f"{gw}.format: expected a string")
+        args = {
+            k: QuantArgs.parse(body[k], f"{gw}.{k}") if body.get(k) is not None else None
+            for k in ("weights", "input_activations", "output_activations")
+        }
+        groups.append(Scheme(name=str(gname), targets=targets, format=gfmt, **args))
+    ignore = _strings(qc.get("ignore") or [], f"{where}.ignore")
+    kv = qc.get("kv_cache_scheme")
+    version = qc.get("version")
+    status = qc.get("quantization_status")
+    return QuantConfig(
+        format=fmt,
+        version=str(version) if version is not None else None,
+        status=str(status) if status is not None else None,
+        groups=tuple(groups),
+        ignore=ignore,
+        kv_cache_scheme=QuantArgs.parse(kv, f"{where}.kv_cache_scheme") if kv is not None else None,
+        sparsity=bool(qc.get("sparsity_config")),
+        transform=bool(qc.get("transform_config")),
+    )
+
+
+# ---- tensors on disk per format (FORMATS.md, "Tensors") ---------------------------------------------
+
+def _ceil(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def stored_weight_name(scheme: Scheme | None) -> str:
+    """Name of the tensor that holds a module's (packed) weight values under `scheme`."""
+    if scheme is None or scheme.weights is None or scheme.format in ("dense", "float-quantized", "naive-quantized",
+                                                                     "int-quantized", "mxfp8-quantized"):
+        return "weight"
+    return "weight_packed"
+
+
+def weight_qtype(scheme: Scheme | None) -> str:
+    """Short name of how the weight values are stored: bf16-like 'dense', 'int4', 'int8', 'fp8', 'mxfp4', ..."""
+    if scheme is None or scheme.weights is None or scheme.format == "dense":
+        return "dense"
+    w = scheme.weights
+    if scheme.format == "mxfp4-pack-quantized":
+        return "mxfp4"
+    if scheme.format == "nvfp4-pack-quantized":
+        return "nvfp4"
+    if scheme.format.startswith("mxfp"):
+        return scheme.format.split("-")[0]
+    return f"{'int' if w.type == 'int' else 'fp'}{w.num_bits}"
+
+
+def expected_scale_shape(args: QuantArgs, lead: tuple[int, ...], out: int, inp: int) -> tuple[int, ...] | None:
+    """Shape of `weight_scale` for a weight [*lead, out, inp] quantized with `args` (None: not checked)."""
+    if args.strategy == "tensor":
+        return None  # [1] or [] both occur; checked separately
+    if args.strategy == "channel":
+        return (*lead, out, 1)
+    if args.strategy in ("group", "tensor_group"):
+        return (*lead, out, _ceil(inp, args.group_size))
+    if args.strategy == "block":
+        r, c = args.block_structure
+        return (*lead, _ceil(out, r), _ceil(inp, c))
+    return None
+
+
+def check_module_tensors(module: str, scheme: Scheme | None, params: dict) -> tuple[tuple[int, ...] | None, list[str]]:
+    """Checks that a module's tensors are what `scheme` says they must be (names, dtypes, shapes).
+
+    Args:
+        module: module name, for messages.
+        scheme: the scheme that targets it, or None when unquantized.
+        params: parameter name (e.g. "weight_packed") -> TensorInfo.
+    Returns:
+        (logical weight shape [..., out, in] or None if unknown, list of one-line error messages).
+    """
+    errors: list[str] = []
+
+    def need(param: str, dtypes: set[str] | None = None, shape: tuple | None = None):
+        info = params.get(param)
+        if info is None:
+            errors.append(f"{module}: missing tensor {module}.{param} required by format {fmt}")
+            return None
+        if dtypes is not None and info.dtype not in dtypes:
+            errors.append(f"{module}.{param}: dtype {info.dtype}, expected {' or '.join(sorted(dtypes))}")
+        if shape is not None and info.shape != tuple(shape):
+            errors.append(f"{module}.{param}: shape {list(info.shape)}, expected {list(shape)}")
+        return info
+
+    floats = {"F16", "BF16", "F32"}
+    fmt = scheme.format if scheme is not None else "dense"
+    w = scheme.weights if scheme is not None else None
+    if w is None or fmt == "dense":
+        info = params.get("weight")
+        if info is None:
+            if any(p.startswith("weight_") for p in params):
+                errors.append(f"{module}: holds quantized tensors ({', '.join(sorted(params))}) but no config "
+                              "group of quantization_config targets it")
+            return None, errors
+        return info.shape, errors
+
+    if fmt == "pack-quantized" and w.type == "int":
+        packed = need("weight_packed", {"I32"})
+        if packed is None or len(packed.shape) < 2:
+            if packed is not None:
+                errors.append(f"{module}.weight_packed: expected at least 2 dimensions, found {list(packed.shape)}")
+            return None, errors
+        *lead, out, cols = packed.shape
+        lead = tuple(lead)
+        per_word = 32 / w.num_bits
+        inp = int(cols * per_word)  # exact whenever in_features fills whole words; --deep reads weight_shape
+        need("weight_shape", {"I64", "I32"}, (len(packed.shape),))
+        scale = need("weight_scale", floats)
+        if scale is not None:
+            if w.strategy == "group":
+                lo = int((cols - 1) * per_word) + 1
+                n_groups = scale.shape[-1] if scale.shape else -1
+                if scale.shape[:-1] != (*lead, out) or not _ceil(lo, w.group_size) <= n_groups <= _ceil(inp, w.group_size):
+                    errors.append(f"{module}.weight_scale: shape {list(scale.shape)}, expected "
+                                  f"{list(expected_scale_shape(w, lead, out, inp))} for group size {w.group_size}")
+            elif w.strategy == "tensor":
+                if scale.shape not in ((), (1,)):
+                    errors.append(f"{module}.weight_scale: shape {list(scale.shape)}, expected [1] (per tensor)")
+            else:
+                exp = expected_scale_shape(w, lead, out, inp)
+                if exp is not None and scale.shape != exp:
+                    errors.append(f"{module}.weight_scale: shape {list(scale.shape)}, expected {list(exp)} "
+                                  f"({w.strategy} strategy)")
+        if not w.symmetric and w.strategy in ("group", "channel"):
+            need("weight_zero_point", {"I32"})
+        if w.actorder == "group":
+            need("weight_g_idx", {"I32", "I64"})
+        return (*lead, out, inp), errors
+
+    if fmt == "float-quantized" or (fmt == "naive-quantized" and w.type == "float"):
+        weight = need("weight", {"F8_E4M3"} if w.num_bits == 8 and w.type == "float" else None)
+        if weight is None or len(weight.shape) < 2:
+            return (weight.shape if weight is not None else None), errors
+        *lead, out, inp = weight.shape
+        scale = need("weight_scale", floats)
+        exp = expected_scale_shape(w, tuple(lead), out, inp)
+        if scale is not None:
+            if w.strategy == "tensor" and scale.shape not in ((), (1,)):
+                errors.append(f"{module}.weight_scale: shape {list(scale.shape)}, expected [1] (per tensor)")
+            elif exp is not None and scale.shape != exp:
+                errors.append(f"{module}.weight_scale: shape {list(scale.shape)}, expected {list(exp)} "
+                              f"({w.strategy} strategy)")
+        a = scheme.input_activations
+        if a is not None and not a.dynamic:
+            need("input_scale", floats)
+        return weight.shape, errors
+
+    if fmt in ("mxfp4-pack-quantized", "nvfp4-pack-quantized"):
+        packed = need("weight_packed", {"U8"})
+        if packed is None or len(packed.shape) < 2:
+            return None, errors
+        *lead, out, half = packed.shape
+        inp = 2 * half
+        group = 32 if fmt.startswith("mx") else 16
+        need("weight_scale", {"U8", "F8_E8M0"} if fmt.startswith("mx") else {"F8_E4M3"},
+             (*lead, out, _ceil(inp, group)))
+        if fmt.startswith("nv"):
+            need("weight_global_scale", {"F32"})
+        return (*lead, out, inp), errors
+
+    # Other formats are reported unsupported; only the presence of a weight tensor is checked.
+    info = params.get(stored_weight_name(scheme)) or params.get("weight") or params.get("weight_packed")
+    if info is None:
+        errors.append(f"{module}: no weight tensor found for format {fmt}")
+    return None, errors

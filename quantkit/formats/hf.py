@@ -1,0 +1,191 @@
+"""Hugging Face checkpoint layout: config.json, sharded safetensors and their index.
+
+`Checkpoint.open(path)` accepts a directory (config.json + *.safetensors, optionally
+model.safetensors.index.json) or a single .safetensors file (a config.json beside it is used).
+Only headers are read; `Checkpoint.read(name)` maps tensor data on demand.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from quantkit.errors import InvalidInput
+from quantkit.formats.safetensors_io import SafetensorsFile, TensorInfo
+
+INDEX_NAME = "model.safetensors.index.json"
+
+
+def read_json(path: Path) -> dict:
+    """Reads a JSON object from `path`; any problem is one InvalidInput line naming the file."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as e:
+        raise InvalidInput(f"{path}: cannot read: {e.strerror or e}") from None
+    except UnicodeDecodeError:
+        raise InvalidInput(f"{path}: not UTF-8 text") from None
+    try:
+        value = json.loads(text)
+    except (ValueError, RecursionError) as e:
+        raise InvalidInput(f"{path}: not valid JSON: {str(e)[:200]}") from None
+    if not isinstance(value, dict):
+        raise InvalidInput(f"{path}: expected a JSON object, found {type(value).__name__}")
+    return value
+
+
+def _shard_path(root: Path, name: object, index: Path) -> Path:
+    """Resolves a shard file named by the index, refusing anything that leaves `root`."""
+    if not isinstance(name, str) or not name or "\x00" in name:
+        raise InvalidInput(f"{index}: weight_map names an invalid shard file {name!r}")
+    candidate = Path(name)
+    resolved = (root / candidate).resolve()
+    if candidate.is_absolute() or not resolved.is_relative_to(root.resolve()):
+        raise InvalidInput(
+            f"{index}: shard {name!r} points outside the checkpoint directory {root}; refusing to read it"
+        )
+    if not resolved.is_file():
+        raise InvalidInput(f"{index}: shard {name!r} named in weight_map does not exist in {root}")
+    return resolved
+
+
+@dataclass
+class Checkpoint:
+    """Headers of every shard of one checkpoint, plus its config.json (or None).
+
+    Attributes:
+        root: the checkpoint directory (the file's directory for a single file).
+        config: parsed config.json, or None when there is none.
+        files: the shards, in order.
+        tensors: tensor name -> TensorInfo across all shards.
+    """
+
+    root: Path
+    config: dict | None
+    files: list[SafetensorsFile]
+    tensors: dict[str, TensorInfo] = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)
+
+    @classmethod
+    def open(cls, path: str | Path) -> "Checkpoint":
+        path = Path(path)
+        if path.is_file():
+            if path.suffix != ".safetensors":
+                raise InvalidInput(f"{path}: expected a checkpoint directory or a .safetensors file")
+            root, shard_paths, index = path.parent, [path], None
+        elif path.is_dir():
+            root = path
+            index = path / INDEX_NAME
+            if index.is_file():
+                weight_map = read_json(index).get("weight_map")
+                if not isinstance(weight_map, dict) or not weight_map:
+                    raise InvalidInput(f"{index}: missing or empty 'weight_map' object")
+                shard_paths = list(
+                    dict.fromkeys(_shard_path(root, f, index) for f in weight_map.values())
+                )
+            else:
+                index = None
+                shard_paths = sorted(path.glob("*.safetensors"))
+                if not shard_paths:
+                    raise InvalidInput(
+                        f"{path}: no .safetensors files (and no {INDEX_NAME}); is this a checkpoint directory?"
+                    )
+        else:
+            raise InvalidInput(f"{path}: no such file or directory")
+
+        config_path = root / "config.json"
+        config = read_json(config_path) if config_path.is_file() else None
+        ckpt = cls(root=root, config=config, files=[SafetensorsFile(p) for p in shard_paths])
+        for f in ckpt.files:
+            for name, info in f.tensors.items():
+                if name in ckpt.tensors:
+                    raise InvalidInput(
+                        f"{f.path}: tensor {name!r} also appears in {ckpt.tensors[name].file.name}"
+                    )
+                ckpt.tensors[name] = info
+        if index is not None:
+            for name, shard in weight_map.items():
+                info = ckpt.tensors.get(name)
+                if info is None or info.file != _shard_path(root, shard, index):
+                    raise InvalidInput(
+                        f"{index}: weight_map puts tensor {name!r} in {shard}, but that shard does not hold it"
+                    )
+            unlisted = len(ckpt.tensors) - len(weight_map)
+            if unlisted:
+                ckpt.warnings.append(
+                    f"{index}: {unlisted} tensor(s) present in shards are missing from weight_map"
+                )
+        return ckpt
+
+    @property
+    def bytes_on_disk(self) -> int:
+        return sum(f.size for f in self.files)
+
+    @property
+    def architecture(self) -> str | None:
+        cfg = self.config or {}
+        archs = cfg.get("architectures")
+        if isinstance(archs, list) and archs and isinstance(archs[0], str):
+            return archs[0]
+        model_type = cfg.get("model_type")
+        return model_type if isinstance(model_type, str) else None
+
+    def read(self, name: str) -> np.ndarray:
+        """Maps tensor `name` (see SafetensorsFile.read)."""
+        info = self.tensors[name]
+        for f in self.files:
+            if f.path == info.file:
+                return f.read(name)
+        raise KeyError(name)  # unreachable: every TensorInfo comes from one of self.files
+
+
+# ---- modules and what kind of layer each is -------------------------------------------------------
+
+# Parameter names that belong to a module (compressed-tensors adds the quantization ones).
+MODULE_PARAMS = frozenset({
+    "weight", "bias", "weight_packed", "weight_scale", "weight_zero_point", "weight_shape", "weight_g_idx",
+    "weight_global_scale", "input_scale", "input_zero_point", "input_global_scale", "output_scale",
+    "output_zero_point", "k_scale", "v_scale", "q_scale",
+})
+EMBEDDING_NAMES = frozenset({"embed_tokens", "wte", "word_embeddings", "tok_embeddings", "embed_positions", "wpe",
+                             "embeddings", "embedding"})
+
+
+def group_modules(names) -> dict[str, dict[str, str]]:
+    """Groups tensor names by module: {module: {param: tensor name}}.
+
+    A tensor whose last component is not a known parameter (e.g. a fused expert tensor
+    `mlp.experts.gate_up_proj`) is a module of its own, with the tensor as its "weight".
+    """
+    modules: dict[str, dict[str, str]] = {}
+    for name in names:
+        module, _, param = name.rpartition(".")
+        if param not in MODULE_PARAMS or not module:
+            module, param = name, "weight"
+        modules.setdefault(module, {})[param] = name
+    return modules
+
+
+def classify_module(name: str, params: dict) -> tuple[str, str | None]:
+    """(kind, class name) of a module from its name and tensor shapes.
+
+    kind is "linear" | "moe_experts" | "embedding" | "norm" | "other" (CLI.md); the class name
+    ("Linear", "Embedding" or None) is what compressed-tensors class targets match.
+    """
+    main = params.get("weight_packed") or params.get("weight")
+    if main is None:
+        return "other", None
+    last = name.rsplit(".", 1)[-1]
+    rank = len(main.shape)
+    if last in EMBEDDING_NAMES:
+        return "embedding", "Embedding"
+    if rank <= 1 or "norm" in last or last.startswith("ln_"):
+        return "norm", None
+    expert = ".experts." in f"{name}." and ".shared_expert" not in name
+    if rank == 2 or (rank == 3 and "weight_packed" in params):
+        return ("moe_experts" if expert else "linear"), "Linear"
+    if rank == 3 and expert:
+        return "moe_experts", None
+    return "other", None

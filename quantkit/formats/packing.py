@@ -1,0 +1,70 @@
+"""Bit layouts of compressed-tensors (FORMATS.md, "Bit layouts"), in vectorised numpy.
+
+- pack-quantized: element i of a row occupies bits [i*b, i*b+b) of a little-endian stream of int32
+  words; the stored value is q + 2**(b-1).
+- fp4 (mxfp4/nvfp4): byte k holds code(2k) in its low nibble and code(2k+1) in its high nibble;
+  code = sign << 3 | index into FP4_MAGNITUDES.
+- E8M0 scale byte e means 2**(e - 127); 255 is NaN.
+"""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+
+FP4_MAGNITUDES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], np.float32)
+FP4_VALUES = np.concatenate([FP4_MAGNITUDES, -FP4_MAGNITUDES])  # index = code
+
+
+def unpack_int(packed: np.ndarray, num_bits: int, in_features: int) -> np.ndarray:
+    """Unpacks pack-quantized int32 words to signed integers.
+
+    Args:
+        packed: int32 [..., ceil(in_features * num_bits / 32)].
+        num_bits: 1..8.
+        in_features: logical row length.
+    Returns:
+        int8 [..., in_features] with values in [-2**(b-1), 2**(b-1)).
+    """
+    words = np.ascontiguousarray(packed).astype("<i4", copy=False)
+    raw = words.view(np.uint8).reshape(*packed.shape[:-1], -1)  # [..., 4 * words], little-endian
+    if num_bits == 4:
+        out = np.stack([raw & 0xF, raw >> 4], axis=-1).reshape(*raw.shape[:-1], -1)
+    elif num_bits == 8:
+        out = raw
+    else:
+        bits = np.unpackbits(raw, axis=-1, bitorder="little")[..., : in_features * num_bits]
+        bits = bits.reshape(*raw.shape[:-1], in_features, num_bits)
+        out = (bits.astype(np.int16) << np.arange(num_bits, dtype=np.int16)).sum(-1)
+    out = out[..., :in_features].astype(np.int16) - (1 << (num_bits - 1))
+    return out.astype(np.int8)
+
+
+def unpack_fp4(packed: np.ndarray) -> np.ndarray:
+    """fp4 e2m1 bytes [..., n/2] -> float32 values [..., n]."""
+    codes = np.stack([packed & 0xF, packed >> 4], axis=-1).reshape(*packed.shape[:-1], -1)
+    return FP4_VALUES[codes]
+
+
+def e8m0_to_float(scale: np.ndarray) -> np.ndarray:
+    """E8M0 scale bytes (uint8 or float8_e8m0fnu) -> float32 2**(e-127); byte 255 -> NaN."""
+    e = scale.view(np.uint8) if scale.dtype != np.uint8 else scale
+    out = np.ldexp(np.float32(1.0), e.astype(np.int32) - 127).astype(np.float32)
+    return np.where(e == 255, np.float32(np.nan), out)
+
+
+def expand_groups(scale: np.ndarray, group: int, in_features: int) -> np.ndarray:
+    """Repeats per-group scales [..., G] along the last axis to [..., in_features]."""
+    return np.repeat(scale, group, axis=-1)[..., :in_features]
+
+
+def expand_blocks(scale: np.ndarray, block: tuple[int, int], shape: tuple[int, ...]) -> np.ndarray:
+    """Repeats block scales [..., R, C] to the weight's [..., out, in]."""
+    out, inp = shape[-2:]
+    s = np.repeat(scale, block[0], axis=-2)[..., :out, :]
+    return np.repeat(s, block[1], axis=-1)[..., :inp]
+
+
+def to_dtype(x: np.ndarray, name: str) -> np.ndarray:
+    """Casts float32 to a safetensors float dtype name (F32, F16, BF16)."""
+    return x.astype({"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16}[name])
