@@ -90,7 +90,7 @@ def _print_report(r: dict) -> None:
     cap = f" of {_human_size(r['hbm_capacity'])}" if r["hbm_capacity"] else ""
     out.print(f"{r['num_tensors']} tensors in {r['num_files']} file(s), {_human_size(r['bytes_on_disk'])} on disk; "
               f"weights need {_human_size(r['hbm_bytes_weights'])}{cap} on {r['target']}; "
-              f"{bpw} bits per quantized weight", highlight=False)
+              f"{bpw} bits per {'quantized' if r['format'] else 'linear'} weight", highlight=False)
     verdict = {0: "[green]servable[/]", 1: "[red]invalid[/]", 3: "[yellow]not servable[/]"}[r["exit_code"]]
     out.print(f"verdict: {verdict}")
 

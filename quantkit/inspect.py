@@ -158,7 +158,9 @@ def inspect_checkpoint(path: str | Path, target: str = "v6e", deep: bool = False
         params = {p: ckpt.tensors[n] for p, n in pnames.items()}
         kind, cls = classify_module(module, params)
         scheme = qc.scheme_for(module, cls) if qc is not None and cls is not None else None
-        shape, errors = check_module_tensors(module, scheme, params)
+        quantized_foreign = foreign and any(p not in ("weight", "bias") for p in params)
+        # A foreign method's tensors are not ours to judge: it is reported unsupported, not invalid.
+        shape, errors = (None, []) if quantized_foreign else check_module_tensors(module, scheme, params)
         layer_probs = [_problem("error", module, e) for e in errors]
         if deep and not errors:
             shape, deep_probs = _deep_check(ckpt, module, scheme, params, shape)
@@ -167,7 +169,7 @@ def inspect_checkpoint(path: str | Path, target: str = "v6e", deep: bool = False
         if progress is not None:
             progress(done, total)
         qtype = weight_qtype(scheme)
-        if foreign and any(p != "weight" and p != "bias" for p in params):
+        if quantized_foreign:
             verdict_path, reason = None, "quantized by a method quantkit does not read"
         elif "weight" not in params and "weight_packed" not in params:
             verdict_path, reason = None, ""  # e.g. a module holding only k_scale/v_scale

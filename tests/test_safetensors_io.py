@@ -199,3 +199,23 @@ def test_mutated_headers_parse_or_raise_quantkit_error(tmp_path_factory, data):
             f.read(name)
     except QuantkitError as e:  # anything else propagates and fails the test
         assert "\n" not in str(e) and str(path) in str(e)
+
+
+def test_writer_output_loads_in_the_safetensors_library(tmp_path):
+    from safetensors.torch import load_file
+
+    from quantkit.formats.safetensors_io import write_safetensors
+
+    rng = np.random.default_rng(0)
+    arrays = {
+        "bf16": rng.standard_normal((3, 4)).astype(ml_dtypes.bfloat16),
+        "fp8": rng.standard_normal((5,)).astype(ml_dtypes.float8_e4m3fn),
+        "i32": rng.integers(-2**31, 2**31 - 1, (2, 3), dtype=np.int32),
+        "u8": rng.integers(0, 255, (7,), dtype=np.uint8),
+        "f32": rng.standard_normal((1,)).astype(np.float32),
+    }
+    write_safetensors(tmp_path / "m.safetensors", arrays, {"format": "pt"})
+    loaded = load_file(tmp_path / "m.safetensors")
+    assert loaded["bf16"].dtype == torch.bfloat16 and loaded["fp8"].dtype == torch.float8_e4m3fn
+    for name, arr in arrays.items():
+        assert loaded[name].contiguous().view(torch.uint8).numpy().tobytes() == arr.tobytes(), name

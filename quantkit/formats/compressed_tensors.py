@@ -221,7 +221,7 @@ PRESETS: dict[str, dict] = {
     "MXFP8": {"weights": _MX(8), "input_activations": {**_MX(8), "dynamic": True}},
 }
 for _w, _a in [(w, a) for w in range(2, 9) for a in (4, 8, 16) if w <= a]:
-    PRESETS[f"W{_w}A{_a}"] = {"weights": _int_w(_w), **({"input_activations": _INT_TOKEN(_a)} if _a < 16 else {})}
+    PRESETS.setdefault(f"W{_w}A{_a}", {"weights": _int_w(_w), **({"input_activations": _INT_TOKEN(_a)} if _a < 16 else {})})
 
 
 def _strings(value: object, where: str) -> tuple[str, ...]:
@@ -441,3 +441,42 @@ def check_module_tensors(module: str, scheme: Scheme | None, params: dict) -> tu
     if info is None:
         errors.append(f"{module}: no weight tensor found for format {fmt}")
     return None, errors
+
+
+def dequantize(scheme: Scheme, arrays: dict, shape: tuple[int, ...]) -> "np.ndarray":
+    """Dequantizes one module's stored weight to float32, as the library does (q * scale per group).
+
+    The product of a 4/8-bit value and a bf16/f16/f32 scale is exact in float32, so casting the result
+    to the scale's dtype rounds once, exactly like the library's multiply in that dtype.
+
+    Args:
+        scheme: the module's scheme (a served weight type: int pack-quantized, fp8, mxfp4).
+        arrays: parameter name -> numpy array (weight_packed / weight, weight_scale).
+        shape: logical weight shape [..., out, in].
+    Returns:
+        float32 [..., out, in].
+    """
+    import numpy as np
+
+    from quantkit.formats import packing
+
+    w, fmt = scheme.weights, scheme.format
+    inp = shape[-1]
+    if fmt == "mxfp4-pack-quantized":
+        values = packing.unpack_fp4(np.asarray(arrays["weight_packed"]))
+        scale = packing.e8m0_to_float(np.asarray(arrays["weight_scale"]))
+        return values * packing.expand_groups(scale, 32, inp)
+    if fmt == "pack-quantized":
+        q = packing.unpack_int(np.asarray(arrays["weight_packed"]), w.num_bits, inp).astype(np.float32)
+        if not w.symmetric:
+            raise ValueError("asymmetric weights are not dequantized by quantkit")
+    else:  # float-quantized
+        q = np.asarray(arrays["weight"]).astype(np.float32)
+    scale = np.asarray(arrays["weight_scale"]).astype(np.float32)
+    if w.strategy == "tensor":
+        return q * scale.reshape(())
+    if w.strategy == "block":
+        return q * packing.expand_blocks(scale, w.block_structure, shape)
+    if w.strategy == "group":
+        return q * packing.expand_groups(scale, w.group_size, inp)
+    return q * scale  # channel: [..., out, 1]

@@ -175,7 +175,10 @@ def classify_module(name: str, params: dict) -> tuple[str, str | None]:
     ("Linear", "Embedding" or None) is what compressed-tensors class targets match.
     """
     main = params.get("weight_packed") or params.get("weight")
-    if main is None:
+    expert = ".experts." in f"{name}." and ".shared_expert" not in name
+    if main is None:  # a quantized linear whose weight tensor is missing still reads as one
+        if "weight_scale" in params or "weight_shape" in params:
+            return ("moe_experts" if expert else "linear"), "Linear"
         return "other", None
     last = name.rsplit(".", 1)[-1]
     rank = len(main.shape)
@@ -183,7 +186,6 @@ def classify_module(name: str, params: dict) -> tuple[str, str | None]:
         return "embedding", "Embedding"
     if rank <= 1 or "norm" in last or last.startswith("ln_"):
         return "norm", None
-    expert = ".experts." in f"{name}." and ".shared_expert" not in name
     if rank == 2 or (rank == 3 and "weight_packed" in params):
         return ("moe_experts" if expert else "linear"), "Linear"
     if rank == 3 and expert:

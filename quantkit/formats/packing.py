@@ -49,7 +49,7 @@ def unpack_fp4(packed: np.ndarray) -> np.ndarray:
 def e8m0_to_float(scale: np.ndarray) -> np.ndarray:
     """E8M0 scale bytes (uint8 or float8_e8m0fnu) -> float32 2**(e-127); byte 255 -> NaN."""
     e = scale.view(np.uint8) if scale.dtype != np.uint8 else scale
-    out = np.ldexp(np.float32(1.0), e.astype(np.int32) - 127).astype(np.float32)
+    out = np.ldexp(np.float32(1.0), np.minimum(e, 254).astype(np.int32) - 127).astype(np.float32)
     return np.where(e == 255, np.float32(np.nan), out)
 
 

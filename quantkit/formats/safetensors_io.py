@@ -235,3 +235,30 @@ class SafetensorsFile:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+_NAME_OF = {v[1]: k for k, v in DTYPES.items() if v[0] % 8 == 0 and k not in ("U8",)} | {np.dtype(np.uint8): "U8"}
+
+
+def dtype_name(dtype: np.dtype) -> str:
+    """safetensors dtype name of a numpy dtype (uint8 for packed sub-byte data)."""
+    try:
+        return _NAME_OF[np.dtype(dtype)]
+    except KeyError:
+        raise InvalidInput(f"dtype {dtype} has no safetensors name") from None
+
+
+def write_safetensors(path: str | os.PathLike, tensors: dict[str, np.ndarray],
+                      metadata: dict[str, str] | None = None) -> None:
+    """Writes `tensors` to one .safetensors file (header padded to 8 bytes, data in insertion order)."""
+    header: dict = {"__metadata__": metadata} if metadata else {}
+    pos = 0
+    for name, arr in tensors.items():
+        header[name] = {"dtype": dtype_name(arr.dtype), "shape": list(arr.shape), "data_offsets": [pos, pos + arr.nbytes]}
+        pos += arr.nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw)
+        for arr in tensors.values():
+            f.write(np.ascontiguousarray(arr).tobytes())

@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# Creates .venv if needed, installs quantkit with its test oracles, runs the whole test suite.
+# torch==2.13.0 is installed first so that pip takes the local CPU build, not a multi-GB CUDA one.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+[ -x .venv/bin/python ] || python3 -m venv .venv
+.venv/bin/pip install -q --disable-pip-version-check torch==2.13.0
+.venv/bin/pip install -q --disable-pip-version-check -e '.[dev]'
+exec .venv/bin/python -m pytest -q "$@"

@@ -1,0 +1,270 @@
+"""`inspect` on checkpoints made by the compressed-tensors library, and on broken ones.
+
+Classification and exit codes per scheme; bit-exact dequantization against the library's own
+decompressor; structural and --deep errors on checkpoints mutated after the library wrote them.
+"""
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from ct_oracle import EXPECTED_FORMAT, SCHEMES, library_decompress_torch, make_checkpoint
+from quantkit.formats.compressed_tensors import dequantize, parse_quantization_config
+from quantkit.formats.hf import Checkpoint, classify_module, group_modules
+from quantkit.inspect import inspect_checkpoint
+
+SERVABLE = ["W4A16", "W4A16_G32", "W4A16_CHANNEL", "FP8", "FP8_DYNAMIC", "FP8_BLOCK", "MXFP4A16", "MIXED"]
+UNSUPPORTED = {"W4A16_ASYM": "asymmetric int4", "W8A16": "int8 weights", "NVFP4A16": "NVFP4"}
+QUANTKIT = [sys.executable, "-m", "quantkit.cli"]
+
+
+@pytest.fixture(scope="session")
+def ckpts(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ckpts")
+    return {s: make_checkpoint(root / s, s) for s in SCHEMES}
+
+
+def _copy(src: Path, tmp_path: Path) -> Path:
+    dst = tmp_path / src.name
+    shutil.copytree(src, dst)
+    return dst
+
+
+def _edit_config(path: Path, fn) -> None:
+    cfg = json.loads((path / "config.json").read_text())
+    fn(cfg["quantization_config"])
+    (path / "config.json").write_text(json.dumps(cfg))
+
+
+def _edit_tensors(path: Path, fn) -> None:
+    f = path / "model.safetensors"
+    tensors = load_file(f)
+    fn(tensors)
+    save_file(tensors, f, metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize("scheme", SERVABLE)
+def test_servable_schemes(ckpts, scheme):
+    r = inspect_checkpoint(ckpts[scheme], "v6e")
+    assert r["exit_code"] == 0 and r["servable"], r["problems"]
+    assert r["format"] == EXPECTED_FORMAT[scheme] and r["architecture"] == "LlamaForCausalLM"
+    quantized = [layer for layer in r["layers"] if layer["scheme"] is not None]
+    assert len(quantized) == 14  # 2 layers x (q, k, v, o, gate, up, down); lm_head ignored
+    assert {layer["path"] for layer in quantized} == {"gmm_v2"}
+    lm_head = next(layer for layer in r["layers"] if layer["name"] == "lm_head")
+    assert lm_head["path"] == "dense" and lm_head["scheme"] is None
+    assert {layer["kind"] for layer in r["layers"]} == {"linear", "embedding", "norm"}
+    cpu = inspect_checkpoint(ckpts[scheme], "cpu")
+    assert {layer["path"] for layer in cpu["layers"] if layer["scheme"]} == {"xla"}
+
+
+@pytest.mark.parametrize("scheme", sorted(UNSUPPORTED))
+def test_unsupported_schemes_name_each_layer_and_reason(ckpts, scheme):
+    r = inspect_checkpoint(ckpts[scheme], "v6e")
+    assert r["exit_code"] == 3 and not r["servable"]
+    bad = [layer for layer in r["layers"] if not layer["servable"]]
+    assert len(bad) == 14 and all(UNSUPPORTED[scheme] in layer["reason"] for layer in bad)
+    assert all(layer["path"] is None for layer in bad)
+    assert sum(p["severity"] == "unsupported" for p in r["problems"]) == 14
+
+
+def test_scheme_fields_in_json(ckpts):
+    layers = {la["name"]: la for la in inspect_checkpoint(ckpts["MIXED"])["layers"]}
+    assert layers["model.layers.0.mlp.down_proj"]["scheme"] == {
+        "type": "int", "num_bits": 4, "strategy": "group", "group_size": 128, "symmetric": True,
+        "dynamic": False, "actorder": None}
+    assert layers["model.layers.0.mlp.down_proj"]["format"] == "pack-quantized"
+    assert layers["model.layers.0.self_attn.q_proj"]["scheme"]["type"] == "float"
+    assert layers["model.layers.0.self_attn.q_proj"]["format"] == "float-quantized"
+    assert layers["model.layers.0.mlp.down_proj"]["shape"] == [256, 512]
+
+
+@pytest.mark.parametrize("scheme", SERVABLE + ["W8A16"])
+def test_dequantize_equals_library_bit_for_bit(ckpts, scheme):
+    path = ckpts[scheme]
+    lib = library_decompress_torch(path)
+    ck = Checkpoint.open(path)
+    qc = parse_quantization_config(ck.config["quantization_config"])
+    n = 0
+    for module, pnames in group_modules(ck.tensors).items():
+        params = {p: ck.tensors[t] for p, t in pnames.items()}
+        kind, cls = classify_module(module, params)
+        scheme_ = qc.scheme_for(module, cls)
+        if scheme_ is None:
+            continue
+        shape = tuple(int(x) for x in ck.read(pnames["weight_shape"])) if "weight_shape" in pnames else \
+            lib[module + ".weight"].shape
+        ours = dequantize(scheme_, {p: ck.read(t) for p, t in pnames.items()}, tuple(shape))
+        theirs = lib[module + ".weight"]
+        ours_t = torch.from_numpy(np.ascontiguousarray(ours)).to(theirs.dtype)
+        assert ours_t.shape == theirs.shape
+        assert torch.equal(ours_t.view(torch.int16), theirs.view(torch.int16)), module
+        n += 1
+    assert n == 14
+
+
+def test_hbm_bytes_of_one_int4_layer(ckpts):
+    """down_proj [out=256, in=512] int4 g128, bf16 scales, runtime layout [in, out] and [groups, out]."""
+    for target, expect in [("cpu", 512 * 256 // 2 + 4 * 256 * 2),
+                           # TPU tiles: int4 rows pad to 64 (512 ok); the 4 scale rows pad to 16 for bf16.
+                           ("v6e", 512 * 256 // 2 + 16 * 256 * 2)]:
+        layers = {la["name"]: la for la in inspect_checkpoint(ckpts["W4A16"], target)["layers"]}
+        assert layers["model.layers.0.mlp.down_proj"]["hbm_bytes"] == expect
+    r = inspect_checkpoint(ckpts["W4A16"], "cpu")
+    assert r["bits_per_weight"] == pytest.approx(4 + 16 / 128, abs=0.02)
+    assert r["bytes_on_disk"] == (ckpts["W4A16"] / "model.safetensors").stat().st_size
+
+
+def test_actorder_group_with_g_idx_is_unsupported(ckpts, tmp_path):
+    path = _copy(ckpts["W4A16"], tmp_path)
+    _edit_config(path, lambda qc: qc["config_groups"]["group_0"]["weights"].update(actorder="group"))
+
+    def add_g_idx(t):
+        for name in [n for n in t if n.endswith(".weight_shape")]:
+            t[name.replace("weight_shape", "weight_g_idx")] = torch.arange(int(t[name][1]), dtype=torch.int32) // 128
+    _edit_tensors(path, add_g_idx)
+    r = inspect_checkpoint(path, deep=True)
+    assert r["exit_code"] == 3 and all("actorder=group" in p["message"] for p in r["problems"]
+                                       if p["severity"] == "unsupported")
+
+
+@pytest.mark.parametrize("edit,expect", [
+    (lambda qc: qc["config_groups"]["group_0"].update(
+        input_activations={"num_bits": 8, "type": "int", "strategy": "token", "dynamic": True}), "activation"),
+    (lambda qc: qc.update(sparsity_config={"format": "sparse-24-bitmask"}), "sparse"),
+    (lambda qc: (qc.update(format="sparse-bitmask"), qc["config_groups"]["group_0"].update(format="sparse-bitmask")),
+     "sparse format"),
+    (lambda qc: qc.update(transform_config={"config_groups": {"u": {"type": "hadamard"}}}), "transform"),
+    (lambda qc: qc.update(quant_method="gptq"), "not compressed-tensors"),
+])
+def test_config_level_unsupported(ckpts, tmp_path, edit, expect):
+    path = _copy(ckpts["W4A16"], tmp_path)
+    _edit_config(path, edit)
+    r = inspect_checkpoint(path)
+    assert r["exit_code"] == 3
+    assert any(expect in p["message"] for p in r["problems"] if p["severity"] == "unsupported")
+
+
+@pytest.mark.parametrize("scheme,edit,expect", [
+    ("W4A16", lambda t: t.update({"model.layers.0.mlp.down_proj.weight_scale": torch.ones(256, 3, dtype=torch.bfloat16)}),
+     "model.layers.0.mlp.down_proj.weight_scale: shape [256, 3], expected [256, 4]"),
+    ("W4A16", lambda t: t.pop("model.layers.1.self_attn.k_proj.weight_packed"),
+     "missing tensor model.layers.1.self_attn.k_proj.weight_packed"),
+    ("W4A16", lambda t: t.update({"model.layers.0.mlp.up_proj.weight_packed":
+                                  t["model.layers.0.mlp.up_proj.weight_packed"].to(torch.int64)}),
+     "weight_packed: dtype I64, expected I32"),
+    ("FP8_DYNAMIC", lambda t: t.update({"model.layers.0.mlp.up_proj.weight_scale": torch.ones(1, dtype=torch.bfloat16)}),
+     "expected [512, 1]"),
+    ("FP8_BLOCK", lambda t: t.update({"model.layers.0.mlp.up_proj.weight_scale": torch.ones(4, 4, dtype=torch.bfloat16)}),
+     "expected [4, 2]"),
+    ("MXFP4A16", lambda t: t.update({"model.layers.0.mlp.up_proj.weight_scale": torch.ones(512, 4, dtype=torch.uint8)}),
+     "expected [512, 8]"),
+    ("FP8", lambda t: t.pop("model.layers.0.self_attn.q_proj.input_scale"), "missing tensor"),
+])
+def test_structural_errors_exit_1(ckpts, tmp_path, scheme, edit, expect):
+    path = _copy(ckpts[scheme], tmp_path)
+    _edit_tensors(path, edit)
+    r = inspect_checkpoint(path)
+    assert r["exit_code"] == 1 and not r["servable"]
+    assert any(expect in p["message"] for p in r["problems"] if p["severity"] == "error"), r["problems"]
+
+
+@pytest.mark.parametrize("scheme,tensor,value,expect", [
+    ("W4A16", "model.layers.0.mlp.down_proj.weight_scale", float("nan"), "NaN or Inf"),
+    ("W4A16", "model.layers.0.mlp.down_proj.weight_scale", 0.0, "zero scale"),
+    ("FP8_DYNAMIC", "model.layers.1.self_attn.o_proj.weight", float("nan"), "NaN or Inf"),
+    ("W4A16", "model.norm.weight", float("inf"), "NaN or Inf"),
+    ("W4A16", "model.layers.0.mlp.down_proj.weight_shape", 500, "weight_shape"),
+    ("MXFP4A16", "model.layers.0.mlp.down_proj.weight_scale", 255, "NaN or Inf"),
+])
+def test_deep_finds_bad_values(ckpts, tmp_path, scheme, tensor, value, expect):
+    path = _copy(ckpts[scheme], tmp_path)
+
+    def poison(t):
+        x = t[tensor].clone()
+        x.view(-1)[-1] = value
+        t[tensor] = x
+    _edit_tensors(path, poison)
+    assert inspect_checkpoint(path)["exit_code"] == 0  # headers alone cannot see it
+    r = inspect_checkpoint(path, deep=True)
+    assert r["exit_code"] == 1
+    assert any(expect in p["message"] and p["severity"] == "error" for p in r["problems"]), r["problems"]
+
+
+@pytest.mark.parametrize("scheme", SERVABLE)
+def test_deep_passes_clean_checkpoints(ckpts, scheme):
+    r = inspect_checkpoint(ckpts[scheme], deep=True)
+    assert r["exit_code"] == 0, r["problems"]
+
+
+def test_single_file_and_sharded(ckpts, tmp_path):
+    r = inspect_checkpoint(ckpts["W4A16"] / "model.safetensors")
+    assert r["exit_code"] == 0 and r["format"] == "pack-quantized"  # config.json beside the file is used
+    # Re-shard with an index: same verdicts.
+    path = _copy(ckpts["W4A16"], tmp_path)
+    tensors = load_file(path / "model.safetensors")
+    (path / "model.safetensors").unlink()
+    names = sorted(tensors)
+    shards = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+    for fname, members in shards.items():
+        save_file({n: tensors[n] for n in members}, path / fname, metadata={"format": "pt"})
+    weight_map = {n: f for f, members in shards.items() for n in members}
+    (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    r2 = inspect_checkpoint(path)
+    assert r2["num_files"] == 2 and r2["exit_code"] == 0
+    strip = lambda r: [(la["name"], la["path"], la["hbm_bytes"]) for la in r["layers"]]  # noqa: E731
+    assert sorted(strip(r2)) == sorted(strip(inspect_checkpoint(ckpts["W4A16"])))
+
+
+# ---- the command line ---------------------------------------------------------------------------
+
+def _run(*args):
+    return subprocess.run([*QUANTKIT, *map(str, args)], capture_output=True, text=True, timeout=120)
+
+
+def test_cli_json_contract(ckpts):
+    p = _run("inspect", ckpts["W4A16_ASYM"], "--json", "--target", "v5e")
+    assert p.returncode == 3
+    r = json.loads(p.stdout)
+    for key in ("path", "architecture", "quant_method", "format", "version", "num_tensors", "bytes_on_disk",
+                "servable", "target", "hbm_bytes_weights", "layers", "problems"):
+        assert key in r
+    assert r["target"] == "v5e" and r["quant_method"] == "compressed-tensors" and r["version"]
+    for layer in r["layers"]:
+        assert set(layer) >= {"name", "kind", "format", "scheme", "path", "servable", "reason"}
+    for prob in r["problems"]:
+        assert set(prob) == {"severity", "where", "message"}
+
+
+def test_cli_human_output_and_exit_codes(ckpts, tmp_path):
+    p = _run("inspect", ckpts["W4A16"])
+    assert p.returncode == 0 and "gmm_v2" in p.stdout and "servable" in p.stdout
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json at all}")
+    for args, code in [(("inspect", bad), 1), (("inspect", tmp_path / "nope"), 1), (("inspect", "--bogus"), 2),
+                       (("inspect", ckpts["W4A16"], "--target", "tpu9"), 2)]:
+        p = _run(*args)
+        assert p.returncode == code, (args, p.stderr)
+        assert "Traceback" not in p.stderr and p.stdout == ""
+        if code == 1:
+            assert len(p.stderr.strip().splitlines()) == 1 and p.stderr.startswith("error: ")
+
+
+def test_cli_help_has_an_example():
+    p = _run("inspect", "--help")
+    assert p.returncode == 0 and "Example" in p.stdout
+
+
+def test_inspect_path_imports_no_heavy_library(ckpts):
+    code = ("import sys; from quantkit.cli import main; sys.argv=['quantkit','inspect',sys.argv[1],'--json'];\n"
+            "import atexit; atexit.register(lambda: print('HEAVY', [m for m in ('torch','jax','compressed_tensors',"
+            "'transformers') if m in sys.modules], file=sys.stderr))\nmain()")
+    p = subprocess.run([sys.executable, "-c", code, str(ckpts["W4A16"])], capture_output=True, text=True, timeout=60)
+    assert "HEAVY []" in p.stderr, p.stderr
