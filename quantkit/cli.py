@@ -138,6 +138,95 @@ def inspect(
     raise typer.Exit(report["exit_code"])
 
 
+class SchemeName(str, Enum):
+    W4A16 = "W4A16"
+    FP8 = "FP8"
+    FP8_DYNAMIC = "FP8_DYNAMIC"
+    FP8_BLOCK = "FP8_BLOCK"
+    MXFP4A16 = "MXFP4A16"
+    DENSE = "DENSE"
+
+
+class Observer(str, Enum):
+    minmax = "minmax"
+    mse = "mse"
+
+
+def _print_convert(r: dict) -> None:
+    from rich.console import Console
+    from rich.markup import escape
+    from rich.table import Table
+
+    out = Console() if sys.stdout.isatty() else Console(width=160)
+    q = [t for t in r["tensors"] if t["action"] == "quantize"]
+    if q:
+        mse = r["observer"] == "mse"
+        table = Table(title=f"worst {min(10, len(q))} of {len(q)} quantized tensors", title_justify="left")
+        for col in ("tensor", "shape", "rel. error", "SQNR dB") + (("min-max rel. error",) if mse else ()):
+            table.add_column(col, justify="left" if col == "tensor" else "right")
+        for t in sorted(q, key=lambda t: -t["rel_error"])[:10]:
+            row = [escape(t["name"]), "x".join(map(str, t["shape"])), f"{t['rel_error']:.4f}",
+                   f"{t['sqnr_db']:.1f}" if t["sqnr_db"] is not None else "inf"]
+            if mse:
+                row.append(f"{t.get('rel_error_minmax', t['rel_error']):.4f}")
+            table.add_row(*row)
+        out.print(table)
+        gain = ""
+        if "mean_rel_error_minmax" in r:
+            gain = (f" (min-max: {r['mean_rel_error_minmax']:.4f}, "
+                    f"{100 * (1 - r['mean_rel_error'] / r['mean_rel_error_minmax']):.1f}% lower with mse)")
+        out.print(f"mean relative error {r['mean_rel_error']:.4f}{gain}", highlight=False)
+    out.print(f"wrote {r['dst']}: {r['num_shards']} shard(s), {_human_size(r['bytes_out'])} "
+              f"from {_human_size(r['bytes_in'])}; ignored: {', '.join(r['ignore']) or 'none'}", highlight=False)
+
+
+@app.command()
+def convert(
+    src: Annotated[Path, typer.Argument(help="Source checkpoint directory (bf16/fp16/fp32, or compressed-tensors "
+                                        "for DENSE).", show_default=False)],
+    dst: Annotated[Path, typer.Argument(help="Output directory (must not exist unless --force).", show_default=False)],
+    scheme: Annotated[SchemeName, typer.Option(help="Target scheme (compressed-tensors preset names).")] = SchemeName.W4A16,
+    group_size: Annotated[int, typer.Option(help="W4A16 group size; -1 = one scale per output channel.")] = 128,
+    ignore: Annotated[list[str] | None, typer.Option(help="Module name or re:<regex> to keep unquantized "
+                                                      "(repeatable).")] = None,
+    observer: Annotated[Observer, typer.Option(help="minmax, or mse: per group, the clipping ratio with the "
+                                               "least error.")] = Observer.minmax,
+    workers: Annotated[int, typer.Option(help="Tensors quantized in parallel.")] = 1,
+    force: Annotated[bool, typer.Option("--force", help="Replace an existing DST.")] = False,
+    quantize_lm_head: Annotated[bool, typer.Option("--quantize-lm-head", help="Also quantize lm_head.")] = False,
+    max_shard_size: Annotated[str, typer.Option(help="Largest output shard, e.g. 5GB or 500MB.")] = "5GB",
+    json_out: Annotated[bool, typer.Option("--json", help="Print the report as one JSON document.")] = False,
+) -> None:
+    """Quantize SRC into a compressed-tensors checkpoint at DST, tensor by tensor, in bounded memory.
+
+    Embeddings, norms, lm_head, MoE router gates and vision towers stay unquantized. DST is written to a
+    temporary sibling directory and renamed at the end; an interrupted run leaves no DST.
+
+    Example:  quantkit convert ./Llama-3.1-8B ./Llama-3.1-8B-W4A16 --scheme W4A16 --group-size 128
+    """
+    from quantkit.convert import convert as run, parse_size
+
+    try:
+        args = dict(scheme=scheme.value, group_size=group_size, ignore=ignore or [], observer=observer.value,
+                    workers=workers, force=force, quantize_lm_head=quantize_lm_head,
+                    max_shard_bytes=parse_size(max_shard_size))
+        if sys.stderr.isatty():
+            from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
+
+            with Progress("converting", BarColumn(), DownloadColumn(), TransferSpeedColumn(), TimeRemainingColumn(),
+                          transient=True) as bar:
+                task = bar.add_task("convert", total=None)
+                report = run(src, dst, **args, progress=lambda d, t: bar.update(task, completed=d, total=t))
+        else:
+            report = run(src, dst, **args)
+    except (QuantkitError, KeyboardInterrupt, Exception) as e:  # noqa: BLE001 - one line, never a traceback
+        raise _fail(e) from None
+    if json_out:
+        sys.stdout.write(json.dumps(report, indent=1) + "\n")
+    else:
+        _print_convert(report)
+
+
 def main() -> None:
     try:
         app()

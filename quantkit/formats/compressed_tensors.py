@@ -480,3 +480,58 @@ def dequantize(scheme: Scheme, arrays: dict, shape: tuple[int, ...]) -> "np.ndar
     if w.strategy == "group":
         return q * packing.expand_groups(scale, w.group_size, inp)
     return q * scale  # channel: [..., out, 1]
+
+
+# ---- writing: what quantkit convert produces per scheme ---------------------------------------------
+
+def writable_group(scheme: str, group_size: int) -> dict:
+    """The config group (library serialization) for a scheme quantkit writes: W4A16 (group or
+    channel), FP8_DYNAMIC, FP8_BLOCK, MXFP4A16. Targets are "Linear"; `ignore` lists the rest."""
+    fp8_token = {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "token", "dynamic": True}
+    if scheme == "W4A16":
+        weights = {"num_bits": 4, "type": "int", "symmetric": True, "dynamic": False,
+                   "strategy": "channel" if group_size == -1 else "group", "group_size": group_size}
+        return {"targets": ["Linear"], "weights": weights, "input_activations": None,
+                "output_activations": None, "format": "pack-quantized"}
+    if scheme == "FP8_DYNAMIC":
+        weights = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False, "strategy": "channel"}
+        return {"targets": ["Linear"], "weights": weights, "input_activations": fp8_token,
+                "output_activations": None, "format": "float-quantized"}
+    if scheme == "FP8_BLOCK":
+        weights = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False, "strategy": "block",
+                   "block_structure": [128, 128]}
+        acts = {**fp8_token, "strategy": "group", "group_size": 128}
+        return {"targets": ["Linear"], "weights": weights, "input_activations": acts,
+                "output_activations": None, "format": "float-quantized"}
+    if scheme == "MXFP4A16":
+        weights = {"num_bits": 4, "type": "float", "symmetric": True, "dynamic": False, "strategy": "group",
+                   "group_size": 32, "scale_dtype": "torch.uint8"}
+        return {"targets": ["Linear"], "weights": weights, "input_activations": None,
+                "output_activations": None, "format": "mxfp4-pack-quantized"}
+    raise ValueError(f"quantkit does not write scheme {scheme!r}")
+
+
+def writable_config(scheme: str, group_size: int, ignore: list[str], version: str = "0.20.1") -> dict:
+    """A complete `quantization_config` for one writable scheme (see writable_group)."""
+    group = writable_group(scheme, group_size)
+    return {
+        "quant_method": "compressed-tensors", "format": group["format"], "quantization_status": "compressed",
+        "version": version, "config_groups": {"group_0": group}, "ignore": ignore, "kv_cache_scheme": None,
+        "sparsity_config": {}, "transform_config": {}, "global_compression_ratio": None,
+    }
+
+
+def stored_layout(scheme: str, group_size: int, shape: tuple[int, int], dtype: str) -> dict[str, tuple[str, tuple]]:
+    """Tensors a Linear weight [out, in] of float `dtype` becomes: {param: (dtype name, shape)}."""
+    out, inp = shape
+    if scheme == "W4A16":
+        groups = 1 if group_size == -1 else _ceil(inp, group_size)
+        return {"weight_packed": ("I32", (out, _ceil(inp * 4, 32))), "weight_scale": (dtype, (out, groups)),
+                "weight_shape": ("I64", (2,))}
+    if scheme == "FP8_DYNAMIC":
+        return {"weight": ("F8_E4M3", (out, inp)), "weight_scale": (dtype, (out, 1))}
+    if scheme == "FP8_BLOCK":
+        return {"weight": ("F8_E4M3", (out, inp)), "weight_scale": (dtype, (_ceil(out, 128), _ceil(inp, 128)))}
+    if scheme == "MXFP4A16":
+        return {"weight_packed": ("U8", (out, inp // 2)), "weight_scale": ("U8", (out, inp // 32))}
+    raise ValueError(f"quantkit does not write scheme {scheme!r}")

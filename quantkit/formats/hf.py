@@ -8,6 +8,7 @@ Only headers are read; `Checkpoint.read(name)` maps tensor data on demand.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -191,3 +192,23 @@ def classify_module(name: str, params: dict) -> tuple[str, str | None]:
     if rank == 3 and expert:
         return "moe_experts", None
     return "other", None
+
+
+_VISION = re.compile(r"(^|\.)(vision_tower|vision_model|visual|vision|image_encoder|image_newline|"
+                     r"multi_modal_projector|mm_projector|audio_tower|audio_model)(\.|$)")
+
+
+def default_exclusion(name: str) -> str | None:
+    """Why a Linear module is never quantized by default (None: it is quantized).
+
+    lm_head (quality-sensitive), MoE router gates (tiny, precision-critical: Qwen-MoE/DeepSeek `mlp.gate`,
+    Mixtral `block_sparse_moe.gate`, Qwen2-MoE `shared_expert_gate`), and vision/audio towers.
+    """
+    last = name.rsplit(".", 1)[-1]
+    if last == "lm_head":
+        return "lm_head"
+    if last in ("gate", "router", "shared_expert_gate"):
+        return "MoE router"
+    if _VISION.search(name):
+        return "vision/audio tower"
+    return None

@@ -40,6 +40,43 @@ def unpack_int(packed: np.ndarray, num_bits: int, in_features: int) -> np.ndarra
     return out.astype(np.int8)
 
 
+def pack_int(q: np.ndarray, num_bits: int) -> np.ndarray:
+    """Packs signed integers [..., n] (|q| < 2**(b-1)) into pack-quantized int32 words [..., ceil(n*b/32)].
+
+    Bits past the last element are zero, as the library writes them.
+    """
+    n = q.shape[-1]
+    words = -(-n * num_bits // 32)
+    stored = (q.astype(np.int16) + (1 << (num_bits - 1))).astype(np.uint8)  # offset binary
+    if num_bits == 4:
+        stored = np.concatenate([stored, np.zeros((*q.shape[:-1], words * 8 - n), np.uint8)], axis=-1)
+        raw = stored[..., 0::2] | (stored[..., 1::2] << 4)
+    elif num_bits == 8:
+        raw = np.concatenate([stored, np.zeros((*q.shape[:-1], words * 4 - n), np.uint8)], axis=-1)
+    else:
+        bits = np.unpackbits(stored[..., None], axis=-1, bitorder="little")[..., :num_bits]
+        bits = bits.reshape(*q.shape[:-1], n * num_bits)
+        bits = np.concatenate([bits, np.zeros((*q.shape[:-1], words * 32 - n * num_bits), np.uint8)], axis=-1)
+        raw = np.packbits(bits, axis=-1, bitorder="little")
+    return np.ascontiguousarray(raw).view("<i4").astype(np.int32, copy=False)
+
+
+def fp4_codes(x: np.ndarray) -> np.ndarray:
+    """Rounds float32 values (already clamped to [-6, 6]) to the nearest e2m1 code, ties to even.
+    A negative value that rounds to zero becomes -0 (code 8), as the library stores it."""
+    mag = np.abs(x)
+    # Midpoints between neighbouring magnitudes; at a tie the even code (0, 1.0, 2.0, 4.0) wins,
+    # hence <= at the midpoints below an even code and < below an odd one.
+    idx = ((mag > 0.25).astype(np.uint8) + (mag >= 0.75) + (mag > 1.25) + (mag >= 1.75) + (mag > 2.5)
+           + (mag >= 3.5) + (mag > 5.0))
+    return idx | (x < 0).astype(np.uint8) << 3  # negative values that round to zero keep their sign
+
+
+def pack_fp4(codes: np.ndarray) -> np.ndarray:
+    """e2m1 codes [..., n] (n even) -> bytes [..., n/2], even column in the low nibble."""
+    return (codes[..., 0::2] | (codes[..., 1::2] << 4)).astype(np.uint8)
+
+
 def unpack_fp4(packed: np.ndarray) -> np.ndarray:
     """fp4 e2m1 bytes [..., n/2] -> float32 values [..., n]."""
     codes = np.stack([packed & 0xF, packed >> 4], axis=-1).reshape(*packed.shape[:-1], -1)
@@ -51,6 +88,11 @@ def e8m0_to_float(scale: np.ndarray) -> np.ndarray:
     e = scale.view(np.uint8) if scale.dtype != np.uint8 else scale
     out = np.ldexp(np.float32(1.0), np.minimum(e, 254).astype(np.int32) - 127).astype(np.float32)
     return np.where(e == 255, np.float32(np.nan), out)
+
+
+def float_to_e8m0(scale: np.ndarray) -> np.ndarray:
+    """Power-of-two float32 scales -> E8M0 bytes (exact)."""
+    return (np.log2(scale).astype(np.int32) + 127).astype(np.uint8)
 
 
 def expand_groups(scale: np.ndarray, group: int, in_features: int) -> np.ndarray:

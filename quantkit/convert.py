@@ -1,0 +1,543 @@
+"""`quantkit convert`: stream a checkpoint tensor by tensor into compressed-tensors (or back to bf16).
+
+Design:
+1. Plan from headers only: validate SRC with the inspect reader, decide per tensor what to do
+   (quantize / copy / dequantize), and compute every output tensor's dtype and shape, hence every
+   shard's header and every tensor's byte offset, before any data is read.
+2. Write into a temporary sibling directory: shard files are preallocated (a full disk fails at once),
+   workers quantize row chunks and `pwrite` them at their offsets, so memory is bounded by the chunk
+   size, not by the model, and workers need no coordination.
+3. config.json, small files and quantkit_report.json, then one rename makes DST appear. Any error,
+   Ctrl-C or SIGTERM removes the temporary directory; a SIGKILL leaves it behind but never a DST.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import signal
+import threading
+import uuid
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from quantkit.errors import InvalidInput, QuantkitError, Unsupported
+from quantkit.formats import packing
+from quantkit.formats.compressed_tensors import (
+    Scheme, dequantize, parse_quantization_config, stored_layout, writable_config,
+)
+from quantkit.formats.hf import INDEX_NAME, Checkpoint, classify_module, default_exclusion, group_modules
+from quantkit.formats.safetensors_io import DTYPES, FLOAT_DTYPES
+from quantkit.inspect import inspect_checkpoint
+from quantkit.kernels.dispatch import unsupported_reason
+from quantkit.quant.quantize import QuantSpec, quantize_rows
+
+SCHEMES = ("W4A16", "FP8", "FP8_DYNAMIC", "FP8_BLOCK", "MXFP4A16", "DENSE")
+CHUNK_BYTES = 32 << 20  # float32 bytes of input per row chunk
+REPORT_NAME = "quantkit_report.json"
+
+
+def quant_spec(scheme: str, group_size: int) -> QuantSpec:
+    return {
+        "W4A16": QuantSpec("int", 4, group_size),
+        "FP8_DYNAMIC": QuantSpec("fp8", 8, -1),
+        "FP8_BLOCK": QuantSpec("fp8", 8, -1, (128, 128)),
+        "MXFP4A16": QuantSpec("mxfp4", 4, 32),
+    }[scheme]
+
+
+@dataclass
+class Job:
+    """One unit of output: a quantized module, a copied tensor, or a dequantized module."""
+
+    action: str  # "quantize" | "copy" | "dequantize"
+    name: str  # output module (quantize/dequantize) or tensor (copy) name
+    src: dict[str, str]  # param -> source tensor name
+    shape: tuple[int, ...]  # logical shape of the weight / tensor
+    dtype: str  # source float dtype (quantize), output dtype (dequantize) or stored dtype (copy)
+    outputs: dict[str, tuple[str, tuple]] = field(default_factory=dict)  # out tensor -> (dtype, shape)
+    scheme: Scheme | None = None  # dequantize: the source scheme
+    bytes_in: int = 0
+
+    def nbytes_out(self) -> int:
+        return sum(_nbytes(d, s) for d, s in self.outputs.values())
+
+
+def _nbytes(dtype: str, shape: tuple) -> int:
+    return math.prod(shape) * DTYPES[dtype][0] // 8
+
+
+def _divisor_hint(n: int) -> str:
+    good = [g for g in (16, 32, 64, 128, 256, 512, 1024) if n % g == 0]
+    return (f"group sizes that divide it: {', '.join(map(str, good))}, or -1 (channel)" if good
+            else "use --group-size -1 (one scale per output channel)")
+
+
+def _matches(name: str, patterns: list[str]) -> bool:
+    import re
+
+    return any(re.match(p[3:], name) if p.startswith("re:") else p == name for p in patterns)
+
+
+def plan(ckpt: Checkpoint, scheme: str, group_size: int, ignore: list[str],
+         quantize_lm_head: bool = False) -> tuple[list[Job], list[str]]:
+    """Decides every output tensor from headers alone. Returns (jobs, config `ignore` list)."""
+    qc_raw = (ckpt.config or {}).get("quantization_config")
+    src_qc = parse_quantization_config(qc_raw) if isinstance(qc_raw, dict) else None
+    if src_qc is not None and scheme != "DENSE":
+        fmt = src_qc.format
+        raise InvalidInput(f"{ckpt.root}: already quantized ({fmt}); quantizing it again would compound the "
+                           f"error. Convert the original weights, or use --scheme DENSE to get bf16 back")
+    if src_qc is None and scheme == "DENSE":
+        raise InvalidInput(f"{ckpt.root}: not a compressed-tensors checkpoint; --scheme DENSE dequantizes one")
+    jobs: list[Job] = []
+    ignored: list[str] = [p for p in ignore if p.startswith("re:")]
+    for module, pnames in group_modules(ckpt.tensors).items():
+        params = {p: ckpt.tensors[n] for p, n in pnames.items()}
+        kind, cls = classify_module(module, params)
+        if scheme == "DENSE":
+            sch = src_qc.scheme_for(module, cls) if cls is not None else None
+            if sch is not None and sch.weights is not None and sch.format != "dense":
+                jobs.append(_dequantize_job(ckpt, module, sch, pnames, params))
+                continue
+            jobs += [Job("copy", n, {"tensor": n}, ckpt.tensors[n].shape, ckpt.tensors[n].dtype)
+                     for p, n in pnames.items() if p not in ("input_scale", "k_scale", "v_scale", "q_scale")]
+            continue
+        w = params.get("weight")
+        quantize = cls == "Linear" and w is not None and len(w.shape) == 2 and w.dtype in FLOAT_DTYPES
+        if quantize:
+            reason = default_exclusion(module)
+            if reason == "lm_head" and quantize_lm_head:
+                reason = None
+            if reason is None and _matches(module, ignore):
+                reason = "--ignore"
+            if reason is not None:
+                quantize = False
+                if not _matches(module, [p for p in ignore if p.startswith("re:")]):
+                    ignored.append(module)
+        for p, n in pnames.items():
+            info = ckpt.tensors[n]
+            if p == "weight" and quantize:
+                out, inp = info.shape
+                g = 32 if scheme == "MXFP4A16" else group_size
+                if g > 0 and inp % g:
+                    raise InvalidInput(f"{n}: in_features {inp} is not divisible by group size {g}; "
+                                       + ("MXFP4 needs a multiple of 32" if scheme == "MXFP4A16" else _divisor_hint(inp)))
+                layout = stored_layout(scheme, group_size, (out, inp), info.dtype)
+                jobs.append(Job("quantize", module, {"weight": n}, info.shape, info.dtype,
+                                {f"{module}.{q}": v for q, v in layout.items()}))
+            else:
+                jobs.append(Job("copy", n, {"tensor": n}, info.shape, info.dtype))
+    for j in jobs:
+        if j.action == "copy":
+            j.outputs = {j.name: (j.dtype, j.shape)}
+        j.bytes_in = sum(ckpt.tensors[n].nbytes for n in j.src.values())
+    if scheme != "DENSE" and not any(j.action == "quantize" for j in jobs):
+        raise InvalidInput(f"{ckpt.root}: no Linear weight to quantize (all excluded or ignored)")
+    return jobs, list(dict.fromkeys(ignored))
+
+
+def _dequantize_job(ckpt: Checkpoint, module: str, sch: Scheme, pnames: dict, params: dict) -> Job:
+    reason = unsupported_reason(Scheme(sch.name, sch.targets, sch.format, sch.weights))
+    w = sch.weights
+    if reason and not (w.type == "int" and w.symmetric and sch.format == "pack-quantized" and w.actorder != "group"
+                       and w.strategy in ("group", "channel")):
+        raise Unsupported(f"{module}: cannot dequantize: {reason}")
+    if "weight_shape" in pnames:
+        shape = tuple(int(x) for x in ckpt.read(pnames["weight_shape"]))
+    elif "weight" in params:
+        shape = params["weight"].shape
+    else:
+        shape = (*params["weight_packed"].shape[:-1], params["weight_packed"].shape[-1] * 2)
+    out_dtype = "BF16"
+    src = {p: n for p, n in pnames.items() if p in ("weight", "weight_packed", "weight_scale")}
+    outputs = {f"{module}.weight": (out_dtype, shape)}
+    if "bias" in pnames:
+        src_bias = pnames["bias"]
+        outputs[src_bias] = (ckpt.tensors[src_bias].dtype, ckpt.tensors[src_bias].shape)
+        src["bias"] = src_bias
+    return Job("dequantize", module, src, shape, out_dtype, outputs, scheme=sch)
+
+
+# ---- output shards ---------------------------------------------------------------------------------
+
+@dataclass
+class Shard:
+    path: Path
+    tensors: dict[str, tuple[str, tuple, int]]  # name -> (dtype, shape, absolute offset)
+    size: int
+    header: bytes = b""
+
+
+def layout_shards(jobs: list[Job], out_dir: Path, max_shard_bytes: int) -> list[Shard]:
+    """Assigns output tensors to shards in job order and fixes every header and offset."""
+    groups: list[list[tuple[str, str, tuple]]] = [[]]
+    used = 0
+    for j in jobs:
+        for name, (dtype, shape) in j.outputs.items():
+            n = _nbytes(dtype, shape)
+            if groups[-1] and used + n > max_shard_bytes:
+                groups.append([])
+                used = 0
+            groups[-1].append((name, dtype, shape))
+            used += n
+    shards = []
+    total = len(groups)
+    for i, members in enumerate(groups):
+        fname = "model.safetensors" if total == 1 else f"model-{i + 1:05d}-of-{total:05d}.safetensors"
+        header, pos = {"__metadata__": {"format": "pt"}}, 0
+        for name, dtype, shape in members:
+            n = _nbytes(dtype, shape)
+            header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [pos, pos + n]}
+            pos += n
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)
+        start = 8 + len(raw)
+        shard = Shard(out_dir / fname, {}, start + pos, len(raw).to_bytes(8, "little") + raw)
+        for name, info in header.items():
+            if name != "__metadata__":
+                shard.tensors[name] = (info["dtype"], tuple(info["shape"]), start + info["data_offsets"][0])
+        shards.append(shard)
+    return shards
+
+
+# ---- the work --------------------------------------------------------------------------------------
+
+class _Writer:
+    """pwrite-based writer over preallocated shard files; thread-safe."""
+
+    def __init__(self, shards: list[Shard]):
+        self.fds: dict[str, int] = {}
+        self.where: dict[str, tuple[int, str, tuple, int]] = {}
+        for s in shards:
+            fd = os.open(s.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            self.fds[str(s.path)] = fd
+            try:
+                os.posix_fallocate(fd, 0, s.size)
+            except OSError as e:
+                raise _disk_error(e, s.path, s.size) from None
+            self._write(fd, s.header, 0, s.path)
+            for name, (dtype, shape, off) in s.tensors.items():
+                self.where[name] = (fd, dtype, shape, off)
+
+    @staticmethod
+    def _write(fd: int, data, offset: int, path) -> None:
+        if isinstance(data, np.ndarray):
+            data = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+        view = memoryview(data).cast("B")
+        while view:
+            try:
+                n = os.pwrite(fd, view, offset)
+            except OSError as e:
+                raise _disk_error(e, path, len(view)) from None
+            view, offset = view[n:], offset + n
+
+    def write(self, name: str, arr: np.ndarray, first_row: int = 0) -> None:
+        """Writes rows of tensor `name` starting at row `first_row` (or raw bytes at byte offset)."""
+        fd, dtype, shape, off = self.where[name]
+        row_bytes = _nbytes(dtype, shape[1:]) if len(shape) > 1 else DTYPES[dtype][0] // 8
+        self._write(fd, np.ascontiguousarray(arr), off + first_row * row_bytes, name)
+
+    def close(self) -> None:
+        for fd in self.fds.values():
+            os.fsync(fd)
+            os.close(fd)
+        self.fds.clear()
+
+
+def _disk_error(e: OSError, path, need: int) -> QuantkitError:
+    import errno
+
+    if e.errno == errno.ENOSPC:
+        return InvalidInput(f"{path}: no space left on device (needed {need / 1e9:.2f} GB more); free space or "
+                            "choose another DST")
+    return InvalidInput(f"{path}: cannot write: {e.strerror or e}")
+
+
+def _finite(name: str, x: np.ndarray) -> None:
+    if not np.isfinite(x).all():
+        bad = int((~np.isfinite(x)).sum())
+        raise InvalidInput(f"{name}: {bad} NaN/Inf value(s) in the source weights; fix or drop this tensor first")
+
+
+@dataclass
+class Stats:
+    ref2: float = 0.0  # sum of squared weights
+    err2: float = 0.0  # sum of squared quantization error
+    minmax_err2: float = 0.0
+
+    def row(self, job: Job, scheme: str, bytes_out: int) -> dict:
+        rel = math.sqrt(self.err2 / self.ref2) if self.ref2 else 0.0
+        out = {"name": job.name, "action": job.action, "scheme": scheme if job.action == "quantize" else None,
+               "shape": list(job.shape), "bytes_in": job.bytes_in, "bytes_out": bytes_out,
+               "rel_error": rel, "sqnr_db": (10 * math.log10(self.ref2 / self.err2) if self.err2 else None)}
+        if self.minmax_err2 and self.minmax_err2 != self.err2:
+            out["rel_error_minmax"] = math.sqrt(self.minmax_err2 / self.ref2)
+        return out
+
+
+def _rows_per_chunk(row_elems: int, align: int) -> int:
+    rows = max(1, CHUNK_BYTES // (4 * max(1, row_elems)))
+    return max(align, rows // align * align)
+
+
+def run_job(job: Job, ckpt: Checkpoint, writer: _Writer, scheme: str, group_size: int, observer: str,
+            progress: Callable[[int], None]) -> dict:
+    """Does one job in row chunks; returns its report row."""
+    stats = Stats()
+    if job.action == "copy":
+        src = ckpt.read(job.src["tensor"])
+        flat = src.reshape(-1) if src.ndim else src.reshape(1)
+        is_float = job.dtype in FLOAT_DTYPES
+        step = max(1, CHUNK_BYTES // max(1, flat.itemsize))
+        for i in range(0, flat.size, step):
+            part = flat[i:i + step]
+            if is_float:
+                _finite(job.name, part.astype(np.float32))
+            fd, _, _, off = writer.where[job.name]
+            writer._write(fd, part, off + i * flat.itemsize, job.name)
+            progress(part.nbytes)
+        return stats.row(job, scheme, job.nbytes_out())
+
+    if job.action == "quantize":
+        spec = quant_spec(scheme, group_size)
+        w = ckpt.read(job.src["weight"])  # [out, in] mmap view
+        out, inp = w.shape
+        step = _rows_per_chunk(inp, 128 if spec.block else 1)
+        mod = job.name
+        for r0 in range(0, out, step):
+            rows = w[r0:r0 + step]
+            x = rows.astype(np.float32)
+            _finite(job.src["weight"], x)
+            stored, deq, mm_err2 = quantize_rows(rows, spec, observer)
+            stats.ref2 += float(np.square(x, dtype=np.float64).sum())
+            stats.err2 += float(np.square(deq - x, dtype=np.float64).sum())
+            stats.minmax_err2 += mm_err2
+            scale_dtype = DTYPES[job.dtype][1]
+            if spec.kind == "int":
+                writer.write(f"{mod}.weight_packed", packing.pack_int(stored["values"], spec.num_bits), r0)
+                writer.write(f"{mod}.weight_scale", stored["scale"].astype(scale_dtype), r0)
+            elif spec.kind == "fp8":
+                writer.write(f"{mod}.weight", stored["values"], r0)
+                writer.write(f"{mod}.weight_scale", stored["scale"].astype(scale_dtype),
+                             r0 // 128 if spec.block else r0)
+            else:
+                writer.write(f"{mod}.weight_packed", packing.pack_fp4(stored["values"]), r0)
+                writer.write(f"{mod}.weight_scale", stored["scale"], r0)
+            progress(rows.nbytes)
+        if spec.kind == "int":
+            writer.write(f"{mod}.weight_shape", np.array([out, inp], np.int64))
+        return stats.row(job, scheme, job.nbytes_out())
+
+    # dequantize: row chunks of the packed weight and its per-row (or per-block-row) scales
+    sch = job.scheme
+    arrays = {p: ckpt.read(n) for p, n in job.src.items() if p != "bias"}
+    out = job.shape[0]
+    w = sch.weights
+    align = w.block_structure[0] if w.strategy == "block" else 1
+    step = _rows_per_chunk(job.shape[-1], align)
+    for r0 in range(0, out, step):
+        r1 = min(out, r0 + step)
+        part = {}
+        for p, a in arrays.items():
+            if p == "weight_scale" and w.strategy == "tensor":
+                part[p] = a
+            elif p == "weight_scale" and w.strategy == "block":
+                part[p] = a[r0 // align: -(-r1 // align)]
+            else:
+                part[p] = a[r0:r1]
+        deq = dequantize(sch, part, (r1 - r0, job.shape[-1]))
+        _finite(job.name, deq)
+        writer.write(f"{job.name}.weight", packing.to_dtype(deq, job.dtype), r0)
+        progress(sum(a.nbytes for p, a in part.items() if p != "weight_scale" or w.strategy != "tensor"))
+    if "bias" in job.src:
+        writer.write(job.src["bias"], ckpt.read(job.src["bias"]))
+    return stats.row(job, scheme, job.nbytes_out())
+
+
+# ---- entry point -----------------------------------------------------------------------------------
+
+SMALL_FILE_SKIP = {"config.json", INDEX_NAME, REPORT_NAME}
+
+
+def _copy_small_files(src_root: Path, dst: Path) -> list[str]:
+    """Copies tokenizer, generation config and other regular files that stay inside SRC."""
+    copied = []
+    root = src_root.resolve()
+    for f in sorted(src_root.iterdir()):
+        if f.name in SMALL_FILE_SKIP or f.suffix == ".safetensors" or not f.is_file():
+            continue
+        if not f.resolve().is_relative_to(root):
+            continue  # a symlink leading outside SRC is not copied
+        shutil.copyfile(f, dst / f.name)
+        copied.append(f.name)
+    return copied
+
+
+def parse_size(text: str) -> int:
+    """'5GB', '500MB', '2GiB', '1000000' -> bytes."""
+    t = text.strip().upper()
+    units = {"KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "KB": 10**3, "MB": 10**6, "GB": 10**9, "B": 1}
+    for u, m in units.items():
+        if t.endswith(u):
+            try:
+                return int(float(t[: -len(u)]) * m)
+            except ValueError:
+                break
+    try:
+        return int(t)
+    except ValueError:
+        raise InvalidInput(f"cannot read size {text!r}; use e.g. 5GB or 500MB") from None
+
+
+def convert(src: str | Path, dst: str | Path, scheme: str = "W4A16", group_size: int = 128,
+            ignore: list[str] | None = None, observer: str = "minmax", workers: int = 1, force: bool = False,
+            quantize_lm_head: bool = False, max_shard_bytes: int = 5 * 10**9,
+            progress: Callable[[int, int], None] | None = None) -> dict:
+    """Converts SRC into a compressed-tensors checkpoint at DST (or back to bf16 with scheme DENSE).
+
+    Args:
+        src, dst: checkpoint directories.
+        scheme: one of SCHEMES.
+        group_size: W4A16 group size (> 0) or -1 for channel scales.
+        ignore: module names or `re:` patterns to leave unquantized (recorded in `ignore`).
+        observer: "minmax" or "mse".
+        workers: threads quantizing tensors in parallel.
+        force: replace an existing DST.
+        quantize_lm_head: also quantize lm_head.
+        max_shard_bytes: output shard size limit.
+        progress: called with (bytes done, total bytes).
+    Returns:
+        The report (also written to DST/quantkit_report.json).
+    """
+    ignore = list(ignore or [])
+    if scheme not in SCHEMES:
+        raise InvalidInput(f"unknown scheme {scheme!r}; choose one of {', '.join(SCHEMES)}")
+    if scheme == "FP8":
+        raise Unsupported("FP8 (per-tensor weights with a static per-tensor input scale) needs calibration data "
+                          "to set input_scale, which quantkit convert does not do; use FP8_DYNAMIC "
+                          "(per-channel weights, dynamic per-token activations)")
+    if scheme == "W4A16" and not (group_size == -1 or group_size > 0):
+        raise InvalidInput(f"--group-size {group_size}: use a positive group size or -1 for channel scales")
+    if observer not in ("minmax", "mse"):
+        raise InvalidInput(f"unknown observer {observer!r}; choose minmax or mse")
+    if workers < 1:
+        raise InvalidInput("--workers must be at least 1")
+    src, dst = Path(src), Path(dst)
+    if not src.is_dir():
+        raise InvalidInput(f"{src}: not a checkpoint directory")
+    rs, rd = src.resolve(), dst.resolve()
+    if rs == rd or rd.is_relative_to(rs) or rs.is_relative_to(rd):
+        raise InvalidInput(f"{dst}: DST must not be SRC or lie inside it (or contain it)")
+    if dst.exists() and not force:
+        raise InvalidInput(f"{dst}: already exists; pass --force to replace it")
+
+    report_in = inspect_checkpoint(src, "cpu")
+    errors = [p for p in report_in["problems"] if p["severity"] == "error"]
+    if errors:
+        raise InvalidInput(f"{src}: {errors[0]['message']}" + (f" (and {len(errors) - 1} more problems; "
+                           "see `quantkit inspect`)" if len(errors) > 1 else ""))
+    ckpt = Checkpoint.open(src)
+    jobs, ignored = plan(ckpt, scheme, group_size, ignore, quantize_lm_head)
+
+    tmp = dst.parent / f".{dst.name}.quantkit-tmp-{uuid.uuid4().hex[:8]}"
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp.mkdir()
+    old_handler = None
+    if threading.current_thread() is threading.main_thread():
+        old_handler = signal.signal(signal.SIGTERM, _raise_interrupt)
+    try:
+        shards = layout_shards(jobs, tmp, max_shard_bytes)
+        total = sum(j.bytes_in for j in jobs)
+        done = [0]
+        lock = threading.Lock()
+
+        def tick(n: int) -> None:
+            with lock:
+                done[0] += n
+                if progress is not None:
+                    progress(done[0], total)
+
+        writer = _Writer(shards)
+        try:
+            with ThreadPoolExecutor(max_workers=workers) as pool:
+                futures = [pool.submit(run_job, j, ckpt, writer, scheme, group_size, observer, tick) for j in jobs]
+                try:
+                    rows = [f.result() for f in futures]
+                except BaseException:
+                    for f in futures:
+                        f.cancel()
+                    raise
+        finally:
+            writer.close()
+        _write_index(tmp, shards)
+        config = dict(ckpt.config or {})
+        if scheme == "DENSE":
+            config.pop("quantization_config", None)
+            for key in ("torch_dtype", "dtype"):
+                if key in config:
+                    config[key] = "bfloat16"
+        else:
+            config["quantization_config"] = writable_config(scheme, group_size, ignored)
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        copied = _copy_small_files(src, tmp)
+        report = _report(src, dst, scheme, group_size, observer, rows, ignored, copied, shards)
+        (tmp / REPORT_NAME).write_text(json.dumps(report, indent=1) + "\n")
+        _publish(tmp, dst, force)
+        return report
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    finally:
+        if old_handler is not None:
+            signal.signal(signal.SIGTERM, old_handler)
+
+
+def _raise_interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
+def _write_index(tmp: Path, shards: list[Shard]) -> None:
+    if len(shards) == 1:
+        return
+    weight_map = {name: s.path.name for s in shards for name in s.tensors}
+    total = sum(s.size - len(s.header) for s in shards)
+    (tmp / INDEX_NAME).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
+                                             indent=2) + "\n")
+
+
+def _publish(tmp: Path, dst: Path, force: bool) -> None:
+    """Makes DST appear in one rename; with --force the old DST is moved aside first, then removed."""
+    if dst.exists() or dst.is_symlink():
+        if not force:
+            raise InvalidInput(f"{dst}: appeared while converting; pass --force to replace it")
+        old = dst.parent / f".{dst.name}.quantkit-old-{uuid.uuid4().hex[:8]}"
+        os.rename(dst, old)
+        os.rename(tmp, dst)
+        shutil.rmtree(old, ignore_errors=True) if old.is_dir() else old.unlink()
+    else:
+        os.rename(tmp, dst)
+
+
+def _report(src, dst, scheme, group_size, observer, rows, ignored, copied, shards) -> dict:
+    q = [r for r in rows if r["action"] == "quantize"]
+    out = {
+        "src": str(src), "dst": str(dst), "scheme": scheme,
+        "group_size": group_size if scheme == "W4A16" else None, "observer": observer,
+        "bytes_in": sum(r["bytes_in"] for r in rows), "bytes_out": sum(s.size for s in shards),
+        "num_shards": len(shards), "quantized_tensors": len(q), "ignore": ignored, "copied_files": copied,
+        "tensors": rows,
+    }
+    if q:
+        ref = [r for r in q if r["rel_error"] is not None]
+        out["mean_rel_error"] = sum(r["rel_error"] for r in ref) / len(ref)
+        if observer == "mse":
+            mm = [r.get("rel_error_minmax", r["rel_error"]) for r in ref]
+            out["mean_rel_error_minmax"] = sum(mm) / len(mm)
+    return out

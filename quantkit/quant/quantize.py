@@ -1,0 +1,151 @@
+"""Weight quantization in vectorised numpy: min-max (RTN) and MSE-searched scales. No torch.
+
+The arithmetic follows compressed-tensors step by step (FORMATS.md, "Quantization math"), including the
+rounding to the weight's dtype after each operation, so that for the same bf16 weight and the min-max
+observer the stored tensors equal the library's bit for bit. Each function works on a block of whole
+rows, so callers can stream a tensor in row chunks with bounded memory.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import ml_dtypes
+import numpy as np
+
+from quantkit.formats import packing
+
+FP8_MAX = 448.0
+FP4_MAX = 6.0
+MX_GROUP = 32
+
+
+@dataclass(frozen=True)
+class QuantSpec:
+    """How to quantize weights: kind "int" (symmetric), "fp8" or "mxfp4", and the scale layout.
+
+    group_size: > 0 for group scales, -1 for one scale per output row (channel); block: [rows, cols]
+    for block scales (fp8 only).
+    """
+
+    kind: str
+    num_bits: int
+    group_size: int = -1
+    block: tuple[int, int] | None = None
+
+    @property
+    def qmax(self) -> float:
+        return {"int": (2 ** self.num_bits - 1) / 2, "fp8": FP8_MAX, "mxfp4": FP4_MAX}[self.kind]
+
+
+def round_to(x: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """Rounds float32 values to `dtype` (as the library's op in that dtype does) and back to float32."""
+    return x if dtype == np.float32 else x.astype(dtype).astype(np.float32)
+
+
+def _eps(dtype: np.dtype) -> np.float32:
+    return np.float32(ml_dtypes.finfo(dtype).eps)
+
+
+def _groups(w: np.ndarray, spec: QuantSpec) -> np.ndarray:
+    """float32 [rows, in] -> [rows, G, g] (groups or one channel group), or [R, C, br*bc] for blocks."""
+    rows, cols = w.shape
+    if spec.block is not None:
+        br, bc = spec.block
+        pr, pc = -rows % br, -cols % bc
+        if pr or pc:  # ragged edge blocks: zero padding never changes an absmax
+            w = np.pad(w, ((0, pr), (0, pc)))
+        r, c = w.shape
+        return w.reshape(r // br, br, c // bc, bc).transpose(0, 2, 1, 3).reshape(r // br, c // bc, br * bc)
+    g = cols if spec.group_size == -1 else (MX_GROUP if spec.kind == "mxfp4" else spec.group_size)
+    return w.reshape(rows, cols // g, g)
+
+
+def _ungroup(x: np.ndarray, spec: QuantSpec, shape: tuple[int, int]) -> np.ndarray:
+    rows, cols = shape
+    if spec.block is not None:
+        br, bc = spec.block
+        r, c = x.shape[0] * br, x.shape[1] * bc
+        return x.reshape(x.shape[0], x.shape[1], br, bc).transpose(0, 2, 1, 3).reshape(r, c)[:rows, :cols]
+    return x.reshape(rows, cols)
+
+
+def _mx_exponent(absmax: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """E8M0 byte of an MX group: absmax rounded to a power of two (up only from mantissa 1.75), minus
+    fp4's emax (2), biased by 127; done on the bits of `dtype` as the library does."""
+    if dtype == np.float32:
+        bits, mant, ebits, view = absmax.view(np.uint32).astype(np.int64), 23, 8, np.uint32
+    else:
+        bits, mant = absmax.astype(dtype).view(np.uint16).astype(np.int64), ml_dtypes.finfo(dtype).nmant
+        ebits, view = 15 - mant, np.uint16
+    mask = ((1 << (ebits + 1)) - 1) << mant
+    p2 = ((bits + (1 << (mant - 2))) & mask).astype(view).view(np.float32 if view == np.uint32 else dtype)
+    with np.errstate(divide="ignore"):
+        e = 127 + np.floor(np.log2(p2.astype(np.float32))) - 2
+    return np.clip(e, 0, 255).astype(np.uint8)
+
+
+def _scale(absmax: np.ndarray, spec: QuantSpec, dtype: np.dtype) -> np.ndarray:
+    """Scales (float32 values exactly representable in the stored type) from group absmax."""
+    if spec.kind == "mxfp4":
+        return packing.e8m0_to_float(_mx_exponent(absmax, dtype))
+    s = round_to(absmax / np.float32(spec.qmax), dtype)
+    return np.where(s == 0, _eps(dtype), s)
+
+
+def _qdq(x: np.ndarray, scale: np.ndarray, spec: QuantSpec, dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
+    """Quantizes grouped x [.., g] with per-group scale [.., 1]: (stored values, dequantized float32)."""
+    if spec.kind == "int":  # clamp to the integer range before rounding, as the library does
+        y = np.clip(round_to(x / scale, dtype), -(2 ** (spec.num_bits - 1)), 2 ** (spec.num_bits - 1) - 1)
+    else:
+        y = np.clip(round_to(x / scale, dtype), -spec.qmax, spec.qmax)
+    if spec.kind == "int":
+        q = np.rint(y)  # round half to even, like torch.round
+        return q.astype(np.int8), round_to(q * scale, dtype)
+    if spec.kind == "fp8":
+        q = y.astype(ml_dtypes.float8_e4m3fn)
+        return q, round_to(q.astype(np.float32) * scale, dtype)
+    codes = packing.fp4_codes(y)
+    return codes, packing.FP4_VALUES[codes] * scale
+
+
+# llm-compressor's MSE observer defaults: shrink the range by up to 20% in 1% steps, |error|^2.4.
+MSE_STEPS = np.arange(0, 20) / 100
+MSE_NORM = 2.4
+
+
+def quantize_rows(w: np.ndarray, spec: QuantSpec, observer: str = "minmax") -> tuple[dict, np.ndarray, float]:
+    """Quantizes a block of whole rows of a weight.
+
+    Args:
+        w: [rows, in] in the weight's dtype (bfloat16, float16 or float32); for block scales `rows` is
+           a multiple of the block height except at the end of the tensor.
+        spec: the scheme.
+        observer: "minmax", or "mse" (per group, the clipping ratio that minimises |error|^2.4).
+    Returns:
+        ({"values": stored values [rows, in] (int8 / float8_e4m3fn / fp4 codes uint8),
+          "scale": [rows, G] or [R, C] float32 scales (or uint8 E8M0 bytes for mxfp4)},
+         dequantized float32 [rows, in], rounded to the weight dtype as a loader sees it,
+         squared error of the min-max choice, to report what the MSE search gained).
+    """
+    dtype = np.dtype(w.dtype)
+    x = _groups(w.astype(np.float32), spec)
+    absmax = np.abs(x).max(axis=-1, keepdims=True)  # exact in the weight dtype
+    scale = _scale(absmax, spec, dtype)
+    q, deq = _qdq(x, scale, spec, dtype)
+    minmax_err2 = float(np.square(deq - x, dtype=np.float64).sum())
+    if observer == "mse":
+        best = (np.abs(deq - x) ** MSE_NORM).sum(-1, keepdims=True)
+        for shrink in MSE_STEPS[1:]:
+            s = _scale(round_to(absmax * np.float32(1 - shrink), dtype), spec, dtype)
+            q2, d2 = _qdq(x, s, spec, dtype)
+            err = (np.abs(d2 - x) ** MSE_NORM).sum(-1, keepdims=True)
+            better = err < best
+            best = np.where(better, err, best)
+            scale = np.where(better, s, scale)
+            q, deq = np.where(better, q2, q), np.where(better, d2, deq)
+    elif observer != "minmax":
+        raise ValueError(f"unknown observer {observer!r}")
+    stored_scale = packing.float_to_e8m0(scale[..., 0]) if spec.kind == "mxfp4" else scale[..., 0]
+    return {"values": _ungroup(q, spec, w.shape), "scale": stored_scale}, _ungroup(deq, spec, w.shape), minmax_err2
+

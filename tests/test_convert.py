@@ -1,0 +1,286 @@
+"""`quantkit convert` against the compressed-tensors library and transformers.
+
+The library quantizes the same bf16 weights (ct_oracle.make_checkpoint, min-max observer): quantkit's
+stored tensors must equal the library's bit for bit, the library must decompress quantkit's output to
+exactly quantkit's own dequantization, and transformers must load and run it.
+"""
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from compressed_tensors.quantization import QuantizationConfig, apply_quantization_config
+from safetensors.torch import load_file, save_file
+
+from ct_oracle import library_decompress_torch, make_checkpoint, read_tensors, tiny_llama
+from quantkit.convert import convert
+from quantkit.errors import InvalidInput, Unsupported
+from quantkit.inspect import inspect_checkpoint
+
+CASES = {  # our (scheme, group size) -> the oracle's scheme name
+    ("W4A16", 128): "W4A16", ("W4A16", 32): "W4A16_G32", ("W4A16", -1): "W4A16_CHANNEL",
+    ("FP8_DYNAMIC", 128): "FP8_DYNAMIC", ("FP8_BLOCK", 128): "FP8_BLOCK", ("MXFP4A16", 128): "MXFP4A16",
+}
+QUANTKIT = [sys.executable, "-m", "quantkit.cli"]
+
+
+@pytest.fixture(scope="module")
+def src(tmp_path_factory):
+    path = tmp_path_factory.mktemp("src") / "tiny-llama"
+    tiny_llama(0).save_pretrained(path)
+    (path / "tokenizer_config.json").write_text('{"model_max_length": 256}')
+    return path
+
+
+@pytest.fixture(scope="module")
+def converted(src, tmp_path_factory):
+    root = tmp_path_factory.mktemp("out")
+    return {case: convert(src, root / f"{case[0]}-{case[1]}", case[0], case[1]) and root / f"{case[0]}-{case[1]}"
+            for case in CASES}
+
+
+@pytest.fixture(scope="module")
+def library(tmp_path_factory):
+    root = tmp_path_factory.mktemp("lib")
+    return {name: make_checkpoint(root / name, name) for name in CASES.values()}
+
+
+@pytest.mark.parametrize("case", list(CASES), ids=lambda c: f"{c[0]}-g{c[1]}")
+def test_tensors_equal_the_library_bit_for_bit(converted, library, case):
+    ours, theirs = read_tensors(converted[case]), read_tensors(library[CASES[case]])
+    assert sorted(ours) == sorted(theirs)
+    for name, t in theirs.items():
+        assert ours[name].dtype == t.dtype and ours[name].shape == t.shape, name
+        assert torch.equal(ours[name].contiguous().view(torch.uint8), t.contiguous().view(torch.uint8)), name
+
+
+@pytest.mark.parametrize("case", list(CASES), ids=lambda c: f"{c[0]}-g{c[1]}")
+def test_config_is_accepted_by_the_library_and_matches_its_schemes(converted, library, case):
+    ours = json.loads((converted[case] / "config.json").read_text())["quantization_config"]
+    theirs = json.loads((library[CASES[case]] / "config.json").read_text())["quantization_config"]
+    ours_lib = QuantizationConfig.model_validate(ours)
+    theirs_lib = QuantizationConfig.model_validate(theirs)
+    assert ours["format"] == theirs["format"] and ours["ignore"] == theirs["ignore"] == ["lm_head"]
+    a, b = ours_lib.config_groups["group_0"], theirs_lib.config_groups["group_0"]
+    for field in ("weights", "input_activations", "output_activations"):
+        fa, fb = getattr(a, field), getattr(b, field)
+        assert (fa is None) == (fb is None), field
+        if fa is not None:
+            for k in ("num_bits", "type", "symmetric", "strategy", "group_size", "block_structure", "dynamic"):
+                assert getattr(fa, k) == getattr(fb, k), (field, k)
+
+
+@pytest.mark.parametrize("case", list(CASES), ids=lambda c: f"{c[0]}-g{c[1]}")
+def test_library_decompresses_ours_to_exactly_our_dense(converted, case, tmp_path):
+    dense = tmp_path / "dense"
+    convert(converted[case], dense, "DENSE")
+    ours = load_file(dense / "model.safetensors")
+    lib = library_decompress_torch(converted[case])
+    assert len(lib) == 14
+    for name, t in lib.items():
+        assert ours[name].dtype == torch.bfloat16
+        assert torch.equal(ours[name].view(torch.int16), t.to(torch.bfloat16).view(torch.int16)), name
+    assert inspect_checkpoint(dense)["format"] is None
+
+
+@pytest.mark.parametrize("case,tol", [(("W4A16", 128), 0.3), (("W4A16", -1), 0.32), (("FP8_DYNAMIC", 128), 0.1),
+                                      (("MXFP4A16", 128), 0.32)], ids=lambda c: str(c))
+def test_transformers_loads_and_runs_dst(converted, library, src, case, tol):
+    """Logits of transformers on our checkpoint equal its logits on the library's (same bytes), and stay
+    close to the bf16 model. Tolerances: the relative logit error measured here (W4A16 g128 0.222, channel
+    0.238, FP8_DYNAMIC 0.070, MXFP4A16 0.243) plus about 30% headroom. They are about twice the per-weight
+    relative error (4-bit 0.11, fp8 0.027) because this untrained random model has no redundancy to absorb
+    weight noise, and transformers also quantizes FP8_DYNAMIC activations per token. A wrong scale or a
+    misplaced nibble gives errors near 1."""
+    from transformers import AutoModelForCausalLM
+
+    ids = torch.randint(0, 512, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        # bf16 as the checkpoint: transformers' MXFP4 path decompresses to bf16 and cannot run float32
+        ref = AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16)(ids).logits.float()
+        ours = AutoModelForCausalLM.from_pretrained(converted[case], dtype=torch.bfloat16)(ids).logits.float()
+        lib = AutoModelForCausalLM.from_pretrained(library[CASES[case]], dtype=torch.bfloat16)(ids).logits.float()
+    assert torch.equal(ours, lib)
+    rel = ((ours - ref).norm() / ref.norm()).item()
+    assert 0 < rel < tol, rel
+
+
+def test_mse_observer_lowers_error_and_stays_loadable(src, tmp_path):
+    r = convert(src, tmp_path / "mse", "W4A16", 128, observer="mse")
+    assert r["mean_rel_error"] < r["mean_rel_error_minmax"] * 0.97
+    for t in r["tensors"]:
+        if t["action"] == "quantize":
+            assert t["rel_error"] <= t.get("rel_error_minmax", t["rel_error"]) + 1e-9
+    dense = tmp_path / "dense"
+    convert(tmp_path / "mse", dense, "DENSE")
+    lib = library_decompress_torch(tmp_path / "mse")
+    ours = load_file(dense / "model.safetensors")
+    assert all(torch.equal(ours[n].view(torch.int16), t.view(torch.int16)) for n, t in lib.items())
+
+
+def test_report_and_copied_files(converted, src):
+    dst = converted[("W4A16", 128)]
+    report = json.loads((dst / "quantkit_report.json").read_text())
+    q = [t for t in report["tensors"] if t["action"] == "quantize"]
+    assert len(q) == 14 and all(0.05 < t["rel_error"] < 0.2 and 14 < t["sqnr_db"] < 26 for t in q)
+    assert (dst / "tokenizer_config.json").read_text() == (src / "tokenizer_config.json").read_text()
+    assert (dst / "generation_config.json").exists()
+    assert not list(dst.parent.glob(".*quantkit-tmp*"))
+
+
+def test_workers_and_sharding_give_the_same_tensors(src, converted, tmp_path):
+    r = convert(src, tmp_path / "sharded", "W4A16", 128, workers=2, max_shard_bytes=300_000)
+    assert r["num_shards"] > 3
+    index = json.loads((tmp_path / "sharded" / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"].values()) == {p.name for p in (tmp_path / "sharded").glob("*.safetensors")}
+    a, b = read_tensors(tmp_path / "sharded"), read_tensors(converted[("W4A16", 128)])
+    assert sorted(a) == sorted(b) and all(torch.equal(a[n].view(torch.uint8), b[n].view(torch.uint8))
+                                          for n in a if a[n].dtype.itemsize == 1) and all(
+        torch.equal(a[n], b[n]) for n in a if a[n].dtype.itemsize > 1)
+    assert inspect_checkpoint(tmp_path / "sharded", deep=True)["exit_code"] == 0
+
+
+def test_ignore_patterns_are_recorded_and_honoured_by_the_library(src, tmp_path):
+    convert(src, tmp_path / "ign", "W4A16", 128, ignore=["re:.*down_proj", "model.layers.0.self_attn.q_proj"])
+    qc = json.loads((tmp_path / "ign" / "config.json").read_text())["quantization_config"]
+    assert "re:.*down_proj" in qc["ignore"] and "model.layers.0.self_attn.q_proj" in qc["ignore"]
+    tensors = read_tensors(tmp_path / "ign")
+    assert "model.layers.1.mlp.down_proj.weight" in tensors and "model.layers.0.self_attn.q_proj.weight" in tensors
+    model = tiny_llama(0)
+    apply_quantization_config(model, QuantizationConfig.model_validate(qc))
+    for name, m in model.named_modules():
+        if isinstance(m, torch.nn.Linear):
+            quantized = hasattr(m, "quantization_scheme")
+            assert quantized == (f"{name}.weight_packed" in tensors), name
+
+
+def test_moe_router_gates_stay_dense(tmp_path):
+    import transformers
+
+    cfg = transformers.Qwen3MoeConfig(hidden_size=128, intermediate_size=256, moe_intermediate_size=128,
+                                      num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                                      num_experts=4, num_experts_per_tok=2, vocab_size=256, head_dim=64)
+    torch.manual_seed(0)
+    transformers.Qwen3MoeForCausalLM(cfg).to(torch.bfloat16).save_pretrained(tmp_path / "moe")
+    convert(tmp_path / "moe", tmp_path / "moe-w4", "W4A16", 64)
+    qc = json.loads((tmp_path / "moe-w4" / "config.json").read_text())["quantization_config"]
+    assert sorted(qc["ignore"]) == ["lm_head", "model.layers.0.mlp.gate"]
+    r = inspect_checkpoint(tmp_path / "moe-w4")
+    kinds = {la["name"]: (la["kind"], la["path"]) for la in r["layers"]}
+    assert kinds["model.layers.0.mlp.experts.3.down_proj"] == ("moe_experts", "gmm_v2")
+    assert kinds["model.layers.0.mlp.gate"] == ("linear", "dense") and r["exit_code"] == 0
+    assert len(library_decompress_torch(tmp_path / "moe-w4")) == 4 + 4 * 3
+
+
+# ---- bad input: a clear error and no DST --------------------------------------------------------
+
+def _no_dst(dst: Path) -> bool:
+    return not dst.exists() and not list(dst.parent.glob(f".{dst.name}.quantkit-tmp*"))
+
+
+def test_existing_dst_refused_then_forced(src, tmp_path):
+    dst = tmp_path / "out"
+    dst.mkdir()
+    (dst / "keep").write_text("x")
+    with pytest.raises(InvalidInput, match="already exists; pass --force"):
+        convert(src, dst, "W4A16")
+    assert (dst / "keep").exists()
+    convert(src, dst, "W4A16", force=True)
+    assert not (dst / "keep").exists() and inspect_checkpoint(dst)["exit_code"] == 0
+    with pytest.raises(InvalidInput, match="must not be SRC"):
+        convert(src, src / "inside", "W4A16")
+
+
+def test_group_size_that_does_not_divide(src, tmp_path):
+    with pytest.raises(InvalidInput, match=r"down_proj.weight: in_features 512 is not divisible by group size 96; "
+                                           r"group sizes that divide it: 16, 32, 64, 128, 256, 512, or -1"):
+        convert(src, tmp_path / "g96", "W4A16", 96)
+    assert _no_dst(tmp_path / "g96")
+
+
+def test_nan_weights_leave_no_dst(src, tmp_path):
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    for f in src.iterdir():
+        (bad / f.name).write_bytes(f.read_bytes())
+    t = load_file(bad / "model.safetensors")
+    t["model.layers.1.mlp.up_proj.weight"][3, 7] = float("nan")
+    save_file(t, bad / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(InvalidInput, match=r"model.layers.1.mlp.up_proj.weight: 1 NaN/Inf"):
+        convert(bad, tmp_path / "out", "W4A16", workers=2)
+    assert _no_dst(tmp_path / "out")
+
+
+def test_quantized_source_and_fp8_static(converted, tmp_path):
+    with pytest.raises(InvalidInput, match="already quantized"):
+        convert(converted[("W4A16", 128)], tmp_path / "again", "MXFP4A16")
+    with pytest.raises(Unsupported, match="needs calibration"):
+        convert(converted[("W4A16", 128)], tmp_path / "fp8", "FP8")
+    assert _no_dst(tmp_path / "again") and _no_dst(tmp_path / "fp8")
+
+
+def test_full_disk_is_a_clear_error(src, tmp_path, monkeypatch):
+    import errno
+
+    def full(fd, offset, length):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    with pytest.raises(InvalidInput, match="no space left on device"):
+        convert(src, tmp_path / "out", "W4A16")
+    assert _no_dst(tmp_path / "out")
+
+
+def test_cli_convert_errors_are_one_line(src, tmp_path):
+    p = subprocess.run([*QUANTKIT, "convert", str(src), str(tmp_path / "o"), "--group-size", "96"],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 1 and p.stderr.count("\n") == 1 and "Traceback" not in p.stderr
+    p = subprocess.run([*QUANTKIT, "convert", str(src), str(tmp_path / "o"), "--scheme", "FP8"],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 3 and "FP8_DYNAMIC" in p.stderr
+    p = subprocess.run([*QUANTKIT, "convert", str(src), str(tmp_path / "o"), "--json"],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0 and json.loads(p.stdout)["quantized_tensors"] == 14
+
+
+@pytest.mark.slow
+def test_killed_mid_convert_never_leaves_a_dst_inspect_accepts(tmp_path):
+    """SIGKILL at random moments: DST either does not exist or is complete and valid."""
+    src = tmp_path / "src"
+    tiny_llama(0, hidden=512, intermediate=2048, layers=4, vocab=4096).save_pretrained(src)
+    rng = random.Random(0)
+    outcomes = set()
+    for i in range(6):
+        dst = tmp_path / f"dst{i}"
+        p = subprocess.Popen([*QUANTKIT, "convert", str(src), str(dst), "--observer", "mse"],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        time.sleep(rng.uniform(0.3, 3.0))
+        p.send_signal(signal.SIGKILL)
+        p.wait()
+        if dst.exists():
+            outcomes.add("complete")
+            assert inspect_checkpoint(dst, deep=True)["exit_code"] == 0
+            assert (dst / "quantkit_report.json").exists()
+        else:
+            outcomes.add("absent")
+    assert "absent" in outcomes
+
+
+def test_sigterm_cleans_up(tmp_path, src):
+    big = tmp_path / "big"
+    tiny_llama(0, hidden=512, intermediate=2048, layers=4, vocab=4096).save_pretrained(big)
+    dst = tmp_path / "dst"
+    p = subprocess.Popen([*QUANTKIT, "convert", str(big), str(dst), "--observer", "mse"],
+                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    time.sleep(1.5)
+    p.send_signal(signal.SIGTERM)
+    _, err = p.communicate(timeout=60)
+    assert p.returncode == 130 and "interrupted" in err
+    assert _no_dst(dst)
