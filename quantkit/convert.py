@@ -30,7 +30,7 @@ import numpy as np
 from quantkit.errors import InvalidInput, QuantkitError, Unsupported
 from quantkit.formats import packing
 from quantkit.formats.compressed_tensors import (
-    Scheme, dequantize, parse_quantization_config, stored_layout, writable_config,
+    Scheme, can_dequantize, dequantize, match_name, parse_quantization_config, stored_layout, writable_config,
 )
 from quantkit.formats.hf import INDEX_NAME, Checkpoint, classify_module, default_exclusion, group_modules
 from quantkit.formats.safetensors_io import DTYPES, FLOAT_DTYPES
@@ -39,7 +39,7 @@ from quantkit.kernels.dispatch import unsupported_reason
 from quantkit.quant.quantize import QuantSpec, quantize_rows
 
 SCHEMES = ("W4A16", "FP8", "FP8_DYNAMIC", "FP8_BLOCK", "MXFP4A16", "DENSE")
-CHUNK_BYTES = 32 << 20  # float32 bytes of input per row chunk
+CHUNK_BYTES = 4 << 20  # float32 bytes of input per row chunk: small enough to stay in cache
 REPORT_NAME = "quantkit_report.json"
 
 
@@ -80,9 +80,7 @@ def _divisor_hint(n: int) -> str:
 
 
 def _matches(name: str, patterns: list[str]) -> bool:
-    import re
-
-    return any(re.match(p[3:], name) if p.startswith("re:") else p == name for p in patterns)
+    return any(match_name(name, p) for p in patterns)
 
 
 def plan(ckpt: Checkpoint, scheme: str, group_size: int, ignore: list[str],
@@ -144,10 +142,8 @@ def plan(ckpt: Checkpoint, scheme: str, group_size: int, ignore: list[str],
 
 
 def _dequantize_job(ckpt: Checkpoint, module: str, sch: Scheme, pnames: dict, params: dict) -> Job:
-    reason = unsupported_reason(Scheme(sch.name, sch.targets, sch.format, sch.weights))
-    w = sch.weights
-    if reason and not (w.type == "int" and w.symmetric and sch.format == "pack-quantized" and w.actorder != "group"
-                       and w.strategy in ("group", "channel")):
+    if not can_dequantize(sch):
+        reason = unsupported_reason(sch) or f"format {sch.format} with {sch.weights.strategy} scales"
         raise Unsupported(f"{module}: cannot dequantize: {reason}")
     if "weight_shape" in pnames:
         shape = tuple(int(x) for x in ckpt.read(pnames["weight_shape"]))
@@ -261,7 +257,7 @@ def _disk_error(e: OSError, path, need: int) -> QuantkitError:
 
 
 def _finite(name: str, x: np.ndarray) -> None:
-    if not np.isfinite(x).all():
+    if not np.isfinite(x).all():  # numpy's isfinite reads bf16/f16/f32 without a copy
         bad = int((~np.isfinite(x)).sum())
         raise InvalidInput(f"{name}: {bad} NaN/Inf value(s) in the source weights; fix or drop this tensor first")
 
@@ -292,70 +288,66 @@ def run_job(job: Job, ckpt: Checkpoint, writer: _Writer, scheme: str, group_size
     """Does one job in row chunks; returns its report row."""
     stats = Stats()
     if job.action == "copy":
-        src = ckpt.read(job.src["tensor"])
-        flat = src.reshape(-1) if src.ndim else src.reshape(1)
-        is_float = job.dtype in FLOAT_DTYPES
-        step = max(1, CHUNK_BYTES // max(1, flat.itemsize))
-        for i in range(0, flat.size, step):
-            part = flat[i:i + step]
-            if is_float:
-                _finite(job.name, part.astype(np.float32))
-            fd, _, _, off = writer.where[job.name]
-            writer._write(fd, part, off + i * flat.itemsize, job.name)
+        info = ckpt.tensors[job.src["tensor"]]
+        rows = info.shape[0] if info.shape else 1
+        whole = len(info.shape) <= 1 or DTYPES[info.dtype][0] % 8 or not info.nbytes  # small or sub-byte: at once
+        step = rows if whole else max(1, CHUNK_BYTES // (info.nbytes // rows))
+        for r0 in range(0, rows, step):
+            part = ckpt.read_rows(job.src["tensor"], r0, r0 + step)
+            if job.dtype in FLOAT_DTYPES:
+                _finite(job.name, part)
+            writer.write(job.name, part, r0)
             progress(part.nbytes)
         return stats.row(job, scheme, job.nbytes_out())
 
     if job.action == "quantize":
         spec = quant_spec(scheme, group_size)
-        w = ckpt.read(job.src["weight"])  # [out, in] mmap view
-        out, inp = w.shape
+        out, inp = job.shape
         step = _rows_per_chunk(inp, 128 if spec.block else 1)
         mod = job.name
+        scale_dtype = DTYPES[job.dtype][1]
         for r0 in range(0, out, step):
-            rows = w[r0:r0 + step]
-            x = rows.astype(np.float32)
-            _finite(job.src["weight"], x)
-            stored, deq, mm_err2 = quantize_rows(rows, spec, observer)
-            stats.ref2 += float(np.square(x, dtype=np.float64).sum())
-            stats.err2 += float(np.square(deq - x, dtype=np.float64).sum())
-            stats.minmax_err2 += mm_err2
-            scale_dtype = DTYPES[job.dtype][1]
+            rows = ckpt.read_rows(job.src["weight"], r0, r0 + step)
+            with np.errstate(invalid="ignore"):  # NaN weights are reported just below
+                r = quantize_rows(rows, spec, observer)
+            if not math.isfinite(r.ref2):
+                _finite(job.src["weight"], rows.astype(np.float32))
+            stats.ref2 += r.ref2
+            stats.err2 += r.err2
+            stats.minmax_err2 += r.minmax_err2
             if spec.kind == "int":
-                writer.write(f"{mod}.weight_packed", packing.pack_int(stored["values"], spec.num_bits), r0)
-                writer.write(f"{mod}.weight_scale", stored["scale"].astype(scale_dtype), r0)
+                writer.write(f"{mod}.weight_packed", packing.pack_int(r.values, spec.num_bits), r0)
+                writer.write(f"{mod}.weight_scale", r.scale.astype(scale_dtype), r0)
             elif spec.kind == "fp8":
-                writer.write(f"{mod}.weight", stored["values"], r0)
-                writer.write(f"{mod}.weight_scale", stored["scale"].astype(scale_dtype),
-                             r0 // 128 if spec.block else r0)
+                writer.write(f"{mod}.weight", r.values, r0)
+                writer.write(f"{mod}.weight_scale", r.scale.astype(scale_dtype), r0 // 128 if spec.block else r0)
             else:
-                writer.write(f"{mod}.weight_packed", packing.pack_fp4(stored["values"]), r0)
-                writer.write(f"{mod}.weight_scale", stored["scale"], r0)
+                writer.write(f"{mod}.weight_packed", packing.pack_fp4(r.values), r0)
+                writer.write(f"{mod}.weight_scale", r.scale, r0)
             progress(rows.nbytes)
         if spec.kind == "int":
             writer.write(f"{mod}.weight_shape", np.array([out, inp], np.int64))
         return stats.row(job, scheme, job.nbytes_out())
 
     # dequantize: row chunks of the packed weight and its per-row (or per-block-row) scales
-    sch = job.scheme
-    arrays = {p: ckpt.read(n) for p, n in job.src.items() if p != "bias"}
+    sch, w = job.scheme, job.scheme.weights
     out = job.shape[0]
-    w = sch.weights
     align = w.block_structure[0] if w.strategy == "block" else 1
     step = _rows_per_chunk(job.shape[-1], align)
     for r0 in range(0, out, step):
         r1 = min(out, r0 + step)
         part = {}
-        for p, a in arrays.items():
+        for p, n in job.src.items():
             if p == "weight_scale" and w.strategy == "tensor":
-                part[p] = a
+                part[p] = ckpt.read_rows(n, 0, 1)
             elif p == "weight_scale" and w.strategy == "block":
-                part[p] = a[r0 // align: -(-r1 // align)]
-            else:
-                part[p] = a[r0:r1]
+                part[p] = ckpt.read_rows(n, r0 // align, -(-r1 // align))
+            elif p != "bias":
+                part[p] = ckpt.read_rows(n, r0, r1)
         deq = dequantize(sch, part, (r1 - r0, job.shape[-1]))
         _finite(job.name, deq)
         writer.write(f"{job.name}.weight", packing.to_dtype(deq, job.dtype), r0)
-        progress(sum(a.nbytes for p, a in part.items() if p != "weight_scale" or w.strategy != "tensor"))
+        progress(sum(a.nbytes for a in part.values()))
     if "bias" in job.src:
         writer.write(job.src["bias"], ckpt.read(job.src["bias"]))
     return stats.row(job, scheme, job.nbytes_out())

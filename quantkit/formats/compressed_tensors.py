@@ -158,7 +158,7 @@ class QuantConfig:
                 target_to_scheme[t] = g  # a later group takes over a repeated target
         ordered = sorted(target_to_scheme, key=lambda t: ("re:" in t, t))
         for t in ordered:
-            if _match_name(name, t):
+            if match_name(name, t):
                 return target_to_scheme[t]
         for t in ordered:
             if class_name is not None and t == class_name:
@@ -166,14 +166,15 @@ class QuantConfig:
         return None
 
 
-def _match_name(name: str, target: str) -> bool:
+def match_name(name: str, target: str) -> bool:
+    """A module name against one target: exact, or `re:` + regex anchored at the start (re.match)."""
     if target.startswith("re:"):
         return _regex(target[3:]).match(name) is not None
     return target == name
 
 
 def _matches(name: str, class_name: str | None, target: str) -> bool:
-    return _match_name(name, target) or (class_name is not None and target == class_name)
+    return match_name(name, target) or (class_name is not None and target == class_name)
 
 
 _REGEX_CACHE: dict[str, re.Pattern] = {}
@@ -441,6 +442,16 @@ def check_module_tensors(module: str, scheme: Scheme | None, params: dict) -> tu
     if info is None:
         errors.append(f"{module}: no weight tensor found for format {fmt}")
     return None, errors
+
+
+def can_dequantize(scheme: Scheme) -> bool:
+    """Whether `dequantize` handles this scheme's weights."""
+    w, fmt = scheme.weights, scheme.format
+    if fmt == "pack-quantized":
+        return w.type == "int" and w.symmetric and w.actorder != "group" and w.strategy in ("group", "channel")
+    if fmt == "float-quantized":
+        return w.type == "float" and w.num_bits == 8 and w.strategy in ("tensor", "channel", "block", "group")
+    return fmt == "mxfp4-pack-quantized"
 
 
 def dequantize(scheme: Scheme, arrays: dict, shape: tuple[int, ...]) -> "np.ndarray":

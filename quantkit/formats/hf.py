@@ -133,13 +133,17 @@ class Checkpoint:
         model_type = cfg.get("model_type")
         return model_type if isinstance(model_type, str) else None
 
+    def file_of(self, name: str) -> SafetensorsFile:
+        info = self.tensors[name]
+        return next(f for f in self.files if f.path == info.file)
+
     def read(self, name: str) -> np.ndarray:
         """Maps tensor `name` (see SafetensorsFile.read)."""
-        info = self.tensors[name]
-        for f in self.files:
-            if f.path == info.file:
-                return f.read(name)
-        raise KeyError(name)  # unreachable: every TensorInfo comes from one of self.files
+        return self.file_of(name).read(name)
+
+    def read_rows(self, name: str, start: int, stop: int) -> np.ndarray:
+        """Copies rows [start, stop) of tensor `name` (see SafetensorsFile.read_rows)."""
+        return self.file_of(name).read_rows(name, start, stop)
 
 
 # ---- modules and what kind of layer each is -------------------------------------------------------
