@@ -32,7 +32,9 @@ from quantkit.formats import packing
 from quantkit.formats.compressed_tensors import (
     Scheme, can_dequantize, dequantize, match_name, parse_quantization_config, stored_layout, writable_config,
 )
-from quantkit.formats.hf import INDEX_NAME, Checkpoint, classify_module, default_exclusion, group_modules
+from quantkit.formats.hf import (
+    INDEX_NAME, Checkpoint, classify_module, default_exclusion, group_modules, vision_root,
+)
 from quantkit.formats.safetensors_io import DTYPES, FLOAT_DTYPES
 from quantkit.inspect import inspect_checkpoint
 from quantkit.kernels.dispatch import unsupported_reason
@@ -117,7 +119,10 @@ def plan(ckpt: Checkpoint, scheme: str, group_size: int, ignore: list[str],
                 reason = "--ignore"
             if reason is not None:
                 quantize = False
-                if not _matches(module, [p for p in ignore if p.startswith("re:")]):
+                root = vision_root(module)
+                if root is not None:  # one pattern per tower: its in-memory names carry other prefixes
+                    ignored.append(f"re:.*{root}\\.")
+                elif not _matches(module, [p for p in ignore if p.startswith("re:")]):
                     ignored.append(module)
         for p, n in pnames.items():
             info = ckpt.tensors[n]
@@ -138,6 +143,8 @@ def plan(ckpt: Checkpoint, scheme: str, group_size: int, ignore: list[str],
         j.bytes_in = sum(ckpt.tensors[n].nbytes for n in j.src.values())
     if scheme != "DENSE" and not any(j.action == "quantize" for j in jobs):
         raise InvalidInput(f"{ckpt.root}: no Linear weight to quantize (all excluded or ignored)")
+    if not quantize_lm_head and "lm_head" not in ignored:
+        ignored.append("lm_head")  # tied embeddings: no tensor, but loaders still build an lm_head Linear
     return jobs, list(dict.fromkeys(ignored))
 
 

@@ -284,3 +284,86 @@ def test_sigterm_cleans_up(tmp_path, src):
     _, err = p.communicate(timeout=60)
     assert p.returncode == 130 and "interrupted" in err
     assert _no_dst(dst)
+
+
+def _family(name):
+    import transformers as T
+
+    common = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
+                  num_key_value_heads=1, vocab_size=256, head_dim=64)
+    if name == "qwen2":
+        return T.Qwen2ForCausalLM(T.Qwen2Config(**common))
+    if name == "qwen3":
+        return T.Qwen3ForCausalLM(T.Qwen3Config(**common))
+    if name == "mistral":
+        return T.MistralForCausalLM(T.MistralConfig(**common))
+    if name == "gemma2":
+        return T.Gemma2ForCausalLM(T.Gemma2Config(**common))
+    if name == "gemma3":
+        return T.Gemma3ForCausalLM(T.Gemma3TextConfig(**common))
+    if name == "mixtral":
+        return T.MixtralForCausalLM(T.MixtralConfig(**{**common, "num_local_experts": 4, "num_experts_per_tok": 2}))
+    if name == "deepseek_v3":
+        return T.DeepseekV3ForCausalLM(T.DeepseekV3Config(
+            hidden_size=128, intermediate_size=256, moe_intermediate_size=64, num_hidden_layers=2,
+            num_attention_heads=2, num_key_value_heads=2, vocab_size=256, n_routed_experts=4, n_shared_experts=1,
+            num_experts_per_tok=2, first_k_dense_replace=1, q_lora_rank=64, kv_lora_rank=64, qk_rope_head_dim=32,
+            qk_nope_head_dim=32, v_head_dim=32, n_group=1, topk_group=1))
+    raise KeyError(name)
+
+
+FAMILIES = ["qwen2", "qwen3", "mistral", "gemma2", "gemma3", "mixtral", "deepseek_v3"]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_families_quantize_exactly_what_the_library_targets(family, tmp_path):
+    """Every Linear of the language model is quantized except lm_head and MoE routers; applying our
+    config with the library to the same model marks exactly the modules we quantized; transformers runs it."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = _family(family).to(torch.bfloat16)
+    model.save_pretrained(tmp_path / "src")
+    r = convert(tmp_path / "src", tmp_path / "dst", "W4A16", 32)
+    tensors = read_tensors(tmp_path / "dst")
+    qc = json.loads((tmp_path / "dst" / "config.json").read_text())["quantization_config"]
+    fresh = _family(family)
+    apply_quantization_config(fresh, QuantizationConfig.model_validate(qc))
+    linears = [n for n, m in fresh.named_modules() if isinstance(m, torch.nn.Linear)]
+    for name in linears:
+        ours = f"{name}.weight_packed" in tensors
+        assert ours == hasattr(fresh.get_submodule(name), "quantization_scheme"), name
+        assert ours == (name.rsplit(".", 1)[-1] not in ("lm_head", "gate")), name
+    on_disk = {n.removesuffix(".weight_packed") for n in tensors if n.endswith(".weight_packed")}
+    # transformers fuses MoE experts in memory (not Linear modules); on disk they are per-expert Linears
+    assert all(n in linears or ".experts." in n for n in on_disk)
+    assert r["quantized_tensors"] == len(on_disk) > 0
+    ids = torch.randint(0, 256, (1, 8), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        logits = AutoModelForCausalLM.from_pretrained(tmp_path / "dst", dtype=torch.bfloat16)(ids).logits
+    assert torch.isfinite(logits).all()
+
+
+def test_vision_tower_stays_dense_and_transformers_loads_multimodal(tmp_path):
+    import transformers as T
+
+    text = T.Gemma3TextConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
+                              num_key_value_heads=1, vocab_size=300, head_dim=64)
+    vision = T.SiglipVisionConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2,
+                                  image_size=32, patch_size=8)
+    cfg = T.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4, image_token_index=299,
+                         boi_token_index=297, eoi_token_index=298)
+    torch.manual_seed(0)
+    T.Gemma3ForConditionalGeneration(cfg).to(torch.bfloat16).save_pretrained(tmp_path / "src")
+    r = convert(tmp_path / "src", tmp_path / "dst", "W4A16", 32)
+    qc = json.loads((tmp_path / "dst" / "config.json").read_text())["quantization_config"]
+    assert qc["ignore"] == ["re:.*vision_tower\\.", "lm_head"] and r["quantized_tensors"] == 14
+    fresh = T.Gemma3ForConditionalGeneration(cfg)
+    apply_quantization_config(fresh, QuantizationConfig.model_validate(qc))
+    marked = [n for n, m in fresh.named_modules() if isinstance(m, torch.nn.Linear) and hasattr(m, "quantization_scheme")]
+    assert len(marked) == 14 and all("language_model" in n for n in marked)
+    ids = torch.randint(0, 290, (1, 8), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        logits = T.Gemma3ForConditionalGeneration.from_pretrained(tmp_path / "dst", dtype=torch.bfloat16)(
+            input_ids=ids).logits
+    assert logits.shape == (1, 8, 300) and torch.isfinite(logits).all()

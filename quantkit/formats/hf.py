@@ -162,13 +162,13 @@ def group_modules(names) -> dict[str, dict[str, str]]:
     """Groups tensor names by module: {module: {param: tensor name}}.
 
     A tensor whose last component is not a known parameter (e.g. a fused expert tensor
-    `mlp.experts.gate_up_proj`) is a module of its own, with the tensor as its "weight".
+    `mlp.experts.gate_up_proj`) is a module of its own, with the tensor as its "tensor" (never a Linear).
     """
     modules: dict[str, dict[str, str]] = {}
     for name in names:
         module, _, param = name.rpartition(".")
         if param not in MODULE_PARAMS or not module:
-            module, param = name, "weight"
+            module, param = name, "tensor"
         modules.setdefault(module, {})[param] = name
     return modules
 
@@ -179,7 +179,7 @@ def classify_module(name: str, params: dict) -> tuple[str, str | None]:
     kind is "linear" | "moe_experts" | "embedding" | "norm" | "other" (CLI.md); the class name
     ("Linear", "Embedding" or None) is what compressed-tensors class targets match.
     """
-    main = params.get("weight_packed") or params.get("weight")
+    main = params.get("weight_packed") or params.get("weight") or params.get("tensor")
     expert = ".experts." in f"{name}." and ".shared_expert" not in name
     if main is None:  # a quantized linear whose weight tensor is missing still reads as one
         if "weight_scale" in params or "weight_shape" in params:
@@ -191,7 +191,7 @@ def classify_module(name: str, params: dict) -> tuple[str, str | None]:
         return "embedding", "Embedding"
     if rank <= 1 or "norm" in last or last.startswith("ln_"):
         return "norm", None
-    if rank == 2 or (rank == 3 and "weight_packed" in params):
+    if "tensor" not in params and (rank == 2 or (rank == 3 and "weight_packed" in params)):
         return ("moe_experts" if expert else "linear"), "Linear"
     if rank == 3 and expert:
         return "moe_experts", None
@@ -200,6 +200,12 @@ def classify_module(name: str, params: dict) -> tuple[str, str | None]:
 
 _VISION = re.compile(r"(^|\.)(vision_tower|vision_model|visual|vision|image_encoder|image_newline|"
                      r"multi_modal_projector|mm_projector|audio_tower|audio_model)(\.|$)")
+
+
+def vision_root(name: str) -> str | None:
+    """The vision/audio tower or projector component of a module name (e.g. "vision_tower"), if any."""
+    m = _VISION.search(name)
+    return m.group(2) if m else None
 
 
 def default_exclusion(name: str) -> str | None:
