@@ -367,3 +367,17 @@ def test_vision_tower_stays_dense_and_transformers_loads_multimodal(tmp_path):
         logits = T.Gemma3ForConditionalGeneration.from_pretrained(tmp_path / "dst", dtype=torch.bfloat16)(
             input_ids=ids).logits
     assert logits.shape == (1, 8, 300) and torch.isfinite(logits).all()
+
+
+@pytest.mark.parametrize("case", [("W4A16", 128), ("W4A16", -1), ("FP8_DYNAMIC", 128), ("MXFP4A16", 128)],
+                         ids=lambda c: f"{c[0]}-g{c[1]}")
+def test_library_convert_checkpoint_dequantizes_ours_like_our_dense(converted, case, tmp_path):
+    """The library's model-free path (convert_checkpoint + CompressedTensorsDequantizer) on our output."""
+    from ct_oracle import library_convert_dequantize
+
+    library_convert_dequantize(converted[case], tmp_path / "lib")
+    convert(converted[case], tmp_path / "ours", "DENSE")
+    lib, ours = read_tensors(tmp_path / "lib"), read_tensors(tmp_path / "ours")
+    assert sorted(lib) == sorted(ours)
+    for name, t in lib.items():
+        assert torch.equal(ours[name].view(torch.uint8), t.contiguous().view(torch.uint8)), name
