@@ -546,3 +546,39 @@ def stored_layout(scheme: str, group_size: int, shape: tuple[int, int], dtype: s
     if scheme == "MXFP4A16":
         return {"weight_packed": ("U8", (out, inp // 2)), "weight_scale": ("U8", (out, inp // 32))}
     raise ValueError(f"quantkit does not write scheme {scheme!r}")
+
+
+def kernel_layout(scheme: Scheme, arrays: dict, shape: tuple[int, int]):
+    """A served weight in the runtime's layout (see quant/qtensor.py), in numpy.
+
+    Args:
+        scheme: the module's scheme (int4 pack-quantized, fp8 float-quantized, mxfp4).
+        arrays: parameter name -> numpy array as stored.
+        shape: logical [out, in].
+    Returns:
+        (values [in, out] int8 (int4 values or e2m1 codes as signed nibbles) or float8_e4m3fn,
+         scales [in // group, out] (float32/bfloat16 as stored, uint8 E8M0 for mxfp4), qtype, group).
+    """
+    import numpy as np
+
+    from quantkit.formats import packing
+
+    out, inp = shape
+    w, fmt = scheme.weights, scheme.format
+    scale = np.asarray(arrays["weight_scale"])
+    if fmt == "mxfp4-pack-quantized":
+        packed = np.asarray(arrays["weight_packed"])
+        codes = np.stack([packed & 0xF, packed >> 4], axis=-1).reshape(out, inp).astype(np.int8)
+        return np.where(codes >= 8, codes - 16, codes).astype(np.int8).T, scale.view(np.uint8).T, "mxfp4", 32
+    if fmt == "pack-quantized":
+        values, qtype = packing.unpack_int(np.asarray(arrays["weight_packed"]), w.num_bits, inp).T, "int4"
+    else:
+        values, qtype = np.asarray(arrays["weight"]).T, "fp8"
+    if w.strategy == "group":
+        return values, scale.T, qtype, w.group_size
+    if w.strategy == "block":  # [ceil(out/br), ceil(in/bc)] -> one scale per bc inputs and per column
+        br, bc = w.block_structure
+        return values, np.repeat(scale.T, br, axis=1)[:, :out], qtype, bc
+    if w.strategy == "tensor":
+        return values, np.broadcast_to(scale.reshape(1, 1), (1, out)).copy(), qtype, inp
+    return values, scale.T, qtype, inp  # channel: [out, 1] -> [1, out]

@@ -1,0 +1,230 @@
+"""gmm_v2: grouped matmul whose weights stay int4 / fp8 / mxfp4 in HBM and are dequantized per tile in VMEM.
+
+out[i, :] = lhs[i, :] @ dequantize(rhs[group of row i])    rows sorted by group; rows past the groups -> 0
+
+One kernel serves dense layers (one group) and MoE experts (many groups). Per grid step (n tile, visit,
+k tile), the weight tile [tk, tn] is DMA'd from HBM to VMEM in its packed type (double-buffered by the
+Pallas pipeline), converted to float on the vector unit and multiplied by its scales, then fed to the
+MXU in bf16 with float32 accumulation. Scales:
+- group < tk ("pre-dot"): each group of rows of the tile is scaled before the dot;
+- group >= tk (wide groups, channel scales): the dot of the unscaled tile (exact small integers or fp8
+  values in bf16) is multiplied by the tile's single scale row: scales apply to partial sums.
+A "visit" is one (group, m tile) pair: an m tile that straddles a group boundary is visited once per
+group, and each visit writes only its group's rows (megablox's scheme, reimplemented here).
+
+File order (ARCHITECTURE.md rule 6): configs -> validation -> tiling -> cost estimate -> pallas_call ->
+one jitted public entry.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from quantkit.kernels.tiling import CHIPS, Chip, Tiles, choose_tiles, weight_bits
+from quantkit.quant.qtensor import QTensor
+
+# ---- configs --------------------------------------------------------------------------------------
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+# ---- validation -----------------------------------------------------------------------------------
+
+def check_gmm_v2(lhs_shape: tuple[int, int], rhs: QTensor, chip: Chip) -> tuple[Tiles | None, str]:
+    """Tiles for this call, or None and why gmm_v2 cannot serve it (callers fall back to XLA)."""
+    m, k = lhs_shape
+    g, k2, n = rhs.shape
+    if k != k2:
+        return None, f"lhs has {k} features but the weight {k2}"
+    if not chip.tpu:
+        return None, f"{chip.name}: Pallas TPU kernels need a TPU target"
+    if k % 128 or n % 128:
+        return None, f"[{k}, {n}] is not a multiple of 128 in both dimensions (TPU block rule)"
+    tiles = choose_tiles(m, k, n, g, rhs.qtype, rhs.group, rhs.scales.dtype.itemsize, chip)
+    if tiles is None:
+        return None, f"no tiling of [{k}, {n}] with group {rhs.group} fits {chip.name} VMEM"
+    return tiles, ""
+
+
+# ---- group metadata --------------------------------------------------------------------------------
+
+def visits(group_sizes: jax.Array, m: int, tm: int) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """Which (group, m tile) pairs to visit, in order.
+
+    Returns int32 arrays: group id per visit [V], m tile per visit [V], the number of real visits [1],
+    and group row bounds [g + 1, 2] (the extra group g, empty, stands for rows past all groups). V is the
+    static bound tiles_m + g - 1 + 1; padding visits repeat the last real one (same blocks: no new DMA)
+    and are skipped by the kernel.
+    """
+    g = group_sizes.shape[0]
+    tiles_m = _cdiv(m, tm)
+    sizes = group_sizes.astype(jnp.int32)
+    ends = jnp.cumsum(sizes)
+    starts = ends - sizes
+    total = ends[-1]
+    first = starts // tm
+    count = jnp.where(sizes > 0, (ends - 1) // tm - first + 1, 0)
+    covered = (total + tm - 1) // tm  # m tiles that hold any grouped row
+    # Tiles past the last group are visited once each by the empty sentinel group g, which zeroes them.
+    first = jnp.concatenate([first, covered[None]])
+    count = jnp.concatenate([count, (tiles_m - covered)[None]])
+    cum = jnp.cumsum(count)
+    n_visits = cum[-1]
+    bound = tiles_m + g
+    v = jnp.arange(bound, dtype=jnp.int32)
+    vg = jnp.searchsorted(cum, jnp.minimum(v, n_visits - 1), side="right").astype(jnp.int32)
+    vt = (first[vg] + jnp.minimum(v, n_visits - 1) - (cum[vg] - count[vg])).astype(jnp.int32)
+    bounds = jnp.stack([jnp.concatenate([starts, jnp.zeros(1, jnp.int32)]),
+                        jnp.concatenate([ends, jnp.zeros(1, jnp.int32)])], axis=1)
+    return vg, vt, n_visits.reshape(1).astype(jnp.int32), bounds
+
+
+# ---- the kernel ------------------------------------------------------------------------------------
+
+def _decode_tile(q: jax.Array, qtype: str) -> jax.Array:
+    """Packed tile -> float32 values before scaling (int4 ints, fp8 values, e2m1 values)."""
+    if qtype != "mxfp4":
+        return q.astype(jnp.float32)
+    c = q.astype(jnp.int32) & 15
+    idx, neg = c & 7, c >= 8
+    e, mant = idx >> 1, idx & 1
+    normal = jax.lax.bitcast_convert_type(((e + 126) << 23) | (mant << 22), jnp.float32)  # (1 + m/2) 2^(e-1)
+    mag = jnp.where(e == 0, mant.astype(jnp.float32) * 0.5, normal)
+    return jnp.where(neg, -mag, mag)
+
+
+def _decode_scales(s: jax.Array, qtype: str) -> jax.Array:
+    if qtype != "mxfp4":
+        return s.astype(jnp.float32)
+    # E8M0 byte e -> 2^(e - 127) built on the exponent bits (e = 0, 2^-127, flushes to 0).
+    return jax.lax.bitcast_convert_type(s.astype(jnp.int32) << 23, jnp.float32)
+
+
+def _kernel(vg_ref, vt_ref, nv_ref, bounds_ref, lhs_ref, q_ref, s_ref, out_ref, acc_ref, *,
+            qtype: str, group: int, tiles: Tiles, num_groups: int, nk: int):
+    v, ki = pl.program_id(1), pl.program_id(2)
+    tm, tk, tn = tiles.tm, tiles.tk, tiles.tn
+    g = vg_ref[v]
+    real = (v < nv_ref[0]) & (g < num_groups)
+
+    @pl.when(ki == 0)
+    def _():
+        acc_ref[...] = jnp.zeros_like(acc_ref)
+
+    @pl.when(real)
+    def _():
+        x = lhs_ref[...]  # [tm, tk] bf16
+        q = _decode_tile(q_ref[...], qtype)  # [tk, tn] f32
+        if tiles.predot:
+            rows = tk // group
+            s = _decode_scales(s_ref[...], qtype)  # [tk/group, tn]: this k tile's scale rows
+            w = (q.reshape(rows, group, tn) * s[:, None, :]).reshape(tk, tn).astype(jnp.bfloat16)
+            acc_ref[...] += jnp.dot(x, w, preferred_element_type=jnp.float32)
+        else:
+            # One scale row serves the whole k tile. Select it with a mask rather than a dynamic one-row
+            # slice, which Mosaic cannot prove aligned for packed (bf16, uint8) scales.
+            s_all = _decode_scales(s_ref[...], qtype)  # [k/group, tn]
+            if s_all.shape[0] == 1:
+                s = s_all
+            else:
+                hit = jax.lax.broadcasted_iota(jnp.int32, s_all.shape, 0) == (ki * tk) // group
+                s = jnp.sum(jnp.where(hit, s_all, 0.0), axis=0, keepdims=True)  # [1, tn]
+            part = jnp.dot(x, q.astype(jnp.bfloat16), preferred_element_type=jnp.float32)
+            acc_ref[...] += part * s
+
+    @pl.when((ki == nk - 1) & (v < nv_ref[0]))
+    def _():
+        t = vt_ref[v]
+        first = (v == 0) | (vt_ref[jnp.maximum(v - 1, 0)] != t)
+        rows = t * tm + jax.lax.broadcasted_iota(jnp.int32, (tm, tn), 0)
+        mine = (rows >= bounds_ref[g, 0]) & (rows < bounds_ref[g, 1])
+        prev = jnp.where(first, 0.0, out_ref[...].astype(jnp.float32))
+        out_ref[...] = jnp.where(mine, acc_ref[...], prev).astype(out_ref.dtype)
+
+
+# ---- cost estimate ---------------------------------------------------------------------------------
+
+def cost(m: int, k: int, n: int, g: int, rhs: QTensor, tiles: Tiles, out_bytes: int = 2) -> pl.CostEstimate:
+    """Bytes actually moved: every visited group's packed weight and scales once per m tile visit
+    (bounded by the tiles plus group boundaries), lhs once per n tile, the output once."""
+    bits = weight_bits(rhs.qtype)
+    visits_bound = min(_cdiv(m, tiles.tm) + g - 1, _cdiv(m, tiles.tm) * g)
+    weight = k * n * bits // 8 + rhs.scales.shape[1] * n * rhs.scales.dtype.itemsize
+    moved = visits_bound * weight + (n // tiles.tn) * m * k * 2 + m * n * out_bytes
+    return pl.CostEstimate(flops=2 * m * k * n, transcendentals=0, bytes_accessed=moved)
+
+
+# ---- pallas_call -----------------------------------------------------------------------------------
+
+def _call(lhs: jax.Array, rhs: QTensor, group_sizes: jax.Array, tiles: Tiles, interpret) -> jax.Array:
+    m, k = lhs.shape
+    g, _, n = rhs.shape
+    tm, tk, tn = tiles.tm, tiles.tk, tiles.tn
+    nk = k // tk
+    vg, vt, nv, bounds = visits(group_sizes, m, tm)
+    srows = rhs.scales.shape[1]
+    grid = (n // tn, vg.shape[0], nk)
+    kernel = functools.partial(_kernel, qtype=rhs.qtype, group=rhs.group, tiles=tiles, num_groups=g, nk=nk)
+
+    def lhs_map(ni, v, ki, vg, vt, nv, bounds):
+        return vt[v], ki
+
+    def q_map(ni, v, ki, vg, vt, nv, bounds):
+        return jnp.minimum(vg[v], g - 1), ki, ni
+
+    def s_map(ni, v, ki, vg, vt, nv, bounds):  # pre-dot: the k tile's rows; else all rows (few)
+        return jnp.minimum(vg[v], g - 1), ki if tiles.predot else 0, ni
+
+    def out_map(ni, v, ki, vg, vt, nv, bounds):
+        return vt[v], ni
+
+    return pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((m, n), lhs.dtype),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=4,
+            grid=grid,
+            in_specs=[
+                pl.BlockSpec((tm, tk), lhs_map),
+                pl.BlockSpec((None, tk, tn), q_map),
+                pl.BlockSpec((None, tk // rhs.group if tiles.predot else srows, tn), s_map),
+            ],
+            out_specs=pl.BlockSpec((tm, tn), out_map),
+            scratch_shapes=[pltpu.VMEM((tm, tn), jnp.float32)],
+        ),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary", "arbitrary"),
+                                             vmem_limit_bytes=tiles.vmem_limit),
+        cost_estimate=cost(m, k, n, g, rhs, tiles, lhs.dtype.itemsize),
+        interpret=interpret,
+    )(vg, vt, nv, bounds, lhs, rhs.values, rhs.scales)
+
+
+# ---- public entry ----------------------------------------------------------------------------------
+
+@functools.partial(jax.jit, static_argnames=("chip", "tiles", "interpret"))
+def gmm_v2(lhs: jax.Array, rhs: QTensor, group_sizes: jax.Array, *, chip: str = "v6e",
+           tiles: Tiles | None = None, interpret=False) -> jax.Array:
+    """Grouped matmul with quantized weights.
+
+    Args:
+        lhs: [m, k] bf16, rows sorted by group.
+        rhs: QTensor [g, k, n] (int4, fp8 or mxfp4; group or channel scales).
+        group_sizes: int32 [g], rows per group, sum <= m; rows past the sum come out zero.
+        chip: target generation ("v5e", "v6e", "v7x"); its facts pick the tiles.
+        tiles: explicit tiles (tests); default: `choose_tiles` for the chip.
+        interpret: run in Pallas interpret mode (CPU), e.g. `pltpu.InterpretParams()`.
+    Returns:
+        [m, n] in lhs.dtype.
+    """
+    if tiles is None:
+        tiles, why = check_gmm_v2(lhs.shape, rhs, CHIPS[chip])
+        if tiles is None:
+            raise ValueError(f"gmm_v2 cannot serve this call: {why}")
+    return _call(lhs, rhs, group_sizes, tiles, interpret)

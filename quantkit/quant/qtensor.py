@@ -1,0 +1,56 @@
+"""QTensor: the one quantized-weight type of the runtime (ARCHITECTURE.md rule 2).
+
+Invariants:
+- `values` [g, k, n]: weights already transposed to (input, output) so that output features lie on the
+  128 lanes; g = 1 for a dense layer, the number of experts for MoE. Storage dtype by logical type:
+  int4 -> jnp.int4 (q in [-8, 7]); fp8 -> jnp.float8_e4m3fn; mxfp4 -> jnp.int4 holding the e2m1 code
+  bits (code = sign << 3 | magnitude index, read as a two's-complement nibble), since Mosaic has no
+  float4 vectors. Always 4 or 8 bits per weight in HBM; never dequantized there.
+- `scales` [g, k // group, n]: one scale per `group` consecutive input features and output column.
+  group == k means channel scales. int4/fp8: float32 or bfloat16; mxfp4: uint8 E8M0 exponents.
+  fp8 block [128, 128] scales are stored as group 128 with each column's block scale repeated.
+- `qtype` and `group` are static (pytree metadata), so jit specializes on them.
+The logical value of element [e, i, j] is decode(values[e, i, j]) * scale[e, i // group, j].
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+QTYPES = ("int4", "fp8", "mxfp4")
+STORAGE = {"int4": jnp.int4, "fp8": jnp.float8_e4m3fn, "mxfp4": jnp.int4}
+
+
+@partial(jax.tree_util.register_dataclass, data_fields=["values", "scales"], meta_fields=["qtype", "group"])
+@dataclass(frozen=True)
+class QTensor:
+    values: jax.Array  # [g, k, n]
+    scales: jax.Array  # [g, k // group, n]
+    qtype: str  # static: "int4" | "fp8" | "mxfp4"
+    group: int  # static: input features per scale (k for channel scales)
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        return tuple(self.values.shape)
+
+    def nbytes(self) -> int:
+        """HBM bytes of values (packed) and scales."""
+        bits = 8 if self.qtype == "fp8" else 4
+        return self.values.size * bits // 8 + self.scales.size * self.scales.dtype.itemsize
+
+
+def make_qtensor(values, scales, qtype: str, group: int) -> QTensor:
+    """Builds a QTensor from [g, k, n] values (int8 codes/ints or fp8) and [g, k // group, n] scales,
+    checking the invariants above."""
+    if qtype not in QTYPES:
+        raise ValueError(f"unknown qtype {qtype!r}")
+    values = np.asarray(values) if not isinstance(values, jax.Array) else values
+    g, k, n = values.shape
+    if k % group or tuple(scales.shape) != (g, k // group, n):
+        raise ValueError(f"scales {tuple(scales.shape)} do not match values {(g, k, n)} with group {group}")
+    return QTensor(jnp.asarray(values).astype(STORAGE[qtype]), jnp.asarray(scales), qtype, group)

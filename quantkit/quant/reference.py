@@ -1,0 +1,52 @@
+"""Pure-jnp oracles for the kernels (ARCHITECTURE.md rule 5): same signatures, float32, no tiling."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from quantkit.quant.qtensor import QTensor
+
+FP4_VALUES = jnp.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
+                       jnp.float32)
+
+
+def decode_values(qt: QTensor) -> jax.Array:
+    """Stored values as float32 [g, k, n], before scaling."""
+    if qt.qtype == "mxfp4":
+        return FP4_VALUES[qt.values.astype(jnp.int32) & 15]
+    return qt.values.astype(jnp.float32)
+
+
+def decode_scales(qt: QTensor) -> jax.Array:
+    """Scales as float32 [g, k // group, n] (E8M0 bytes -> 2**(e - 127))."""
+    if qt.qtype == "mxfp4":
+        return jnp.ldexp(jnp.float32(1.0), qt.scales.astype(jnp.int32) - 127)
+    return qt.scales.astype(jnp.float32)
+
+
+def dequantize(qt: QTensor) -> jax.Array:
+    """float32 [g, k, n]."""
+    return decode_values(qt) * jnp.repeat(decode_scales(qt), qt.group, axis=1)
+
+
+def row_groups(group_sizes: jax.Array, m: int) -> jax.Array:
+    """Group index of each of the m rows (rows past sum(group_sizes) get len(group_sizes))."""
+    return jnp.searchsorted(jnp.cumsum(group_sizes), jnp.arange(m), side="right")
+
+
+def gmm_reference(lhs: jax.Array, rhs: QTensor, group_sizes: jax.Array, out_dtype=jnp.float32) -> jax.Array:
+    """out[i] = lhs[i] @ dequantize(rhs)[group of row i]; rows past sum(group_sizes) are zero.
+
+    Args:
+        lhs: [m, k], rows sorted by group.
+        rhs: QTensor [g, k, n].
+        group_sizes: int32 [g], sum <= m.
+    Returns:
+        [m, n] in out_dtype, computed in float32 at highest precision.
+    """
+    w = dequantize(rhs)
+    every = jnp.einsum("mk,gkn->gmn", lhs.astype(jnp.float32), w, precision=jax.lax.Precision.HIGHEST)
+    g = row_groups(group_sizes, lhs.shape[0])
+    picked = jnp.take_along_axis(every, jnp.minimum(g, w.shape[0] - 1)[None, :, None], axis=0)[0]
+    return jnp.where((g < w.shape[0])[:, None], picked, 0.0).astype(out_dtype)

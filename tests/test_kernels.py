@@ -1,0 +1,147 @@
+"""gmm_v2 (Pallas, interpret mode on CPU) and the XLA path against the pure-jnp reference.
+
+Inputs are drawn fresh on every run (the seed is in each failure message). Interpret mode fills
+uninitialized memory with NaN (InterpretParams' default), so an output tile the kernel forgets to write
+is poisoned and fails the comparison.
+
+Tolerances (relative Frobenius norm against a float32 HIGHEST-precision reference):
+- every path rounds its output to bf16: RMS relative error about 2^-9 / sqrt(3) = 1.1e-3;
+- scales applied to partial sums use exact bf16 operands (int4 values and fp8 values are exact in bf16),
+  so that is all: tolerance 4e-3;
+- pre-dot tiles round each dequantized weight to bf16 before the MXU (another ~1.1e-3, independent),
+  tolerance 6e-3; the XLA path dequantizes to bf16 as well, 6e-3.
+A wrong scale row, a misplaced group boundary or an unwritten tile gives errors of order 1 or NaN.
+"""
+
+import secrets
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental.pallas import tpu as pltpu
+
+from quantkit.kernels.gmm_v2 import gmm_v2, visits
+from quantkit.kernels.tiling import CHIPS, Tiles, choose_tiles, vmem_estimate, weight_bits
+from quantkit.kernels.xla import gmm_xla
+from quantkit.quant.qtensor import make_qtensor
+from quantkit.quant.reference import gmm_reference
+
+INTERPRET = pltpu.InterpretParams()  # uninitialized memory = NaN
+
+
+def _rel(out, ref) -> float:
+    out = jnp.asarray(out, jnp.float32)
+    return float(jnp.linalg.norm(out - ref) / jnp.linalg.norm(ref))
+
+
+def _random_qtensor(rng, qtype, g, k, n, group):
+    if qtype == "int4":
+        values = rng.integers(-8, 8, (g, k, n)).astype(np.int8)
+        scales = rng.uniform(0.5, 2.0, (g, k // group, n)).astype(np.float32) / 64
+    elif qtype == "fp8":
+        values = (rng.standard_normal((g, k, n)) * 64).astype(jnp.float8_e4m3fn)
+        scales = rng.uniform(0.5, 2.0, (g, k // group, n)).astype(np.float32) / 4096
+    else:  # mxfp4: e2m1 codes as signed nibbles, E8M0 scales around 2^-6
+        values = rng.integers(-8, 8, (g, k, n)).astype(np.int8)
+        scales = rng.integers(119, 124, (g, k // group, n)).astype(np.uint8)
+    return make_qtensor(values, scales, qtype, group)
+
+
+def _sizes(rng, g, m):
+    """g group sizes summing to at most m, some of them empty."""
+    if g == 1:
+        return np.array([max(0, m - rng.integers(0, 3))], np.int32)
+    cuts = np.sort(rng.integers(0, m - rng.integers(0, 5) + 1, g - 1))
+    sizes = np.diff(np.concatenate([[0], cuts, [cuts[-1] + rng.integers(0, m - cuts[-1] + 1)]]))
+    sizes[rng.choice(g, 2, replace=False)] = 0  # empty experts
+    return sizes.astype(np.int32)
+
+
+CASES = [  # qtype, group (None = channel), tk; k = 512. Pre-dot scale blocks have 8 rows or all of them.
+    ("int4", 32, 256), ("int4", 64, 512), ("int4", 128, 512), ("int4", 256, 512), ("int4", 256, 256),
+    ("int4", None, 128), ("fp8", None, 256), ("fp8", 128, 512), ("mxfp4", 32, 256),
+]
+
+
+@pytest.mark.parametrize("qtype,group,tk", CASES)
+@pytest.mark.parametrize("g,m", [(1, 1), (1, 37), (8, 61)])
+def test_kernel_matches_reference(qtype, group, tk, g, m):
+    seed = secrets.randbits(32)
+    rng = np.random.default_rng(seed)
+    k, n = 512, 256
+    group = group or k
+    rhs = _random_qtensor(rng, qtype, g, k, n, group)
+    lhs = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+    sizes = jnp.asarray(_sizes(rng, g, m))
+    tiles = Tiles(tm=m if m < 16 else 16, tk=tk, tn=128, predot=group < tk, vmem_bytes=0, vmem_limit=32 << 20)
+    out = gmm_v2(lhs, rhs, sizes, tiles=tiles, interpret=INTERPRET)
+    ref = gmm_reference(lhs, rhs, sizes)
+    total = int(sizes.sum())
+    assert out.shape == (m, n) and out.dtype == jnp.bfloat16
+    assert bool(jnp.isfinite(out).all()), f"unwritten (NaN) output, seed {seed}"
+    assert bool((out[total:] == 0).all()), f"rows past the groups not zero, seed {seed}"
+    tol = 6e-3 if tiles.predot else 4e-3
+    if total:
+        assert _rel(out[:total], ref[:total]) < tol, f"seed {seed}, sizes {sizes.tolist()}"
+
+
+@pytest.mark.parametrize("qtype,group", [("int4", 32), ("int4", 256), ("fp8", 256), ("mxfp4", 32)])
+def test_xla_path_matches_reference(qtype, group):
+    seed = secrets.randbits(32)
+    rng = np.random.default_rng(seed)
+    for g, m in [(1, 5), (8, 50)]:
+        rhs = _random_qtensor(rng, qtype, g, 256, 384, group)
+        lhs = jnp.asarray(rng.standard_normal((m, 256)), jnp.bfloat16)
+        sizes = jnp.asarray(_sizes(rng, g, m))
+        out, ref = gmm_xla(lhs, rhs, sizes), gmm_reference(lhs, rhs, sizes)
+        total = int(sizes.sum())
+        assert bool((out[total:] == 0).all())
+        assert _rel(out[:total], ref[:total]) < 6e-3, f"seed {seed}"
+
+
+def test_visits_cover_every_tile_once_per_group():
+    rng = np.random.default_rng(secrets.randbits(32))
+    for _ in range(50):
+        g, m, tm = int(rng.integers(1, 9)), int(rng.integers(1, 200)), int(rng.choice([8, 16, 64]))
+        sizes = _sizes(rng, g, m) if g > 1 else np.array([rng.integers(0, m + 1)], np.int32)
+        vg, vt, nv, bounds = (np.asarray(a) for a in visits(jnp.asarray(sizes), m, tm))
+        n = int(nv[0])
+        pairs = list(zip(vg[:n].tolist(), vt[:n].tolist()))
+        ends = np.cumsum(sizes)
+        expect = [(e, t) for e in range(g) for t in range(-(-m // tm))
+                  if sizes[e] and t * tm < ends[e] and (t + 1) * tm > ends[e] - sizes[e]]
+        covered = -(-int(ends[-1]) // tm)
+        expect += [(g, t) for t in range(covered, -(-m // tm))]
+        assert pairs == expect
+        assert n <= vg.shape[0] and all(vt[n:] == vt[n - 1])  # padding repeats the last visit
+
+
+# ---- tiling, on shapes alone ---------------------------------------------------------------------
+
+LAYERS = {  # (k, n, experts) of every distinct linear
+    "Llama-3-8B": [(4096, 4096, 1), (4096, 1024, 1), (4096, 14336, 1), (14336, 4096, 1)],
+    "Gemma-3-27B": [(5376, 4096, 1), (5376, 2048, 1), (4096, 5376, 1), (5376, 21504, 1), (21504, 5376, 1)],
+    "Qwen3-30B-A3B": [(2048, 4096, 1), (2048, 512, 1), (4096, 2048, 1), (2048, 768, 128), (768, 2048, 128)],
+}
+SHAPES = [s for shapes in LAYERS.values() for s in shapes]
+
+
+@pytest.mark.parametrize("chip", ["v5e", "v6e", "v7x"])
+@pytest.mark.parametrize("qtype,group", [("int4", 32), ("int4", 128), ("int4", None), ("fp8", None), ("mxfp4", 32)])
+def test_tiles_obey_the_rules(chip, qtype, group):
+    c = CHIPS[chip]
+    scale_bytes = 1 if qtype == "mxfp4" else 2
+    for k, n, g in SHAPES:
+        grp = group or k
+        for m in (1, 16, 256, 2048):
+            t = choose_tiles(m, k, n, g, qtype, grp, scale_bytes, c)
+            assert t is not None, (chip, k, n, grp, m)
+            assert k % t.tk == 0 and n % t.tn == 0 and t.tk % 128 == 0 and t.tn % 128 == 0
+            assert t.tm == m or t.tm % 8 == 0
+            assert (t.tk % grp == 0) if t.predot else (grp % t.tk == 0)
+            assert t.vmem_bytes == vmem_estimate(t.tm, t.tk, t.tn, k, grp, qtype, scale_bytes)
+            assert t.vmem_bytes * 4 <= t.vmem_limit * 3 and t.vmem_limit <= c.vmem_bytes
+            weight = k * n * weight_bits(qtype) // 8
+            if weight >= 8 << 20:
+                assert (k // t.tk) * (n // t.tn) >= 4, (chip, k, n, t)
