@@ -145,3 +145,40 @@ def test_tiles_obey_the_rules(chip, qtype, group):
             weight = k * n * weight_bits(qtype) // 8
             if weight >= 8 << 20:
                 assert (k // t.tk) * (n // t.tn) >= 4, (chip, k, n, t)
+
+
+# ---- deviceless compilation for real TPUs (libtpu) -----------------------------------------------
+
+def _abstract(qtype, g, k, n, group, m):
+    from quantkit.quant.qtensor import STORAGE, QTensor
+
+    sdt = jnp.uint8 if qtype == "mxfp4" else jnp.bfloat16
+    rhs = QTensor(jax.ShapeDtypeStruct((g, k, n), STORAGE[qtype]), jax.ShapeDtypeStruct((g, k // group, n), sdt),
+                  qtype, group)
+    return jax.ShapeDtypeStruct((m, k), jnp.bfloat16), rhs, jax.ShapeDtypeStruct((g,), jnp.int32)
+
+
+AOT_CASES = [(chip, qtype, group) for chip in ("v5e", "v6e", "v7x") for qtype, group in [("int4", 128)]] + [
+    ("v6e", "int4", 32), ("v6e", "int4", None), ("v6e", "fp8", None), ("v6e", "mxfp4", 32), ("v7x", "fp8", None)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("chip,qtype,group", AOT_CASES)
+def test_compiles_for_every_real_layer_shape(chip, qtype, group):
+    """Mosaic compiles the kernel for every linear of Llama-3-8B, Gemma-3-27B and Qwen3-30B-A3B (experts
+    as 128 groups) at decode and prefill sizes; the weight argument has its packed size and no temporary
+    is anywhere near a weight's size (nothing is dequantized in HBM)."""
+    from quantkit.runtime.aot import compile_for
+
+    ms = (1, 64, 256, 2048) if (qtype, group) == ("int4", 128) else (1, 2048)
+    for k, n, g in SHAPES:
+        grp = group or k
+        for m in ms:
+            lhs, rhs, gs = _abstract(qtype, g, k, n, grp, m)
+            compiled, _ = compile_for(chip, lambda a, b, c: gmm_v2(a, b, c, chip=chip), lhs, rhs, gs)
+            mem = compiled.memory_analysis()
+            packed = g * k * n * weight_bits(qtype) // 8
+            scales = g * (k // grp) * n * (1 if qtype == "mxfp4" else 2)
+            inputs = packed + scales + m * k * 2 + g * 4
+            assert inputs <= mem.argument_size_in_bytes <= inputs * 1.01 + 4096, (chip, k, n, g, m)
+            assert mem.temp_size_in_bytes < max(1 << 20, packed // 16), (chip, k, n, g, m, mem.temp_size_in_bytes)
