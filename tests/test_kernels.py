@@ -182,3 +182,36 @@ def test_compiles_for_every_real_layer_shape(chip, qtype, group):
             inputs = packed + scales + m * k * 2 + g * 4
             assert inputs <= mem.argument_size_in_bytes <= inputs * 1.01 + 4096, (chip, k, n, g, m)
             assert mem.temp_size_in_bytes < max(1 << 20, packed // 16), (chip, k, n, g, m, mem.temp_size_in_bytes)
+
+
+# ---- from checkpoints written by compressed-tensors to the kernel --------------------------------
+
+@pytest.mark.parametrize("scheme", ["W4A16", "W4A16_G32", "W4A16_CHANNEL", "FP8_DYNAMIC", "FP8_BLOCK", "MXFP4A16"])
+def test_library_checkpoint_through_the_kernels(scheme, tmp_path):
+    """Weights made by the library, converted once to the kernel layout, multiply like the library's
+    own decompressed weights (x @ W.T), through gmm_v2 (interpret) and the XLA path."""
+    from ct_oracle import library_decompress_torch, make_checkpoint
+
+    from quantkit.formats.compressed_tensors import kernel_layout, parse_quantization_config
+    from quantkit.formats.hf import Checkpoint, classify_module, group_modules
+
+    path = make_checkpoint(tmp_path / scheme, scheme)
+    lib = library_decompress_torch(path)
+    ck = Checkpoint.open(path)
+    qc = parse_quantization_config(ck.config["quantization_config"])
+    seed = secrets.randbits(32)
+    rng = np.random.default_rng(seed)
+    modules = group_modules(ck.tensors)
+    for module in ("model.layers.0.mlp.down_proj", "model.layers.1.self_attn.k_proj"):
+        pnames = modules[module]
+        params = {p: ck.tensors[t] for p, t in pnames.items()}
+        sch = qc.scheme_for(module, classify_module(module, params)[1])
+        w = lib[module + ".weight"].float().numpy()  # [out, in]
+        values, scales, qtype, group = kernel_layout(sch, {p: ck.read(t) for p, t in pnames.items()}, w.shape)
+        rhs = make_qtensor(values[None], scales[None], qtype, group)
+        x = jnp.asarray(rng.standard_normal((24, w.shape[1])), jnp.bfloat16)
+        ref = jnp.asarray(np.asarray(x, np.float32) @ w.T)
+        sizes = jnp.array([24], jnp.int32)
+        assert _rel(gmm_xla(x, rhs, sizes), ref) < 6e-3, (module, seed)
+        out = gmm_v2(x, rhs, sizes, chip="v6e", interpret=INTERPRET)
+        assert _rel(out, ref) < 6e-3, (module, seed)

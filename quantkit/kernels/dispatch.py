@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from quantkit.formats.compressed_tensors import SPARSE_FORMATS, QuantArgs, Scheme, weight_qtype
-from quantkit.kernels.tiling import LANES, Chip
+from quantkit.kernels.tiling import LANES, Chip, Tiles, choose_tiles
 
 # Weight types the runtime keeps quantized on device (int4 symmetric, fp8 e4m3, mxfp4).
 SERVED_QTYPES = ("int4", "fp8", "mxfp4")
@@ -82,24 +82,32 @@ def unsupported_reason(scheme: Scheme) -> str | None:
     return f"{w.type}{w.num_bits} weights in format {fmt} are not supported"
 
 
-def can_use_gmm_v2(qtype: str, k: int, n: int, group_size: int | None, chip: Chip) -> tuple[bool, str]:
-    """Whether the Pallas gmm_v2 kernel serves a [k, n] weight of `qtype` on `chip`, and why not.
+def can_use_gmm_v2(qtype: str, k: int, n: int, group_size: int | None, chip: Chip, m: int = 256, g: int = 1,
+                   scale_bytes: int = 2) -> tuple[Tiles | None, str]:
+    """Tiles with which the Pallas gmm_v2 kernel serves a [k, n] weight of `qtype` on `chip`, or None
+    and why not (the caller falls back to the XLA path).
 
     Args:
         qtype: "int4" | "fp8" | "mxfp4".
         k, n: input and output features.
-        group_size: scale group along k (None or -1 for channel/tensor/block scales).
+        group_size: scale group along k (None, -1 or k for channel scales).
         chip: target facts.
+        m, g: rows per call and number of groups (experts); m = 256 stands for a decode batch.
+        scale_bytes: bytes per stored scale.
     """
     if not chip.tpu:
-        return False, f"{chip.name}: Pallas TPU kernels need a TPU target"
+        return None, f"{chip.name}: Pallas TPU kernels need a TPU target"
     if qtype not in SERVED_QTYPES:
-        return False, f"{qtype} is not a gmm_v2 weight type"
+        return None, f"{qtype} is not a gmm_v2 weight type"
     if k % LANES or n % LANES:
-        return False, f"[{k}, {n}] is not a multiple of {LANES} in both dimensions (TPU block rule)"
-    if group_size and group_size > 0 and (k % group_size or (group_size % 8 and group_size < LANES)):
-        return False, f"group size {group_size} does not tile in_features {k}"
-    return True, ""
+        return None, f"[{k}, {n}] is not a multiple of {LANES} in both dimensions (TPU block rule)"
+    group = k if not group_size or group_size < 0 else group_size
+    if k % group:
+        return None, f"group size {group} does not divide in_features {k}"
+    tiles = choose_tiles(m, k, n, g, qtype, group, scale_bytes, chip)
+    if tiles is None:
+        return None, f"no tiling of [{k}, {n}] with group {group} fits {chip.name} VMEM"
+    return tiles, ""
 
 
 def weight_path(scheme: Scheme | None, shape: tuple[int, ...] | None, chip: Chip) -> Verdict:
@@ -114,5 +122,8 @@ def weight_path(scheme: Scheme | None, shape: tuple[int, ...] | None, chip: Chip
         return Verdict(None, "weight shape unknown")
     out, inp = shape[-2:]
     w = scheme.weights
-    ok, why = can_use_gmm_v2(weight_qtype(scheme), inp, out, w.group_size, chip)
-    return Verdict("gmm_v2", "") if ok else Verdict("xla", f"XLA fallback: {why}")
+    qtype = weight_qtype(scheme)
+    # The kernel's k-group (quant/qtensor.py): fp8 blocks become groups of the block width.
+    group = w.block_structure[1] if w.strategy == "block" else w.group_size if w.strategy == "group" else inp
+    tiles, why = can_use_gmm_v2(qtype, inp, out, group, chip, scale_bytes=1 if qtype == "mxfp4" else 2)
+    return Verdict("gmm_v2", "") if tiles else Verdict("xla", f"XLA fallback: {why}")

@@ -25,7 +25,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from quantkit.kernels.tiling import CHIPS, Chip, Tiles, choose_tiles, weight_bits
+from quantkit.kernels.dispatch import can_use_gmm_v2
+from quantkit.kernels.tiling import CHIPS, Chip, Tiles, weight_bits
 from quantkit.quant.qtensor import QTensor
 
 # ---- configs --------------------------------------------------------------------------------------
@@ -43,14 +44,7 @@ def check_gmm_v2(lhs_shape: tuple[int, int], rhs: QTensor, chip: Chip) -> tuple[
     g, k2, n = rhs.shape
     if k != k2:
         return None, f"lhs has {k} features but the weight {k2}"
-    if not chip.tpu:
-        return None, f"{chip.name}: Pallas TPU kernels need a TPU target"
-    if k % 128 or n % 128:
-        return None, f"[{k}, {n}] is not a multiple of 128 in both dimensions (TPU block rule)"
-    tiles = choose_tiles(m, k, n, g, rhs.qtype, rhs.group, rhs.scales.dtype.itemsize, chip)
-    if tiles is None:
-        return None, f"no tiling of [{k}, {n}] with group {rhs.group} fits {chip.name} VMEM"
-    return tiles, ""
+    return can_use_gmm_v2(rhs.qtype, k, n, rhs.group, chip, m=m, g=g, scale_bytes=rhs.scales.dtype.itemsize)
 
 
 # ---- group metadata --------------------------------------------------------------------------------
