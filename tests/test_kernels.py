@@ -65,7 +65,7 @@ CASES = [  # qtype, group (None = channel), tk; k = 512. Pre-dot scale blocks ha
 
 
 @pytest.mark.parametrize("qtype,group,tk", CASES)
-@pytest.mark.parametrize("g,m", [(1, 1), (1, 37), (8, 61)])
+@pytest.mark.parametrize("g,m", [(1, 1), (1, 37), (8, 61), (8, 40)])
 def test_kernel_matches_reference(qtype, group, tk, g, m):
     seed = secrets.randbits(32)
     rng = np.random.default_rng(seed)
@@ -74,7 +74,8 @@ def test_kernel_matches_reference(qtype, group, tk, g, m):
     rhs = _random_qtensor(rng, qtype, g, k, n, group)
     lhs = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
     sizes = jnp.asarray(_sizes(rng, g, m))
-    tiles = Tiles(tm=m if m < 16 else 16, tk=tk, tn=128, predot=group < tk, vmem_bytes=0, vmem_limit=32 << 20)
+    tiles = Tiles(tm=m if m < 16 else 16, tk=tk, tn=128, predot=group < tk, lhs_resident=bool(m % 2),
+                  vmem_bytes=0, vmem_limit=32 << 20)
     out = gmm_v2(lhs, rhs, sizes, tiles=tiles, interpret=INTERPRET)
     ref = gmm_reference(lhs, rhs, sizes)
     total = int(sizes.sum())
@@ -140,7 +141,7 @@ def test_tiles_obey_the_rules(chip, qtype, group):
             assert k % t.tk == 0 and n % t.tn == 0 and t.tk % 128 == 0 and t.tn % 128 == 0
             assert t.tm == m or t.tm % 8 == 0
             assert (t.tk % grp == 0) if t.predot else (grp % t.tk == 0)
-            assert t.vmem_bytes == vmem_estimate(t.tm, t.tk, t.tn, k, grp, qtype, scale_bytes)
+            assert t.vmem_bytes == vmem_estimate(t.tm, t.tk, t.tn, k, grp, qtype, scale_bytes, t.lhs_resident)
             assert t.vmem_bytes * 4 <= t.vmem_limit * 3 and t.vmem_limit <= c.vmem_bytes
             weight = k * n * weight_bits(qtype) // 8
             if weight >= 8 << 20:
@@ -181,7 +182,7 @@ def test_compiles_for_every_real_layer_shape(chip, qtype, group):
             scales = g * (k // grp) * n * (1 if qtype == "mxfp4" else 2)
             inputs = packed + scales + m * k * 2 + g * 4
             assert inputs <= mem.argument_size_in_bytes <= inputs * 1.01 + 4096, (chip, k, n, g, m)
-            assert mem.temp_size_in_bytes < max(1 << 20, packed // 16), (chip, k, n, g, m, mem.temp_size_in_bytes)
+            assert mem.temp_size_in_bytes < 1 << 20, (chip, k, n, g, m, mem.temp_size_in_bytes)
 
 
 # ---- from checkpoints written by compressed-tensors to the kernel --------------------------------

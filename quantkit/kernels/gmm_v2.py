@@ -26,7 +26,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from quantkit.kernels.dispatch import can_use_gmm_v2
-from quantkit.kernels.tiling import CHIPS, Chip, Tiles, weight_bits
+from quantkit.kernels.tiling import CHIPS, Chip, Tiles, traffic
 from quantkit.quant.qtensor import QTensor
 
 # ---- configs --------------------------------------------------------------------------------------
@@ -114,7 +114,7 @@ def _kernel(vg_ref, vt_ref, nv_ref, bounds_ref, lhs_ref, q_ref, s_ref, out_ref, 
 
     @pl.when(real)
     def _():
-        x = lhs_ref[...]  # [tm, tk] bf16
+        x = lhs_ref[:, pl.ds(pl.multiple_of(ki * tk, 128), tk)] if tiles.lhs_resident else lhs_ref[...]  # [tm, tk]
         q = _decode_tile(q_ref[...], qtype)  # [tk, tn] f32
         if tiles.predot:
             rows = tk // group
@@ -146,13 +146,9 @@ def _kernel(vg_ref, vt_ref, nv_ref, bounds_ref, lhs_ref, q_ref, s_ref, out_ref, 
 # ---- cost estimate ---------------------------------------------------------------------------------
 
 def cost(m: int, k: int, n: int, g: int, rhs: QTensor, tiles: Tiles, out_bytes: int = 2) -> pl.CostEstimate:
-    """Bytes actually moved: every visited group's packed weight and scales once per m tile visit
-    (bounded by the tiles plus group boundaries), lhs once per n tile, the output once."""
-    bits = weight_bits(rhs.qtype)
-    visits_bound = min(_cdiv(m, tiles.tm) + g - 1, _cdiv(m, tiles.tm) * g)
-    weight = k * n * bits // 8 + rhs.scales.shape[1] * n * rhs.scales.dtype.itemsize
-    moved = visits_bound * weight + (n // tiles.tn) * m * k * 2 + m * n * out_bytes
-    return pl.CostEstimate(flops=2 * m * k * n, transcendentals=0, bytes_accessed=moved)
+    """The static bound of tiling.traffic: bytes the call moves and FLOPs the MXU executes."""
+    moved, flops = traffic(m, k, n, g, rhs.qtype, rhs.group, rhs.scales.dtype.itemsize, tiles, out_bytes)
+    return pl.CostEstimate(flops=flops, transcendentals=0, bytes_accessed=moved)
 
 
 # ---- pallas_call -----------------------------------------------------------------------------------
@@ -167,8 +163,8 @@ def _call(lhs: jax.Array, rhs: QTensor, group_sizes: jax.Array, tiles: Tiles, in
     grid = (n // tn, vg.shape[0], nk)
     kernel = functools.partial(_kernel, qtype=rhs.qtype, group=rhs.group, tiles=tiles, num_groups=g, nk=nk)
 
-    def lhs_map(ni, v, ki, vg, vt, nv, bounds):
-        return vt[v], ki
+    def lhs_map(ni, v, ki, vg, vt, nv, bounds):  # resident: one block per m tile, kept across n tiles
+        return vt[v], 0 if tiles.lhs_resident else ki
 
     def q_map(ni, v, ki, vg, vt, nv, bounds):
         return jnp.minimum(vg[v], g - 1), ki, ni
@@ -186,7 +182,7 @@ def _call(lhs: jax.Array, rhs: QTensor, group_sizes: jax.Array, tiles: Tiles, in
             num_scalar_prefetch=4,
             grid=grid,
             in_specs=[
-                pl.BlockSpec((tm, tk), lhs_map),
+                pl.BlockSpec((tm, k if tiles.lhs_resident else tk), lhs_map),
                 pl.BlockSpec((None, tk, tn), q_map),
                 pl.BlockSpec((None, tk // rhs.group if tiles.predot else srows, tn), s_map),
             ],

@@ -59,7 +59,7 @@ def hbm_bytes(shape: tuple[int, ...], bits: int, chip: Chip) -> int:
 
 # ---- gmm_v2 tiles -----------------------------------------------------------------------------------
 
-TILE_CANDIDATES = (2048, 1024, 512, 256, 128)
+MAX_TILE = 4096
 MIN_TILE_WEIGHT_BYTES = 512 << 10  # below this, per-step overhead (~0.35 us) outweighs the overlap gained
 BIG_WEIGHT_BYTES = 8 << 20  # weights at least this big get at least MIN_STEPS grid steps along k and n
 MIN_STEPS = 4
@@ -73,6 +73,7 @@ class Tiles:
     tk: int
     tn: int
     predot: bool  # group < tk: dequantize the tile (values * scales) before the dot
+    lhs_resident: bool  # lhs block spans all of k: read once per m tile, not once per n tile
     vmem_bytes: int  # estimated peak VMEM of one grid step, double buffers included
     vmem_limit: int  # the limit passed to Mosaic
 
@@ -81,11 +82,12 @@ def weight_bits(qtype: str) -> int:
     return 8 if qtype == "fp8" else 4
 
 
-def vmem_estimate(tm: int, tk: int, tn: int, k: int, group: int, qtype: str, scale_bytes: int) -> int:
+def vmem_estimate(tm: int, tk: int, tn: int, k: int, group: int, qtype: str, scale_bytes: int,
+                  lhs_resident: bool = False) -> int:
     """VMEM of one step: double-buffered lhs, weight, scales (pre-dot: the tile's tk/group rows; else
     all k/group rows of its columns) and output blocks, the f32 accumulator, and the dequantized tile
     (f32 and bf16 copies)."""
-    lhs = 2 * tm * tk * 2
+    lhs = 2 * tm * (k if lhs_resident else tk) * 2
     rhs = 2 * tk * tn * weight_bits(qtype) // 8
     rows = tk // group if group < tk else max(1, k // group)
     scales = 2 * _round_up(rows, 8) * tn * scale_bytes
@@ -95,18 +97,58 @@ def vmem_estimate(tm: int, tk: int, tn: int, k: int, group: int, qtype: str, sca
     return lhs + rhs + scales + out + acc + tmp
 
 
+def traffic(m: int, k: int, n: int, g: int, qtype: str, group: int, scale_bytes: int, tiles: Tiles,
+            out_bytes: int = 2) -> tuple[int, int]:
+    """(bytes moved, FLOPs executed) by one gmm_v2 call, bounded statically.
+
+    Each visit reads its group's packed weight tile by tile and its scale rows once; at most min(g, m)
+    groups hold rows, so there are at most tiles_m + min(g, m) - 1 visits. lhs: a resident [tm, k] block
+    is fetched when the m tile changes (once per call with one m tile, else once per m tile and n tile);
+    otherwise once per n tile. The output is written once. FLOPs are what the MXU executes: whole m tiles
+    per visit, masked rows included.
+    """
+    tiles_m = -(-m // tiles.tm)
+    visits = min(tiles_m + min(g, m) - 1, tiles_m * g)
+    weight = k * n * weight_bits(qtype) // 8 + max(1, k // group) * n * scale_bytes
+    lhs_reads = 1 if (tiles.lhs_resident and tiles_m == 1) else n // tiles.tn
+    moved = visits * weight + lhs_reads * m * k * 2 + m * n * out_bytes
+    return moved, 2 * visits * min(tiles.tm, m) * k * n
+
+
 def choose_tiles(m: int, k: int, n: int, g: int, qtype: str, group: int, scale_bytes: int,
                  chip: Chip) -> Tiles | None:
     """Picks gmm_v2 blocks for lhs [m, k] x weights [g, k, n] on `chip`, or None if nothing fits.
 
-    Rules: blocks obey the (8, 128) rule (tk, tn multiples of 128; tm a multiple of 8 or all of m);
+    Rules: blocks obey the (8, 128) rule (tk, tn multiples of 128 dividing k and n; tm a multiple of 8
+    or all of m); lhs rows stay resident across n tiles when 2 copies of [tm, k] take at most a quarter
+    of the VMEM limit;
     scale groups narrower than the MXU are dequantized before the dot (tk a multiple of the group),
     wider groups and channel scales multiply partial sums (tk divides the group); the estimated VMEM
     stays under 75% of the limit; a weight of 8 MiB or more gets at least 4 grid steps along k x n so
     that its DMA overlaps compute; otherwise tiles are as large as allowed (fewer, longer steps).
     """
     limit = chip.vmem_bytes * 3 // 4
-    tm = m if (g == 1 and m <= 512) else min(_round_up(m, 8), 128 if g > 1 else 512)
+    if g == 1:
+        return _choose_kn(m if m <= 512 else 512, m, k, n, g, qtype, group, scale_bytes, chip, limit)
+    # Grouped: a tall m tile wastes MXU work on rows of other groups, a short one re-reads the weights
+    # of groups that straddle tiles; take the m tile with the lowest roofline time on this chip.
+    best = None
+    for tm in (8, 16, 32, 64, 128, 256, 512):
+        if tm > _round_up(m, 8) and tm != 8:
+            break
+        tiles = _choose_kn(tm, m, k, n, g, qtype, group, scale_bytes, chip, limit)
+        if tiles is None:
+            continue
+        moved, flops = traffic(m, k, n, g, qtype, group, scale_bytes, tiles)
+        t = max(moved / chip.hbm_bytes_per_s, flops / chip.bf16_flops)
+        if best is None or t < best[0]:
+            best = (t, tiles)
+    return best[1] if best else None
+
+
+def _choose_kn(tm: int, m: int, k: int, n: int, g: int, qtype: str, group: int, scale_bytes: int, chip: Chip,
+               limit: int) -> Tiles | None:
+    """tk and tn for a given tm (see choose_tiles)."""
     bits = weight_bits(qtype)
     # tk a multiple of the group (scales before the dot), or, for groups at least as wide as the MXU
     # (channel scales included), a divisor of it (scales on partial sums, one scale row per k step).
@@ -116,9 +158,13 @@ def choose_tiles(m: int, k: int, n: int, g: int, qtype: str, group: int, scale_b
             return True  # scales on partial sums
         return t % group == 0 and (t == k or (t // group) % 8 == 0)
 
-    cands = sorted({*TILE_CANDIDATES, *([k] if k <= 8192 and k % 128 == 0 else [])}, reverse=True)
-    tks = [t for t in cands if k % t == 0 and fits_group(t)]
-    tns = [t for t in TILE_CANDIDATES if n % t == 0]
+    def divisors(dim: int, cap: int) -> list[int]:  # multiples of 128 that divide dim, largest first
+        return [t for t in range(min(dim, cap) // LANES * LANES, 0, -LANES) if dim % t == 0]
+
+    tks = [t for t in divisors(k, max(MAX_TILE, k if k <= 8192 else 0)) if fits_group(t)]
+    tns = divisors(n, MAX_TILE)
+    resident = 2 * tm * k * 2 <= limit // 4  # keep [tm, k] of lhs in VMEM across n tiles
+    del m, g
     best = None
     for tk in tks:
         for tn in tns:
@@ -126,11 +172,11 @@ def choose_tiles(m: int, k: int, n: int, g: int, qtype: str, group: int, scale_b
             tile_bytes = tk * tn * bits // 8
             if k * n * bits // 8 >= BIG_WEIGHT_BYTES and steps < MIN_STEPS:
                 continue
-            vmem = vmem_estimate(tm, tk, tn, k, group, qtype, scale_bytes)
+            vmem = vmem_estimate(tm, tk, tn, k, group, qtype, scale_bytes, resident)
             if vmem * 4 > limit * 3:
                 continue
             # Prefer big tiles, but not below the overhead floor; ties -> wider tn (lane-dense output).
             key = (tile_bytes >= MIN_TILE_WEIGHT_BYTES, tile_bytes if tile_bytes <= (4 << 20) else 0, tn)
             if best is None or key > best[0]:
-                best = (key, Tiles(tm, tk, tn, group < tk, vmem, limit))
+                best = (key, Tiles(tm, tk, tn, group < tk, resident, vmem, limit))
     return best[1] if best else None
