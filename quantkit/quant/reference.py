@@ -4,17 +4,19 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from quantkit.quant.qtensor import QTensor
 
-FP4_VALUES = jnp.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
-                       jnp.float32)
+# numpy, not jnp: a module-level jax array created while a trace is running would leak the trace.
+FP4_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
+                      np.float32)
 
 
 def decode_values(qt: QTensor) -> jax.Array:
     """Stored values as float32 [g, k, n], before scaling."""
     if qt.qtype == "mxfp4":
-        return FP4_VALUES[qt.values.astype(jnp.int32) & 15]
+        return jnp.asarray(FP4_VALUES)[qt.values.astype(jnp.int32) & 15]
     return qt.values.astype(jnp.float32)
 
 

@@ -1,0 +1,18 @@
+"""Model families: each module exposes forward(params, cfg, tokens, positions, cache, block_tables)."""
+
+from quantkit.runtime.models import llama
+
+
+def forward_for(family: str):
+    """The forward function of a family (see runtime/config.py ARCHITECTURES)."""
+    if family in ("llama", "qwen3"):
+        return llama.forward
+    if family == "qwen3_moe":
+        from quantkit.runtime.models import qwen3_moe
+
+        return qwen3_moe.forward
+    if family == "gemma3":
+        from quantkit.runtime.models import gemma3
+
+        return gemma3.forward
+    raise KeyError(family)

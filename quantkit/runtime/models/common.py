@@ -1,0 +1,135 @@
+"""Building blocks shared by the model families: pure functions over arrays and weight pytrees.
+
+Weights: a linear weight is either a dense array [in, out] or a QTensor [1, in, out] (quant/qtensor.py);
+`linear` sends the latter through the one quantized matmul (gmm_v2 on TPU, the XLA path elsewhere).
+
+KV cache (paged, vLLM's design): per layer, keys and values live in `pages` [num_pages, page_size,
+kv_heads, head_dim]; a sequence owns the pages listed in its row of `block_tables` [batch, max_pages].
+Page 0 is reserved as scratch: padding tokens write there and no block table lists it.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from quantkit.quant.qtensor import QTensor
+from quantkit.runtime.config import ModelConfig
+
+
+def linear(x: jax.Array, w, bias: jax.Array | None = None) -> jax.Array:
+    """x [..., in] @ w [in, out] (+ bias), f32 accumulation, result in x.dtype."""
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])
+    if isinstance(w, QTensor):
+        from quantkit.runtime.ops import qmatmul
+
+        y = qmatmul(x2, w)
+    else:
+        y = jnp.dot(x2, w.astype(x.dtype), preferred_element_type=jnp.float32).astype(x.dtype)
+    if bias is not None:
+        y = (y.astype(jnp.float32) + bias.astype(jnp.float32)).astype(x.dtype)
+    return y.reshape(*lead, y.shape[-1])
+
+
+def rms_norm(x: jax.Array, w: jax.Array, eps: float, offset: float = 0.0) -> jax.Array:
+    """RMSNorm in float32; Gemma scales by (1 + w), hence `offset`."""
+    xf = x.astype(jnp.float32)
+    y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return (y * (offset + w.astype(jnp.float32))).astype(x.dtype)
+
+
+def rope_frequencies(cfg: ModelConfig, local: bool = False) -> jax.Array:
+    """Inverse frequencies [head_dim / 2]: global layers use rope_theta with the configured scaling
+    (Llama 3 long-context, or linear), sliding-window layers rope_local_theta unscaled (Gemma 3)."""
+    d = cfg.head_dim
+    theta = cfg.rope_local_theta if local else cfg.rope_theta
+    inv = 1.0 / (theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
+    if local or cfg.rope_scaling is None:
+        return inv
+    if len(cfg.rope_scaling) == 1:
+        return inv / cfg.rope_scaling[0]
+    if cfg.rope_scaling is not None:
+        factor, low, high, original = cfg.rope_scaling
+        wavelen = 2 * jnp.pi / inv
+        low_wl, high_wl = original / low, original / high
+        smooth = (original / wavelen - low) / (high - low)
+        scaled = jnp.where(wavelen > low_wl, inv / factor, inv)
+        mid = (1 - smooth) * inv / factor + smooth * inv
+        inv = jnp.where((wavelen <= low_wl) & (wavelen >= high_wl), mid, scaled)
+    return inv
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
+    """Rotates x [b, t, heads, d] by positions [b, t] (rotate-half convention of Hugging Face)."""
+    angles = positions[..., None].astype(jnp.float32) * inv_freq  # [b, t, d/2]
+    cos = jnp.concatenate([jnp.cos(angles)] * 2, axis=-1)[:, :, None, :]
+    sin = jnp.concatenate([jnp.sin(angles)] * 2, axis=-1)[:, :, None, :]
+    xf = x.astype(jnp.float32)
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-xf[..., half:], xf[..., :half]], axis=-1)
+    return (xf * cos + rotated * sin).astype(x.dtype)
+
+
+def write_kv(pages: jax.Array, new: jax.Array, positions: jax.Array, block_tables: jax.Array) -> jax.Array:
+    """Stores new [b, t, kvh, d] at their positions [b, t] (negative: padding -> scratch page 0)."""
+    page_size = pages.shape[1]
+    pos = jnp.maximum(positions, 0)
+    page = jnp.take_along_axis(block_tables, pos // page_size, axis=1)
+    slot = jnp.where(positions >= 0, page * page_size + pos % page_size, 0)  # [b, t]
+    flat = pages.reshape(-1, *pages.shape[2:])
+    flat = flat.at[slot.reshape(-1)].set(new.reshape(-1, *new.shape[2:]).astype(pages.dtype))
+    return flat.reshape(pages.shape)
+
+
+def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, positions: jax.Array,
+                    block_tables: jax.Array, scale: float, window: int | None = None) -> jax.Array:
+    """Causal attention of q [b, t, h, d] over each sequence's cached keys/values (pure JAX path).
+
+    A query at position p sees keys at positions <= p (and > p - window with a sliding window); queries
+    with negative positions (padding) produce zeros.
+    """
+    b, t, h, d = q.shape
+    kvh = k_pages.shape[2]
+    k = k_pages[block_tables].reshape(b, -1, kvh, d)  # [b, L, kvh, d]
+    v = v_pages[block_tables].reshape(b, -1, kvh, d)
+    kpos = jnp.arange(k.shape[1])
+    qg = q.reshape(b, t, kvh, h // kvh, d).astype(jnp.float32)
+    scores = jnp.einsum("btgrd,blgd->bgrtl", qg, k.astype(jnp.float32)) * scale
+    visible = kpos[None, None, :] <= positions[:, :, None]  # [b, t, L]
+    if window:
+        visible &= kpos[None, None, :] > positions[:, :, None] - window
+    scores = jnp.where(visible[:, None, None], scores, -jnp.inf)
+    probs = jax.nn.softmax(scores, axis=-1)
+    probs = jnp.where(visible[:, None, None].any(-1, keepdims=True), probs, 0.0)
+    out = jnp.einsum("bgrtl,blgd->btgrd", probs, v.astype(jnp.float32))
+    return out.reshape(b, t, h * d).astype(q.dtype)
+
+
+def attention_block(p: dict, x: jax.Array, cache: tuple, positions, block_tables, cfg: ModelConfig,
+                    layer: int, norm_offset: float = 0.0) -> tuple[jax.Array, tuple]:
+    """q/k/v projections (+ optional q/k norms), RoPE, cache update, attention, output projection."""
+    b, t, _ = x.shape
+    q = linear(x, p["q"], p.get("q_bias")).reshape(b, t, cfg.num_heads, cfg.head_dim)
+    k = linear(x, p["k"], p.get("k_bias")).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+    v = linear(x, p["v"], p.get("v_bias")).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+    if cfg.qk_norm:
+        q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps, norm_offset)
+        k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps, norm_offset)
+    sliding = cfg.is_sliding(layer)
+    inv = rope_frequencies(cfg, local=sliding)
+    q, k = apply_rope(q, positions, inv), apply_rope(k, positions, inv)
+    k_pages = write_kv(cache[0], k, positions, block_tables)
+    v_pages = write_kv(cache[1], v, positions, block_tables)
+    out = paged_attention(q, k_pages, v_pages, positions, block_tables, cfg.scale,
+                          cfg.sliding_window if sliding else None)
+    return linear(out, p["o"]), (k_pages, v_pages)
+
+
+def logits(params: dict, h: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """Final projection to the vocabulary (tied to the embedding when configured), float32."""
+    w = params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]
+    out = linear(h, w).astype(jnp.float32)
+    if cfg.final_logit_softcap:
+        out = jnp.tanh(out / cfg.final_logit_softcap) * cfg.final_logit_softcap
+    return out

@@ -1,0 +1,154 @@
+"""The JAX runtime against transformers (float32 reference) for every family, dense and quantized.
+
+Tolerances (relative Frobenius norm of the logits):
+- float32 runtime vs float32 transformers on the same weights: 1e-4. Both compute in float32; what
+  differs is summation order (einsum vs torch matmul, fused softmax), ~1e-6 per op, measured ≤ 1e-6;
+- bfloat16 runtime: 4e-2. Activations and dense weights are rounded to bf16 (8-bit mantissa, relative
+  2^-9 per rounding) at every layer boundary of a tiny random model whose logits are small; measured
+  about 1e-2;
+- quantized checkpoints vs transformers on the library's decompressed weights: 1e-2, because the
+  library rounds each dequantized weight q·s to bf16 (relative up to 2^-9) while the runtime keeps q·s
+  exact in float32.
+Greedy tokens must be identical over ten decode steps (prefill + decode through the paged cache).
+"""
+
+import json
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import transformers as T
+
+from ct_oracle import library_convert_dequantize, make_checkpoint
+from quantkit.errors import InvalidInput, Unsupported
+from quantkit.runtime.engine import Runner, Sampling, generate
+from quantkit.runtime.loader import load
+
+COMMON = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=3, num_attention_heads=4,
+              num_key_value_heads=2, vocab_size=256, head_dim=32, max_position_embeddings=256)
+
+
+def _family(name):
+    if name == "llama":
+        return T.LlamaForCausalLM(T.LlamaConfig(**COMMON))
+    if name == "qwen3":
+        return T.Qwen3ForCausalLM(T.Qwen3Config(**COMMON))
+    if name == "qwen3_moe":
+        return T.Qwen3MoeForCausalLM(T.Qwen3MoeConfig(**COMMON, moe_intermediate_size=64, num_experts=8,
+                                                      num_experts_per_tok=2, norm_topk_prob=True))
+    if name == "gemma3":  # sliding window 8 < prompt length, so local layers really slide
+        return T.Gemma3ForCausalLM(T.Gemma3TextConfig(
+            **COMMON, sliding_window=8, layer_types=["sliding_attention", "sliding_attention", "full_attention"]))
+    raise KeyError(name)
+
+
+def _rel(a, b) -> float:
+    return float(np.linalg.norm(np.asarray(a, np.float64) - b) / np.linalg.norm(b))
+
+
+def _greedy_parity(path, ref_model, dtype, tol, prompt_len=20, steps=10):
+    """Prefill and `steps` greedy decode steps through the paged cache vs the reference's logits."""
+    model = load(path, dtype=dtype)
+    runner = Runner(model, max_model_len=64, page_size=8)
+    rng = np.random.default_rng(0)
+    ids = [int(x) for x in rng.integers(0, 256, prompt_len)]
+    ours = [np.asarray(runner.forward(np.array([ids]), np.arange(prompt_len)[None]))[0]]
+    for i in range(steps):
+        ids.append(int(ours[-1][-1].argmax()))
+        ours.append(np.asarray(runner.forward(np.array([[ids[-1]]]), np.array([[prompt_len + i]])))[0])
+    with torch.no_grad():
+        ref = ref_model(torch.tensor([ids])).logits[0].float().numpy()  # [prompt + steps, vocab]
+    mine = np.concatenate(ours)  # same rows: prompt logits, then one per decode step
+    assert _rel(mine[: prompt_len + steps], ref[: prompt_len + steps]) < tol
+    with torch.no_grad():
+        hf = ref_model.generate(torch.tensor([ids[:prompt_len]]), max_new_tokens=steps, do_sample=False,
+                                eos_token_id=None, pad_token_id=0)[0, prompt_len:].tolist()
+    assert ids[prompt_len:] == hf
+    return model
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3", "qwen3_moe", "gemma3"])
+def family_ckpt(request, tmp_path_factory):
+    torch.manual_seed(0)
+    model = _family(request.param).eval()
+    path = tmp_path_factory.mktemp(request.param)
+    model.save_pretrained(path)
+    return request.param, path, model
+
+
+def test_float32_parity_prefill_and_decode(family_ckpt):
+    _, path, ref = family_ckpt
+    _greedy_parity(path, ref, jnp.float32, 1e-4)
+
+
+def test_bfloat16_logits_close(family_ckpt):
+    _, path, ref = family_ckpt
+    model = load(path, dtype=jnp.bfloat16)
+    runner = Runner(model, max_model_len=64, page_size=8)
+    ids = np.random.default_rng(1).integers(0, 256, (1, 24))
+    ours = np.asarray(runner.forward(ids, np.arange(24)[None]))[0]
+    with torch.no_grad():
+        theirs = ref(torch.tensor(ids)).logits[0].numpy()
+    assert _rel(ours, theirs) < 4e-2
+
+
+@pytest.mark.parametrize("scheme", ["W4A16", "W4A16_G32", "W4A16_CHANNEL", "FP8_DYNAMIC", "MXFP4A16"])
+def test_quantized_checkpoints_match_transformers_on_decompressed_weights(scheme, tmp_path):
+    q = make_checkpoint(tmp_path / "q", scheme)
+    library_convert_dequantize(q, tmp_path / "dense")
+    ref = T.AutoModelForCausalLM.from_pretrained(tmp_path / "dense", dtype=torch.float32).eval()
+    model = _greedy_parity(q, ref, jnp.float32, 1e-2)
+    kinds = {type(layer["q"]).__name__ for layer in model.params["layers"]}
+    assert kinds == {"QTensor"}  # stayed quantized
+    assert model.weight_bytes < sum(f.stat().st_size for f in (tmp_path / "dense").glob("*.safetensors"))
+
+
+def test_paged_cache_serves_sequences_of_different_lengths(family_ckpt):
+    """Two sequences in one batch, different lengths, padded prefill: same logits as one at a time."""
+    name, path, _ = family_ckpt
+    model = load(path, dtype=jnp.float32)
+    rng = np.random.default_rng(2)
+    a, b = rng.integers(0, 256, 11), rng.integers(0, 256, 5)
+    solo = []
+    for seq in (a, b):
+        r = Runner(model, max_model_len=32, page_size=4)
+        solo.append(np.asarray(r.forward(seq[None], np.arange(len(seq))[None]))[0, -1])
+    r = Runner(model, max_model_len=32, max_batch=2, page_size=4)
+    tokens = np.zeros((2, 16), np.int64)
+    positions = np.full((2, 16), -1)
+    tokens[0, :11], positions[0, :11] = a, np.arange(11)
+    tokens[1, :5], positions[1, :5] = b, np.arange(5)
+    both = np.asarray(r.forward(tokens, positions))
+    assert _rel(both[0, 10], solo[0]) < 1e-5 and _rel(both[1, 4], solo[1]) < 1e-5
+
+
+def test_sampling_seed_and_stops(family_ckpt):
+    _, path, _ = family_ckpt
+    model = load(path, dtype=jnp.float32)
+    prompt = [5, 17, 42, 7]
+    runs = [generate(Runner(model, max_model_len=64), prompt, 12, Sampling(temperature=1.0, top_k=50, top_p=0.9,
+                                                                         seed=s)) for s in (3, 3, 4)]
+    assert runs[0] == runs[1] and len(runs[0]) == 12 and runs[0] != runs[2]
+    greedy = generate(Runner(model, max_model_len=64), prompt, 12)
+    stop = greedy[3]
+    cut = generate(Runner(model, max_model_len=64), prompt, 12, stop_ids=(stop,))
+    assert cut == greedy[: greedy.index(stop)]
+
+
+# ---- bad input --------------------------------------------------------------------------------------
+
+def test_rejected_checkpoint_unknown_architecture_and_long_prompt(tmp_path):
+    asym = make_checkpoint(tmp_path / "asym", "W4A16_ASYM")
+    with pytest.raises(Unsupported, match="asymmetric"):
+        load(asym)
+    T.GPT2LMHeadModel(T.GPT2Config(n_layer=1, n_embd=64, n_head=2, vocab_size=128)).save_pretrained(tmp_path / "gpt2")
+    with pytest.raises(Unsupported, match="GPT2LMHeadModel.*supported: LlamaForCausalLM"):
+        load(tmp_path / "gpt2", check=False)
+    torch.manual_seed(0)
+    _family("llama").save_pretrained(tmp_path / "llama")
+    runner = Runner(load(tmp_path / "llama"), max_model_len=32)
+    with pytest.raises(InvalidInput, match="prompt of 30 tokens \\+ max_tokens 8 exceeds the model length 32"):
+        generate(runner, list(range(30)), 8)
+    cfg = json.loads((tmp_path / "llama" / "config.json").read_text())
+    assert cfg["architectures"] == ["LlamaForCausalLM"]
