@@ -227,6 +227,55 @@ def convert(
         _print_convert(report)
 
 
+@app.command()
+def generate(
+    path: Annotated[Path, typer.Argument(help="Checkpoint directory (dense or compressed-tensors).",
+                                         show_default=False)],
+    prompt: Annotated[str, typer.Option(help="The prompt text.", show_default=False)],
+    max_tokens: Annotated[int, typer.Option(min=1, help="Tokens to generate at most.")] = 128,
+    temperature: Annotated[float, typer.Option(min=0.0, help="0 = greedy.")] = 0.0,
+    top_p: Annotated[float, typer.Option(min=0.0, max=1.0, help="Nucleus sampling mass.")] = 1.0,
+    top_k: Annotated[int, typer.Option(min=0, help="Sample among the k most likely tokens; 0 = all.")] = 0,
+    seed: Annotated[int, typer.Option(help="Sampling seed.")] = 0,
+    chat: Annotated[bool, typer.Option("--chat", help="Wrap the prompt in the model's chat template.")] = False,
+    stop: Annotated[list[str] | None, typer.Option(help="Stop string (repeatable).")] = None,
+    max_model_len: Annotated[int, typer.Option(min=2, help="KV cache length (prompt + output).")] = 2048,
+) -> None:
+    """Load PATH with the JAX runtime and stream a completion of PROMPT to stdout.
+
+    Example:  quantkit generate ./Llama-3.2-1B-Instruct-W4A16 --prompt "Why is the sky blue?" --chat
+    """
+    try:
+        from quantkit.runtime.engine import Runner, Sampling, enable_compilation_cache, generate as run
+        from quantkit.runtime.loader import load
+        from quantkit.runtime.tokenizer import TextCodec
+
+        codec = TextCodec(path)
+        enable_compilation_cache()
+        model = load(path)
+        text = codec.chat([{"role": "user", "content": prompt}]) if chat else prompt
+        ids = codec.encode(text, special=not chat)
+        stops = tuple(i for i in (*model.cfg.eos_token_ids, codec.token_id("eos_token")) if i is not None)
+        runner = Runner(model, max_model_len=min(max_model_len, model.cfg.max_position_embeddings))
+        shown = [""]
+        out: list[int] = []
+
+        def emit(tok: int) -> None:
+            out.append(tok)
+            now = codec.decode(out)
+            if not now.endswith("\ufffd"):  # wait for the rest of a multi-byte character
+                sys.stdout.write(now[len(shown[0]):])
+                sys.stdout.flush()
+                shown[0] = now
+
+        final = run(runner, ids, max_tokens, Sampling(temperature, top_k, top_p, seed), stop_ids=stops,
+                    on_token=emit, stop_strings=tuple(stop or ()), decode=codec.decode)
+        rest = codec.decode(final)[len(shown[0]):]
+        sys.stdout.write(rest + "\n")
+    except (QuantkitError, KeyboardInterrupt, Exception) as e:  # noqa: BLE001 - one line, never a traceback
+        raise _fail(e) from None
+
+
 def main() -> None:
     try:
         app()

@@ -152,3 +152,47 @@ def test_rejected_checkpoint_unknown_architecture_and_long_prompt(tmp_path):
         generate(runner, list(range(30)), 8)
     cfg = json.loads((tmp_path / "llama" / "config.json").read_text())
     assert cfg["architectures"] == ["LlamaForCausalLM"]
+
+
+# ---- quantkit generate ------------------------------------------------------------------------------
+
+def _with_tokenizer(path):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(["hello world, the quick brown fox jumps over the lazy dog"] * 20, trainer)
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": "<s>", "eos_token": "</s>",
+        "chat_template": "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>{% endfor %}"
+                         "{% if add_generation_prompt %}<s>assistant:{% endif %}"}))
+
+
+def test_generate_cli_streams_what_the_library_generates(tmp_path):
+    import subprocess
+    import sys
+
+    from quantkit.runtime.tokenizer import TextCodec
+
+    torch.manual_seed(0)
+    T.LlamaForCausalLM(T.LlamaConfig(**{**COMMON, "vocab_size": 320})).save_pretrained(tmp_path / "m")
+    _with_tokenizer(tmp_path / "m")
+    cmd = [sys.executable, "-m", "quantkit.cli", "generate", str(tmp_path / "m"), "--prompt", "hello world",
+           "--max-tokens", "8"]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    codec = TextCodec(tmp_path / "m")
+    ids = generate(Runner(load(tmp_path / "m"), max_model_len=2048), codec.encode("hello world"), 8)
+    assert p.stdout == codec.decode(ids) + "\n" and len(ids) > 0
+    chat = subprocess.run(cmd + ["--chat", "--temperature", "0.8", "--seed", "3"], capture_output=True, text=True,
+                          timeout=300)
+    assert chat.returncode == 0, chat.stderr
+    (tmp_path / "m" / "tokenizer.json").unlink()
+    bad = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 1 and "no tokenizer.json" in bad.stderr and "Traceback" not in bad.stderr
+    usage = subprocess.run(cmd + ["--max-tokens", "0"], capture_output=True, text=True, timeout=300)
+    assert usage.returncode == 2

@@ -101,8 +101,13 @@ def _bucket(n: int) -> int:
 
 
 def generate(runner: Runner, prompt: list[int], max_tokens: int, sampling: Sampling = Sampling(),
-             stop_ids: tuple[int, ...] = (), on_token=None) -> list[int]:
-    """Generates up to max_tokens after `prompt` (one sequence); stops at a stop id (not included)."""
+             stop_ids: tuple[int, ...] = (), on_token=None, stop_strings: tuple[str, ...] = (),
+             decode=None) -> list[int]:
+    """Generates up to max_tokens after `prompt` (one sequence).
+
+    Stops at a stop id (not included), or once the decoded text (`decode(ids)`) contains a stop string;
+    the tokens that complete the stop string are dropped.
+    """
     n = len(prompt)
     if not prompt:
         raise InvalidInput("empty prompt")
@@ -123,6 +128,12 @@ def generate(runner: Runner, prompt: list[int], max_tokens: int, sampling: Sampl
         if tok in stop_ids:
             break
         out.append(tok)
+        if stop_strings and decode is not None:
+            text = decode(out)
+            if any(st in text for st in stop_strings):
+                while out and any(st in decode(out) for st in stop_strings):
+                    out.pop()
+                break
         if on_token is not None:
             on_token(tok)
         if i == max_tokens - 1:
