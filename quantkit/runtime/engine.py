@@ -68,11 +68,20 @@ class Runner:
     max_model_len: int = 2048
     max_batch: int = 1
     page_size: int = 16
+    tp: int = 1
     compilations: set = field(default_factory=set)
 
     def __post_init__(self):
         self.pages_per_seq = -(-self.max_model_len // self.page_size)
         self.cache = new_cache(self.model, 1 + self.max_batch * self.pages_per_seq, self.page_size)
+        self.params = self.model.params
+        if self.tp > 1:
+            from quantkit.runtime.sharding import cache_sharding, make_mesh, shard_params
+
+            mesh = make_mesh(self.tp)
+            self.params = shard_params(self.params, self.model.cfg, mesh)
+            spec = cache_sharding(self.model.cfg, mesh)
+            self.cache = [(jax.device_put(k, spec), jax.device_put(v, spec)) for k, v in self.cache]
         self.block_tables = jnp.asarray(
             1 + np.arange(self.max_batch * self.pages_per_seq).reshape(self.max_batch, self.pages_per_seq), jnp.int32)
         fwd = forward_for(self.model.cfg.family)
@@ -88,7 +97,7 @@ class Runner:
         """Logits [b, t, vocab] for tokens/positions [b, t] (positions -1 = padding); updates the cache."""
         b, t = tokens.shape
         self.compilations.add((b, t))
-        logits, self.cache = self._step(self.model.params, self.cache, jnp.asarray(tokens, jnp.int32),
+        logits, self.cache = self._step(self.params, self.cache, jnp.asarray(tokens, jnp.int32),
                                         jnp.asarray(positions, jnp.int32), self.block_tables[:b])
         return logits
 
