@@ -58,9 +58,10 @@ def _sizes(rng, g, m):
     return sizes.astype(np.int32)
 
 
-CASES = [  # qtype, group (None = channel), tk; k = 512. Pre-dot scale blocks have 8 rows or all of them.
+CASES = [  # qtype, group (None = channel), tk; k = 512. Pre-dot scale blocks fill whole sublane tiles
+    # (f32 8 rows, uint8 32) or are all of k.
     ("int4", 32, 256), ("int4", 64, 512), ("int4", 128, 512), ("int4", 256, 512), ("int4", 256, 256),
-    ("int4", None, 128), ("fp8", None, 256), ("fp8", 128, 512), ("mxfp4", 32, 256),
+    ("int4", None, 128), ("fp8", None, 256), ("fp8", 128, 512), ("mxfp4", 32, 512),
 ]
 
 
@@ -182,7 +183,8 @@ def test_compiles_for_every_real_layer_shape(chip, qtype, group):
             scales = g * (k // grp) * n * (1 if qtype == "mxfp4" else 2)
             inputs = packed + scales + m * k * 2 + g * 4
             assert inputs <= mem.argument_size_in_bytes <= inputs * 1.01 + 4096, (chip, k, n, g, m)
-            assert mem.temp_size_in_bytes < 1 << 20, (chip, k, n, g, m, mem.temp_size_in_bytes)
+            # Temporaries (visit metadata, XLA's own buffers) stay far below one weight's size.
+            assert mem.temp_size_in_bytes < max(1 << 20, packed // 16), (chip, k, n, g, m, mem.temp_size_in_bytes)
 
 
 # ---- from checkpoints written by compressed-tensors to the kernel --------------------------------

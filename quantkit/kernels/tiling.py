@@ -150,13 +150,17 @@ def _choose_kn(tm: int, m: int, k: int, n: int, g: int, qtype: str, group: int, 
                limit: int) -> Tiles | None:
     """tk and tn for a given tm (see choose_tiles)."""
     bits = weight_bits(qtype)
-    # tk a multiple of the group (scales before the dot), or, for groups at least as wide as the MXU
-    # (channel scales included), a divisor of it (scales on partial sums, one scale row per k step).
-    # A pre-dot tile's scales come as their own block of tk/group rows: (8, 128) rule, unless all of k.
+    # tk a multiple of the group (scales before the dot), or a divisor of it (scales on partial sums,
+    # one scale row per k step: the natural choice for groups at least as wide as the MXU and for
+    # channel scales).
+    # A pre-dot tile's scales come as their own block of tk/group rows, which must fill whole packed
+    # sublane tiles of the scale dtype (f32: 8 rows, bf16: 16, uint8: 32), unless it is all of k.
+    sub = 8 * 4 // scale_bytes
+
     def fits_group(t: int) -> bool:
-        if group >= chip.mxu and group % t == 0:
-            return True  # scales on partial sums
-        return t % group == 0 and (t == k or (t // group) % 8 == 0)
+        if group % t == 0:
+            return True  # scales on partial sums (below the MXU width only as a fallback: smaller tiles)
+        return t % group == 0 and (t == k or (t // group) % sub == 0)
 
     def divisors(dim: int, cap: int) -> list[int]:  # multiples of 128 that divide dim, largest first
         return [t for t in range(min(dim, cap) // LANES * LANES, 0, -LANES) if dim % t == 0]
