@@ -153,9 +153,9 @@ def _choose_kn(tm: int, m: int, k: int, n: int, g: int, qtype: str, group: int, 
     # tk a multiple of the group (scales before the dot), or a divisor of it (scales on partial sums,
     # one scale row per k step: the natural choice for groups at least as wide as the MXU and for
     # channel scales).
-    # A pre-dot tile's scales come as their own block of tk/group rows, which must fill whole packed
-    # sublane tiles of the scale dtype (f32: 8 rows, bf16: 16, uint8: 32), unless it is all of k.
-    sub = 8 * 4 // scale_bytes
+    # A pre-dot tile's scales come as their own block of tk/group rows: a multiple of 8 rows for f32 and
+    # bf16, of 32 for uint8 (its HBM tiling is (32, 128); deviceless compiles refuse less), or all of k.
+    sub = 32 if scale_bytes == 1 else 8
 
     def fits_group(t: int) -> bool:
         if group % t == 0:
