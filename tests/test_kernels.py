@@ -52,7 +52,8 @@ def _sizes(rng, g, m):
     """g group sizes summing to at most m, some of them empty."""
     if g == 1:
         return np.array([max(0, m - rng.integers(0, 3))], np.int32)
-    cuts = np.sort(rng.integers(0, m - rng.integers(0, 5) + 1, g - 1))
+    cap = max(1, m - int(rng.integers(0, 5)))  # leave up to 4 rows past all groups
+    cuts = np.sort(rng.integers(0, cap + 1, g - 1))
     sizes = np.diff(np.concatenate([[0], cuts, [cuts[-1] + rng.integers(0, m - cuts[-1] + 1)]]))
     sizes[rng.choice(g, 2, replace=False)] = 0  # empty experts
     return sizes.astype(np.int32)
