@@ -44,6 +44,12 @@ def _fail(err: BaseException) -> typer.Exit:
     return typer.Exit(code)
 
 
+def jax_backend() -> str:
+    import jax
+
+    return jax.default_backend()
+
+
 def _human_size(n: int | None) -> str:
     if n is None:
         return "-"
@@ -253,6 +259,8 @@ def generate(
         codec = TextCodec(path)
         enable_compilation_cache()
         model = load(path)
+        print(f"loaded {model.cfg.family} ({model.cfg.num_layers} layers): weights take "
+              f"{_human_size(model.weight_bytes)} on {jax_backend()}", file=sys.stderr)
         text = codec.chat([{"role": "user", "content": prompt}]) if chat else prompt
         ids = codec.encode(text, special=not chat)
         stops = tuple(i for i in (*model.cfg.eos_token_ids, codec.token_id("eos_token")) if i is not None)

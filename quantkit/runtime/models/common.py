@@ -21,12 +21,18 @@ def linear(x: jax.Array, w, bias: jax.Array | None = None) -> jax.Array:
     """x [..., in] @ w [in, out] (+ bias), f32 accumulation, result in x.dtype."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
+    rows = x2.shape[0]
+    if rows < 8 and jax.default_backend() == "cpu":
+        # XLA:CPU runs a bf16 matrix-vector product ~10x slower than an 8-row matrix product
+        # (measured: 1x1024 @ 1024x32000 in 50 ms vs 8 rows in 6 ms), so decode pads to 8 rows.
+        x2 = jnp.pad(x2, ((0, 8 - rows), (0, 0)))
     if isinstance(w, QTensor):
         from quantkit.runtime.ops import qmatmul
 
         y = qmatmul(x2, w)
     else:
         y = jnp.dot(x2, w.astype(x.dtype), preferred_element_type=jnp.float32).astype(x.dtype)
+    y = y[:rows]
     if bias is not None:
         y = (y.astype(jnp.float32) + bias.astype(jnp.float32)).astype(x.dtype)
     return y.reshape(*lead, y.shape[-1])
