@@ -112,7 +112,7 @@ def main() -> None:
             for name in ("big", "tiny")}
     print(f"machine: {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}; "
           f"median of {args.runs} runs, process start included")
-    print(f"| checkpoint | tensors | size on disk | quantkit inspect | peer (safetensors + compressed-tensors) |")
+    print("| checkpoint | tensors | size on disk | quantkit inspect | peer (safetensors + compressed-tensors) |")
     print("|---|---|---|---|---|")
     for name in ("big", "tiny"):
         r = rows[name]

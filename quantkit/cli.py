@@ -44,6 +44,27 @@ def _fail(err: BaseException) -> typer.Exit:
     return typer.Exit(code)
 
 
+def _with_progress(label: str, fn):
+    """fn(progress) with a byte progress bar (speed, ETA) on stderr when stderr is a terminal, else fn(None)."""
+    if not sys.stderr.isatty():
+        return fn(None)
+    from rich.console import Console
+    from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
+
+    with Progress(label, BarColumn(), DownloadColumn(), TransferSpeedColumn(), TimeRemainingColumn(),
+                  transient=True, console=Console(stderr=True)) as bar:
+        task = bar.add_task(label, total=None)
+        return fn(lambda done, total: bar.update(task, completed=done, total=total))
+
+
+def _emit(report: dict, json_out: bool, printer) -> None:
+    """One JSON document on stdout, or the human rendering."""
+    if json_out:
+        sys.stdout.write(json.dumps(report, indent=1) + "\n")
+    else:
+        printer(report)
+
+
 def jax_backend() -> str:
     import jax
 
@@ -125,22 +146,11 @@ def inspect(
     from quantkit.inspect import inspect_checkpoint
 
     try:
-        if deep and sys.stderr.isatty():
-            from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
-
-            with Progress("checking", BarColumn(), DownloadColumn(), TransferSpeedColumn(), TimeRemainingColumn(),
-                          transient=True) as bar:
-                task = bar.add_task("read", total=None)
-                report = inspect_checkpoint(path, target.value, True,
-                                            lambda done, total: bar.update(task, completed=done, total=total))
-        else:
-            report = inspect_checkpoint(path, target.value, deep)
+        report = (_with_progress("checking", lambda progress: inspect_checkpoint(path, target.value, True, progress))
+                  if deep else inspect_checkpoint(path, target.value))
     except (QuantkitError, KeyboardInterrupt, Exception) as e:  # noqa: BLE001 - one line, never a traceback
         raise _fail(e) from None
-    if json_out:
-        sys.stdout.write(json.dumps(report, indent=1) + "\n")
-    else:
-        _print_report(report)
+    _emit(report, json_out, _print_report)
     raise typer.Exit(report["exit_code"])
 
 
@@ -216,21 +226,10 @@ def convert(
         args = dict(scheme=scheme.value, group_size=group_size, ignore=ignore or [], observer=observer.value,
                     workers=workers, force=force, quantize_lm_head=quantize_lm_head,
                     max_shard_bytes=parse_size(max_shard_size))
-        if sys.stderr.isatty():
-            from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
-
-            with Progress("converting", BarColumn(), DownloadColumn(), TransferSpeedColumn(), TimeRemainingColumn(),
-                          transient=True) as bar:
-                task = bar.add_task("convert", total=None)
-                report = run(src, dst, **args, progress=lambda d, t: bar.update(task, completed=d, total=t))
-        else:
-            report = run(src, dst, **args)
+        report = _with_progress("converting", lambda progress: run(src, dst, **args, progress=progress))
     except (QuantkitError, KeyboardInterrupt, Exception) as e:  # noqa: BLE001 - one line, never a traceback
         raise _fail(e) from None
-    if json_out:
-        sys.stdout.write(json.dumps(report, indent=1) + "\n")
-    else:
-        _print_convert(report)
+    _emit(report, json_out, _print_convert)
 
 
 @app.command()

@@ -14,7 +14,6 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 from compressed_tensors.quantization import QuantizationConfig, apply_quantization_config

@@ -454,7 +454,7 @@ def can_dequantize(scheme: Scheme) -> bool:
     return fmt == "mxfp4-pack-quantized"
 
 
-def dequantize(scheme: Scheme, arrays: dict, shape: tuple[int, ...]) -> "np.ndarray":
+def dequantize(scheme: Scheme, arrays: dict, shape: tuple[int, ...]):
     """Dequantizes one module's stored weight to float32, as the library does (q * scale per group).
 
     The product of a 4/8-bit value and a bf16/f16/f32 scale is exact in float32, so casting the result

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from functools import partial
 
 import jax
 import jax.numpy as jnp

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 
 from quantkit.runtime.config import ModelConfig
 from quantkit.runtime.models.common import attention_block, linear, logits, rms_norm
