@@ -240,3 +240,18 @@ def test_tensor_parallel_on_four_devices_matches_one(scheme, tmp_path):
     prefill, decode = (float(x) for x in line.split()[1:3])
     assert prefill < 1e-5 and decode < 1e-5, line
     assert "'model'" in line  # the row-parallel weight really is split
+
+
+def test_int4_moe_experts_match_transformers(tmp_path):
+    """Qwen3-MoE converted by quantkit to W4A16 g32 (experts included, router kept dense): the runtime's
+    grouped int4 experts against transformers running the same checkpoint through compressed-tensors
+    (which decompresses to bf16: tolerance 1e-2 as for the other quantized checkpoints)."""
+    from quantkit.convert import convert
+
+    torch.manual_seed(0)
+    _family("qwen3_moe").save_pretrained(tmp_path / "moe")
+    convert(tmp_path / "moe", tmp_path / "w4", "W4A16", 32)
+    ref = T.AutoModelForCausalLM.from_pretrained(tmp_path / "w4", dtype=torch.float32).eval()
+    model = _greedy_parity(tmp_path / "w4", ref, jnp.float32, 1e-2)
+    experts = model.params["layers"][0]["gate"]
+    assert type(experts).__name__ == "QTensor" and experts.values.shape[0] == 8 and experts.group == 32
