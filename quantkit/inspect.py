@@ -35,6 +35,14 @@ def _config_problems(ckpt: Checkpoint, qc: QuantConfig | None, raw: dict | None)
     out = [_problem("warning", where, w) for w in ckpt.warnings]
     if ckpt.config is None:
         out.append(_problem("warning", str(ckpt.root), "no config.json: architecture and quantization scheme unknown"))
+    else:
+        from quantkit.runtime.config import ARCHITECTURES
+
+        archs = ckpt.config.get("architectures")
+        arch = archs[0] if isinstance(archs, list) and archs else None
+        if arch not in ARCHITECTURES:
+            out.append(_problem("unsupported", where, f"architecture {arch!r} is not supported by the runtime; "
+                                f"supported: {', '.join(ARCHITECTURES)}"))
     if raw is not None and qc is None:
         method = raw.get("quant_method")
         out.append(_problem("unsupported", where, f"quant_method {method!r} is not compressed-tensors; quantkit reads "

@@ -268,3 +268,14 @@ def test_inspect_path_imports_no_heavy_library(ckpts):
             "'transformers') if m in sys.modules], file=sys.stderr))\nmain()")
     p = subprocess.run([sys.executable, "-c", code, str(ckpts["W4A16"])], capture_output=True, text=True, timeout=60)
     assert "HEAVY []" in p.stderr, p.stderr
+
+
+def test_architecture_the_runtime_lacks_is_unsupported(ckpts, tmp_path):
+    path = _copy(ckpts["W4A16"], tmp_path)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["architectures"] = ["GPT2LMHeadModel"]
+    (path / "config.json").write_text(json.dumps(cfg))
+    r = inspect_checkpoint(path)
+    assert r["exit_code"] == 3
+    assert any("'GPT2LMHeadModel' is not supported by the runtime; supported: LlamaForCausalLM" in p["message"]
+               for p in r["problems"])
