@@ -447,11 +447,11 @@ def convert(src: str | Path, dst: str | Path, scheme: str = "W4A16", group_size:
 
     tmp = dst.parent / f".{dst.name}.quantkit-tmp-{uuid.uuid4().hex[:8]}"
     dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp.mkdir()
     old_handler = None
     if threading.current_thread() is threading.main_thread():
-        old_handler = signal.signal(signal.SIGTERM, _raise_interrupt)
+        old_handler = signal.signal(signal.SIGTERM, _raise_interrupt)  # before anything is written
     try:
+        tmp.mkdir()
         shards = layout_shards(jobs, tmp, max_shard_bytes)
         total = sum(j.bytes_in for j in jobs)
         done = [0]

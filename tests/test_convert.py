@@ -278,7 +278,11 @@ def test_sigterm_cleans_up(tmp_path, src):
     dst = tmp_path / "dst"
     p = subprocess.Popen([*QUANTKIT, "convert", str(big), str(dst), "--observer", "mse"],
                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    time.sleep(1.5)
+    deadline = time.time() + 60
+    while not list(tmp_path.glob(".dst.quantkit-tmp*")) and time.time() < deadline:
+        time.sleep(0.05)  # the handler is installed right after the temporary directory appears
+    time.sleep(0.3)
+    assert p.poll() is None, "conversion finished before it could be interrupted"
     p.send_signal(signal.SIGTERM)
     _, err = p.communicate(timeout=60)
     assert p.returncode == 130 and "interrupted" in err
