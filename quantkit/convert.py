@@ -30,7 +30,7 @@ import numpy as np
 from quantkit.errors import InvalidInput, QuantkitError, Unsupported
 from quantkit.formats import packing
 from quantkit.formats.compressed_tensors import (
-    Scheme, can_dequantize, dequantize, match_name, parse_quantization_config, stored_layout, writable_config,
+    Scheme, can_dequantize, dequantize, logical_shape, match_name, parse_quantization_config, stored_layout, writable_config,
 )
 from quantkit.formats.hf import (
     INDEX_NAME, Checkpoint, classify_module, default_exclusion, group_modules, vision_root,
@@ -152,12 +152,8 @@ def _dequantize_job(ckpt: Checkpoint, module: str, sch: Scheme, pnames: dict, pa
     if not can_dequantize(sch):
         reason = unsupported_reason(sch) or f"format {sch.format} with {sch.weights.strategy} scales"
         raise Unsupported(f"{module}: cannot dequantize: {reason}")
-    if "weight_shape" in pnames:
-        shape = tuple(int(x) for x in ckpt.read(pnames["weight_shape"]))
-    elif "weight" in params:
-        shape = params["weight"].shape
-    else:
-        shape = (*params["weight_packed"].shape[:-1], params["weight_packed"].shape[-1] * 2)
+    shape = logical_shape({p: i.shape for p, i in params.items()},
+                          ckpt.read(pnames["weight_shape"]) if "weight_shape" in pnames else None)
     out_dtype = "BF16"
     src = {p: n for p, n in pnames.items() if p in ("weight", "weight_packed", "weight_scale")}
     outputs = {f"{module}.weight": (out_dtype, shape)}

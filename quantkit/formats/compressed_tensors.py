@@ -361,6 +361,17 @@ def check_module_tensors(module: str, scheme: Scheme | None, params: dict) -> tu
             errors.append(f"{module}.{param}: shape {list(info.shape)}, expected {list(shape)}")
         return info
 
+    def check_scale(scale, lead: tuple, out: int, inp: int) -> None:
+        """weight_scale against its strategy's shape ([1] or [] per tensor)."""
+        if w.strategy == "tensor":
+            if scale.shape not in ((), (1,)):
+                errors.append(f"{module}.weight_scale: shape {list(scale.shape)}, expected [1] (per tensor)")
+            return
+        exp = expected_scale_shape(w, lead, out, inp)
+        if exp is not None and scale.shape != exp:
+            errors.append(f"{module}.weight_scale: shape {list(scale.shape)}, expected {list(exp)} "
+                          f"({w.strategy} strategy)")
+
     floats = {"F16", "BF16", "F32"}
     fmt = scheme.format if scheme is not None else "dense"
     w = scheme.weights if scheme is not None else None
@@ -392,14 +403,8 @@ def check_module_tensors(module: str, scheme: Scheme | None, params: dict) -> tu
                 if scale.shape[:-1] != (*lead, out) or not _ceil(lo, w.group_size) <= n_groups <= _ceil(inp, w.group_size):
                     errors.append(f"{module}.weight_scale: shape {list(scale.shape)}, expected "
                                   f"{list(expected_scale_shape(w, lead, out, inp))} for group size {w.group_size}")
-            elif w.strategy == "tensor":
-                if scale.shape not in ((), (1,)):
-                    errors.append(f"{module}.weight_scale: shape {list(scale.shape)}, expected [1] (per tensor)")
             else:
-                exp = expected_scale_shape(w, lead, out, inp)
-                if exp is not None and scale.shape != exp:
-                    errors.append(f"{module}.weight_scale: shape {list(scale.shape)}, expected {list(exp)} "
-                                  f"({w.strategy} strategy)")
+                check_scale(scale, lead, out, inp)
         if not w.symmetric and w.strategy in ("group", "channel"):
             need("weight_zero_point", {"I32"})
         if w.actorder == "group":
@@ -412,13 +417,8 @@ def check_module_tensors(module: str, scheme: Scheme | None, params: dict) -> tu
             return (weight.shape if weight is not None else None), errors
         *lead, out, inp = weight.shape
         scale = need("weight_scale", floats)
-        exp = expected_scale_shape(w, tuple(lead), out, inp)
         if scale is not None:
-            if w.strategy == "tensor" and scale.shape not in ((), (1,)):
-                errors.append(f"{module}.weight_scale: shape {list(scale.shape)}, expected [1] (per tensor)")
-            elif exp is not None and scale.shape != exp:
-                errors.append(f"{module}.weight_scale: shape {list(scale.shape)}, expected {list(exp)} "
-                              f"({w.strategy} strategy)")
+            check_scale(scale, tuple(lead), out, inp)
         a = scheme.input_activations
         if a is not None and not a.dynamic:
             need("input_scale", floats)
@@ -442,6 +442,17 @@ def check_module_tensors(module: str, scheme: Scheme | None, params: dict) -> tu
     if info is None:
         errors.append(f"{module}: no weight tensor found for format {fmt}")
     return None, errors
+
+
+def logical_shape(shapes: dict[str, tuple], weight_shape=None) -> tuple[int, ...]:
+    """Logical weight shape [..., out, in] of a quantized module: the values of its `weight_shape` tensor when
+    stored (pack-quantized), else its fp8 `weight`'s shape, else twice the fp4 bytes per row."""
+    if weight_shape is not None:
+        return tuple(int(x) for x in weight_shape)
+    if "weight" in shapes:
+        return tuple(shapes["weight"])
+    packed = shapes["weight_packed"]
+    return (*packed[:-1], packed[-1] * 2)
 
 
 def can_dequantize(scheme: Scheme) -> bool:

@@ -134,8 +134,9 @@ class Checkpoint:
         return model_type if isinstance(model_type, str) else None
 
     def file_of(self, name: str) -> SafetensorsFile:
-        info = self.tensors[name]
-        return next(f for f in self.files if f.path == info.file)
+        if not hasattr(self, "_by_path"):  # read on every row chunk of convert: one dict lookup, not a scan
+            self._by_path = {f.path: f for f in self.files}
+        return self._by_path[self.tensors[name].file]
 
     def read(self, name: str) -> np.ndarray:
         """Maps tensor `name` (see SafetensorsFile.read)."""

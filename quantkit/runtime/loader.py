@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from quantkit.errors import InvalidInput, Unsupported
-from quantkit.formats.compressed_tensors import QuantConfig, kernel_layout, parse_quantization_config
+from quantkit.formats.compressed_tensors import QuantConfig, kernel_layout, logical_shape, parse_quantization_config
 from quantkit.formats.hf import Checkpoint, group_modules
 from quantkit.quant.qtensor import QTensor, make_qtensor
 from quantkit.runtime.config import ModelConfig, from_hf
@@ -73,12 +73,7 @@ class _Reader:
         if scheme is None or scheme.weights is None or scheme.format == "dense":
             return None
         arrays = {p: np.asarray(self.ckpt.read(n)) for p, n in pnames.items()}
-        if "weight_shape" in arrays:
-            shape = tuple(int(s) for s in arrays["weight_shape"])
-        elif "weight" in arrays:
-            shape = arrays["weight"].shape
-        else:
-            shape = (arrays["weight_packed"].shape[0], arrays["weight_packed"].shape[1] * 2)
+        shape = logical_shape({p: a.shape for p, a in arrays.items()}, arrays.get("weight_shape"))
         values, scales, qtype, group = kernel_layout(scheme, arrays, shape)
         if scales.dtype == np.float16:
             scales = scales.astype(np.float32)
