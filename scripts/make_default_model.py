@@ -1,6 +1,7 @@
-"""Builds the embedded default model: a tiny random Llama (bf16), deterministic, with numpy only.
+"""Builds the embedded default model: a tiny random Llama (bf16) with a byte-level BPE tokenizer and a chat
+template, deterministic, with numpy and the tokenizers library only.
 
-Usage: python scripts/make_default_model.py [OUT_DIR]   (default: models/tiny-llama)
+Usage: python scripts/make_default_model.py [OUT_DIR] [--layers N]   (default: models/tiny-llama, 4 layers)
 The same seed gives the same bytes on every machine.
 """
 
@@ -22,8 +23,37 @@ CONFIG = {
 }
 
 
-def build(out: Path, seed: int = 0) -> Path:
-    c = CONFIG
+SYLLABLES = ("the", "of", "and", "to", "in", "is", "it", "for", "on", "as", "with", "be", "at", "by", "this",
+             "an", "or", "from", "data", "value", "list", "file", "type", "return", "def", "class", "self", "int",
+             "str", "none", "true", "false", "error", "test", "model", "token", "ing", "er", "ed", "ly", "tion",
+             "re", "un", "pre", "con", "com", "pro", "ex", "de", "al", "ar", "en", "or", "an", "ch", "st")
+CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}</s>\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+
+
+def tokenizer(out: Path, vocab_size: int, seed: int = 0) -> None:
+    """A byte-level BPE of exactly `vocab_size` tokens trained on seeded pseudo-words (ids 0-2: <unk> <s> </s>)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    rng = np.random.default_rng(seed)
+    words = ["".join(rng.choice(SYLLABLES, size=rng.integers(1, 4))) for _ in range(60000)]
+    punct = rng.choice([" ", " ", " ", " ", ", ", ". ", "\n", "(", ") ", ": "], size=len(words))
+    text = "".join(w + p for w, p in zip(words, punct))
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<unk>", "<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator([text[i:i + 10000] for i in range(0, len(text), 10000)], trainer)
+    tok.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
+        "unk_token": "<unk>", "model_max_length": CONFIG["max_position_embeddings"],
+        "chat_template": CHAT_TEMPLATE}, indent=2) + "\n")
+
+
+def build(out: Path, seed: int = 0, **overrides) -> Path:
+    c = CONFIG | overrides
     rng = np.random.default_rng(seed)
     h, i, hd = c["hidden_size"], c["intermediate_size"], c["head_dim"]
     q, kv = c["num_attention_heads"] * hd, c["num_key_value_heads"] * hd
@@ -46,8 +76,15 @@ def build(out: Path, seed: int = 0) -> Path:
     write_safetensors(out / "model.safetensors", tensors, {"format": "pt"})
     (out / "config.json").write_text(json.dumps(c, indent=2) + "\n")
     (out / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2}) + "\n")
+    tokenizer(out, c["vocab_size"], seed)
     return out
 
 
 if __name__ == "__main__":
-    print(build(Path(sys.argv[1] if len(sys.argv) > 1 else "models/tiny-llama")))
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("out", nargs="?", default="models/tiny-llama")
+    ap.add_argument("--layers", type=int, default=CONFIG["num_hidden_layers"])
+    args = ap.parse_args()
+    print(build(Path(args.out), num_hidden_layers=args.layers))

@@ -1,0 +1,217 @@
+"""Serving throughput and latency: `quantkit serve` vs vLLM's CPU build, same models, prompts and machine,
+in one run. Also start-to-ready of quantkit with a cold and a warm compilation cache.
+
+Models (random weights, the default model's tokenizer): `tiny` = the issue's 2-layer hidden-256 Llama,
+dense bf16 and W4A16 g128 (made by `quantkit convert`), and `mid` = a ~190M Llama (16 layers, hidden 1024).
+Load: N concurrent streaming clients (async httpx, SSE parsed by hand, the same client for both servers)
+send a fixed number of /v1/completions requests with 64 output tokens (temperature 0); reported: output
+tokens/s over the wall time, time to first token and time per output token p50/p99, errors.
+
+Usage: .venv/bin/python benchmarks/serve_load.py --vllm /tmp/vllmvenv/bin/vllm [--models tiny tiny-w4a16 mid]
+(vLLM venv per ../shared/design/PEERS.md; without --vllm only quantkit is measured.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+MODELS = {"tiny": {"num_hidden_layers": 2},
+          "mid": {"num_hidden_layers": 16, "hidden_size": 1024, "intermediate_size": 2816,
+                  "num_attention_heads": 16, "num_key_value_heads": 4, "head_dim": 64}}
+OUT_TOKENS, MAX_LEN = 64, 512
+
+
+def build(work: Path, name: str) -> Path:
+    import make_default_model
+
+    base = name.removesuffix("-w4a16")
+    dense = work / base
+    if not (dense / "config.json").exists():
+        make_default_model.build(dense, **MODELS[base])
+    if name == base:
+        return dense
+    q = work / name
+    if not (q / "config.json").exists():
+        subprocess.run([str(ROOT / ".venv/bin/quantkit"), "convert", str(dense), str(q), "--scheme", "W4A16",
+                        "--force"], check=True, capture_output=True)
+    return q
+
+
+def prompts(n: int) -> list[str]:
+    import numpy as np
+
+    from make_default_model import SYLLABLES
+
+    rng = np.random.default_rng(7)
+    return [" ".join("".join(rng.choice(SYLLABLES, size=2)) for _ in range(rng.integers(20, 40))) for _ in range(n)]
+
+
+class Proc:
+    """A server process; `ready_s` = spawn to first successful readiness probe."""
+
+    def __init__(self, cmd: list[str], env: dict, probe: str, log: Path, timeout: float = 900):
+        self.log = open(log, "w")
+        t0 = time.monotonic()
+        self.p = subprocess.Popen(cmd, env={**os.environ, **env}, stdout=self.log, stderr=subprocess.STDOUT)
+        while time.monotonic() - t0 < timeout:
+            if self.p.poll() is not None:
+                raise RuntimeError(f"{cmd[0]} exited {self.p.returncode}; see {log}")
+            try:
+                if httpx.get(probe, timeout=2).status_code == 200:
+                    self.ready_s = time.monotonic() - t0
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise RuntimeError(f"not ready after {timeout} s; see {log}")
+
+    def stop(self) -> None:
+        self.p.terminate()
+        try:
+            self.p.wait(60)
+        except subprocess.TimeoutExpired:
+            self.p.kill()
+        self.log.close()
+
+
+async def one(client: httpx.AsyncClient, url: str, model: str, prompt: str, out: list) -> None:
+    body = {"model": model, "prompt": prompt, "max_tokens": OUT_TOKENS, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    t0 = time.perf_counter()
+    first = last = None
+    tokens = 0
+    try:
+        async with client.stream("POST", url, json=body) as r:
+            if r.status_code != 200:
+                out.append(("error", r.status_code))
+                return
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if chunk.get("usage"):
+                    tokens = chunk["usage"]["completion_tokens"]
+                if chunk.get("choices") and chunk["choices"][0].get("text"):
+                    last = time.perf_counter()
+                    first = first or last
+        out.append(("ok", first - t0, (last - first) / max(tokens - 1, 1), tokens))
+    except (httpx.HTTPError, TypeError) as e:
+        out.append(("error", type(e).__name__))
+
+
+async def load(base: str, model: str, concurrency: int, requests: int) -> dict:
+    texts = prompts(requests)
+    out: list = []
+    queue = list(texts)
+    # TCP_NODELAY: without it httpx's separate header and body writes meet the server's delayed ACK and
+    # every request waits ~40 ms before the server sees its body
+    transport = httpx.AsyncHTTPTransport(socket_options=[(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)],
+                                         limits=httpx.Limits(max_connections=concurrency + 4))
+    async with httpx.AsyncClient(timeout=600, transport=transport) as client:
+        async def worker():
+            while queue:
+                await one(client, f"{base}/v1/completions", model, queue.pop(), out)
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        wall = time.perf_counter() - t0
+    ok = [o for o in out if o[0] == "ok"]
+
+    def pct(xs, q):
+        xs = sorted(xs)
+        return xs[min(len(xs) - 1, int(q * len(xs)))] * 1e3 if xs else float("nan")
+
+    ttft, tpot = [o[1] for o in ok], [o[2] for o in ok]
+    return {"concurrency": concurrency, "requests": requests, "errors": len(out) - len(ok),
+            "tokens": sum(o[3] for o in ok), "tok_s": sum(o[3] for o in ok) / wall,
+            "ttft_p50_ms": pct(ttft, 0.5), "ttft_p99_ms": pct(ttft, 0.99),
+            "tpot_p50_ms": pct(tpot, 0.5), "tpot_p99_ms": pct(tpot, 0.99)}
+
+
+def measure(base: str, model: str, runs: int) -> list[dict]:
+    asyncio.run(load(base, model, 4, 8))  # warm-up traffic (also lets vLLM settle)
+    rows = []
+    for conc, n in ((1, 12), (16, 64)):
+        results = [asyncio.run(load(base, model, conc, n)) for _ in range(runs)]
+        best = sorted(results, key=lambda r: r["tok_s"])[len(results) // 2]  # the median run
+        best["tok_s_runs"] = [round(r["tok_s"]) for r in results]
+        rows.append(best)
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--vllm", help="path of the vllm executable in its own venv")
+    ap.add_argument("--models", nargs="+", default=["tiny", "tiny-w4a16", "mid"])
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--dir", default="/tmp/qk-serve-bench")
+    ap.add_argument("--port", type=int, default=8311)
+    args = ap.parse_args()
+    work = Path(args.dir)
+    work.mkdir(parents=True, exist_ok=True)
+    report = {"machine": f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}",
+              "out_tokens": OUT_TOKENS, "max_model_len": MAX_LEN, "models": {}}
+    base = f"http://127.0.0.1:{args.port}"
+    for name in args.models:
+        path = build(work, name)
+        entry = report["models"][name] = {}
+        cache = Path(tempfile.mkdtemp(prefix="qk-jax-cache-"))
+        qk = [str(ROOT / ".venv/bin/quantkit"), "serve", str(path), "--port", str(args.port), "--max-model-len",
+              str(MAX_LEN), "--max-num-seqs", "16", "--served-model-name", name]
+        env = {"JAX_PLATFORMS": "cpu", "QUANTKIT_JAX_CACHE": str(cache)}
+        starts = []
+        for attempt in ("cold", "warm"):
+            p = Proc(qk, env, base + "/ready", work / f"quantkit-{name}-{attempt}.log")
+            starts.append(p.ready_s)
+            if attempt == "warm":
+                entry["quantkit"] = measure(base, name, args.runs)
+            p.stop()
+        entry["quantkit_ready_s"] = {"cold": starts[0], "warm": starts[1]}
+        shutil.rmtree(cache, ignore_errors=True)
+        if args.vllm:
+            cmd = [args.vllm, "serve", str(path), "--host", "127.0.0.1", "--port", str(args.port),
+                   "--max-model-len", str(MAX_LEN), "--dtype", "bfloat16", "--served-model-name", name]
+            p = Proc(cmd, {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "1"}, base + "/v1/models",
+                     work / f"vllm-{name}.log")
+            entry["vllm_ready_s"] = p.ready_s
+            entry["vllm"] = measure(base, name, args.runs)
+            p.stop()
+        print(json.dumps({name: entry}, indent=1), flush=True)
+    (work / "results.json").write_text(json.dumps(report, indent=1))
+    print_table(report)
+
+
+def print_table(report: dict) -> None:
+    print(f"\nmachine: {report['machine']}; {report['out_tokens']} output tokens per request, temperature 0")
+    print("| model | server | concurrency | output tok/s (median of runs) | TTFT p50 / p99 ms | TPOT p50 / p99 ms "
+          "| errors |")
+    print("|---|---|---|---|---|---|---|")
+    for name, e in report["models"].items():
+        for server in ("quantkit", "vllm"):
+            for r in e.get(server, []):
+                print(f"| {name} | {server} | {r['concurrency']} | {r['tok_s']:.0f} {r['tok_s_runs']} | "
+                      f"{r['ttft_p50_ms']:.0f} / {r['ttft_p99_ms']:.0f} | {r['tpot_p50_ms']:.1f} / "
+                      f"{r['tpot_p99_ms']:.1f} | {r['errors']} |")
+        s = e["quantkit_ready_s"]
+        print(f"| {name} | quantkit start-to-ready | cold {s['cold']:.1f} s, warm {s['warm']:.1f} s "
+              f"({s['cold'] / s['warm']:.1f}x) | vLLM {e.get('vllm_ready_s', float('nan')):.1f} s | | | |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,127 @@
+"""The continuous-batching engine without HTTP: batching, chunked prefill, page accounting, aborts, limits.
+
+Outputs are compared in float32 (greedy token ids must be identical): a request's tokens may not depend on
+when it arrived, on what shares its batch, on how its prompt was chunked, or on the number of decode steps
+per iteration. Reference: one request alone through the plain `Runner.forward` step, token by token.
+"""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import transformers as T
+
+from quantkit.errors import InvalidInput
+from quantkit.runtime.engine import Engine, QueueFull, Request, Runner, Sampling
+from quantkit.runtime.loader import load
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    path = tmp_path_factory.mktemp("engine") / "llama"
+    torch.manual_seed(0)
+    T.LlamaForCausalLM(T.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, vocab_size=128, head_dim=16,
+                                     max_position_embeddings=256)).save_pretrained(path)
+    return load(path, dtype=jnp.float32)
+
+
+def _reference(model, prompt, n):
+    """Greedy tokens one at a time through the plain forward step (no engine, no sampling code)."""
+    r = Runner(model, max_model_len=128, page_size=8)
+    logits = np.asarray(r.forward(np.array([prompt]), np.arange(len(prompt))[None]))[0, -1]
+    out = []
+    for i in range(n):
+        out.append(int(np.argmax(logits)))
+        logits = np.asarray(r.forward(np.array([[out[-1]]]), np.array([[len(prompt) + i]])))[0, -1]
+    return out
+
+
+def _prompts(k, seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(3, 128, int(rng.integers(3, 40))).tolist() for _ in range(k)]
+
+
+@pytest.mark.parametrize("decode_steps,chunk", [(1, 512), (3, 16)])
+def test_staggered_requests_match_each_alone(model, decode_steps, chunk):
+    prompts = _prompts(6)
+    lengths = [5, 12, 9, 20, 3, 15]
+    engine = Engine(Runner(model, max_model_len=128, max_batch=4, page_size=8), decode_steps=decode_steps,
+                    prefill_chunk=chunk)
+    reqs = []
+    for i, (p, n) in enumerate(zip(prompts, lengths)):  # one newcomer every other step, 6 requests, 4 slots
+        reqs.append(engine.submit(Request(p, n)))
+        engine.step()
+        engine.step()
+    while engine.busy():
+        engine.step()
+    for r, p, n in zip(reqs, prompts, lengths):
+        assert r.out == _reference(model, p, n) and r.finish_reason == "length"
+    assert engine.pages_used == 0 and sorted(engine.free_slots) == [0, 1, 2, 3]
+
+
+def test_long_prompt_is_prefilled_in_chunks_while_others_decode(model):
+    engine = Engine(Runner(model, max_model_len=128, max_batch=2, page_size=8), prefill_chunk=16)
+    short, long = _prompts(1, 1)[0][:4], (np.arange(90) % 120 + 3).tolist()
+    a = engine.submit(Request(short, 30))
+    engine.step()
+    b = engine.submit(Request(long, 5))
+    seen = []
+    while engine.busy():
+        engine.step()
+        seen.append((len(a.out), b.done))
+    # while b's 90-token prompt went in 16 tokens per iteration, a kept producing a token every iteration
+    chunked = [(n, d) for n, d in seen if 0 < d < 90]
+    assert len(chunked) >= 5 and all(n2 == n1 + 1 for (n1, _), (n2, _) in zip(chunked, chunked[1:]))
+    assert a.out == _reference(model, short, 30) and b.out == _reference(model, long, 5)
+
+
+def test_abort_frees_pages_and_slot_at_once(model):
+    updates = []
+    engine = Engine(Runner(model, max_model_len=128, max_batch=2, page_size=8))
+    r = engine.submit(Request(_prompts(1)[0], 80, on_update=updates.append))
+    for _ in range(5):
+        engine.step()
+    assert engine.pages_used > 0 and len(r.out) == 6  # the first step prefills and decodes
+    engine.abort(r.id)
+    engine.step()
+    assert r.finish_reason == "abort" and updates[-1].finish_reason == "abort"
+    assert engine.pages_used == 0 and not engine.busy()
+    waiting = engine.submit(Request([5, 6], 3))  # aborted while still waiting: never runs
+    engine.abort(waiting.id)
+    engine.step()
+    assert waiting.finish_reason == "abort" and waiting.out == [] and engine.pages_used == 0
+
+
+def test_limits_queue_and_stops(model):
+    engine = Engine(Runner(model, max_model_len=32, max_batch=1, page_size=8), max_waiting=1)
+    with pytest.raises(InvalidInput, match="prompt of 30 tokens \\+ max_tokens 5 exceeds the model length 32"):
+        engine.submit(Request(list(range(3, 33)), 5))
+    with pytest.raises(InvalidInput, match="empty prompt"):
+        engine.submit(Request([], 5))
+    engine.submit(Request([5, 6, 7], 4))
+    with pytest.raises(QueueFull):
+        engine.submit(Request([5, 6, 7], 4))
+    while engine.busy():
+        engine.step()
+    greedy = _reference(model, [5, 6, 7], 8)
+    stop = engine.submit(Request([5, 6, 7], 8, stop_ids=frozenset({greedy[3]})))
+    while engine.busy():
+        engine.step()
+    assert stop.out == greedy[:greedy.index(greedy[3])] and stop.finish_reason == "stop"
+
+
+def test_seeded_sampling_does_not_depend_on_batch_neighbours(model):
+    s = Sampling(temperature=1.0, top_k=20, top_p=0.9, seed=11)
+
+    def run(neighbours):
+        engine = Engine(Runner(model, max_model_len=128, max_batch=4, page_size=8), decode_steps=2)
+        r = engine.submit(Request([9, 8, 7], 16, s))
+        for p in _prompts(neighbours, 5):
+            engine.submit(Request(p, 10, Sampling(temperature=0.7, seed=1)))
+        while engine.busy():
+            engine.step()
+        return r.out
+
+    alone, crowded = run(0), run(3)
+    assert alone == crowded and alone != _reference(model, [9, 8, 7], 16)
