@@ -6,7 +6,6 @@ The same seed gives the same bytes on every machine.
 """
 
 import json
-import sys
 from pathlib import Path
 
 import ml_dtypes

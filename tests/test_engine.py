@@ -100,6 +100,8 @@ def test_limits_queue_and_stops(model):
     with pytest.raises(InvalidInput, match="empty prompt"):
         engine.submit(Request([], 5))
     engine.submit(Request([5, 6, 7], 4))
+    engine.step()  # running: one slot
+    engine.submit(Request([5, 6, 7], 4))  # waiting: one place
     with pytest.raises(QueueFull):
         engine.submit(Request([5, 6, 7], 4))
     while engine.busy():

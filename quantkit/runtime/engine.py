@@ -235,6 +235,7 @@ class Engine:
 
     def __init__(self, runner: Runner, decode: Callable[[list[int]], str] | None = None, decode_steps: int = 1,
                  prefill_chunk: int = 512, max_waiting: int = 256):
+        """max_waiting: requests queued beyond the `runner.max_batch` running ones before `submit` refuses."""
         self.runner, self.detokenize, self.decode_steps = runner, decode, decode_steps
         self.max_waiting = max_waiting
         ps = runner.page_size
@@ -267,8 +268,9 @@ class Engine:
             raise InvalidInput(f"prompt of {n} tokens + max_tokens {req.max_tokens} exceeds the model length "
                                f"{limit}; shorten the prompt or lower max_tokens")
         with self._lock:
-            if len(self.waiting) >= self.max_waiting:
-                raise QueueFull(f"{len(self.waiting)} requests are already waiting; retry later")
+            if len(self.waiting) + len(self.running) >= self.runner.max_batch + self.max_waiting:
+                raise QueueFull(f"all {self.runner.max_batch} slots are busy and {len(self.waiting)} requests "
+                                f"are waiting; retry later")
             req.id = req.id or f"req-{next(self._ids)}"
             self.waiting.append(req)
         self.wakeup.set()

@@ -1,0 +1,247 @@
+"""`quantkit serve` as a real process on loopback, driven by the official `openai` client (the API oracle).
+
+The model is the default model's recipe at 2 layers (random bf16 weights, byte-level BPE tokenizer, chat
+template). Logprob values are checked against the runtime's plain forward step run in this process on the
+same weights: bf16 activations in both, so they agree to the bf16 rounding of the logits (0.05 absolute on
+log-probabilities around -8; measured ~1e-3).
+"""
+
+import asyncio
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import openai
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+import make_default_model  # noqa: E402
+
+KEY = "sk-test-123"
+NAME = "tiny"
+
+
+class ServerProc:
+    def __init__(self, path: Path, log: Path, cache: Path, *flags: str):
+        self.log = log
+        env = {**os.environ, "JAX_PLATFORMS": "cpu", "QUANTKIT_JAX_CACHE": str(cache)}
+        self.p = subprocess.Popen([sys.executable, "-m", "quantkit.cli", "serve", str(path), "--port", "0",
+                                   "--served-model-name", NAME, *flags], env=env, stdout=subprocess.DEVNULL,
+                                  stderr=open(log, "w"))
+        deadline = time.monotonic() + 60
+        while not (m := re.search(r"http://127\.0\.0\.1:(\d+)", log.read_text())):
+            assert self.p.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.1)
+        self.url = f"http://127.0.0.1:{m.group(1)}"
+        # /health answers while the model is still loading and compiling; /ready does not
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                health = httpx.get(self.url + "/health")
+                break
+            except httpx.ConnectError:
+                assert time.monotonic() < deadline
+                time.sleep(0.1)
+        self.early = (health.status_code, httpx.get(self.url + "/ready").status_code,
+                      httpx.get(self.url + "/v1/models", headers={"Authorization": f"Bearer {KEY}"}))
+        deadline = time.monotonic() + 600
+        while httpx.get(self.url + "/ready").status_code != 200:
+            assert self.p.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.2)
+
+    def metrics(self) -> dict:
+        text = httpx.get(self.url + "/metrics").text
+        return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                if line and not line.startswith("#")}
+
+    def stop(self) -> int:
+        self.p.send_signal(signal.SIGTERM)
+        return self.p.wait(60)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_default_model.build(tmp_path_factory.mktemp("serve") / NAME, num_hidden_layers=2)
+
+
+@pytest.fixture(scope="module")
+def server(model_dir, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("server")
+    s = ServerProc(model_dir, tmp / "server.log", tmp / "cache", "--max-model-len", "128", "--max-num-seqs", "8",
+                   "--api-key", KEY)
+    yield s
+    assert s.stop() == 0
+
+
+@pytest.fixture
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0)
+
+
+def test_health_before_ready_then_models(server, client):
+    health, ready, models = server.early
+    assert health == 200 and ready == 503
+    assert models.status_code == 503 and "poll GET /ready" in models.json()["error"]["message"]
+    assert [m.id for m in client.models.list()] == [NAME]
+
+
+def test_completion_logprobs_match_the_runtime(server, client, model_dir):
+    import jax.numpy as jnp
+
+    from quantkit.runtime.engine import Runner
+    from quantkit.runtime.loader import load
+    from quantkit.runtime.tokenizer import TextCodec
+
+    ids = TextCodec(model_dir).encode("the value of this list")
+    r = client.completions.create(model=NAME, prompt=ids, max_tokens=6, temperature=0, logprobs=5)
+    choice = r.choices[0]
+    assert r.usage.prompt_tokens == len(ids) and r.usage.completion_tokens == 6 and choice.finish_reason == "length"
+    lp = choice.logprobs
+    assert "".join(lp.tokens) == choice.text and len(lp.token_logprobs) == 6
+    for chosen, top in zip(lp.token_logprobs, lp.top_logprobs):
+        assert len(top) >= 4 and abs(chosen - max(top.values())) < 1e-6  # greedy picks the top token
+    logits = np.asarray(Runner(load(model_dir, dtype=jnp.bfloat16), max_model_len=128).forward(
+        np.array([ids]), np.arange(len(ids))[None]))[0, -1].astype(np.float64)
+    logp = logits - np.log(np.exp(logits - logits.max()).sum()) - logits.max()
+    codec = TextCodec(model_dir)
+    expected = {codec.decode([int(i)]): logp[i] for i in np.argsort(-logp)[:5]}
+    assert lp.top_logprobs[0].keys() & expected.keys()
+    for tok in lp.top_logprobs[0].keys() & expected.keys():
+        assert abs(lp.top_logprobs[0][tok] - expected[tok]) < 0.05
+
+
+def test_streamed_chat_equals_whole_chat_and_seeds_reproduce(client):
+    msgs = [{"role": "user", "content": "what is the value of this list?"}]
+    kw = dict(model=NAME, messages=msgs, max_tokens=20, temperature=0.9, top_p=0.95, seed=7)
+    whole = client.chat.completions.create(**kw)
+    stream = client.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert text == whole.choices[0].message.content and finish == [whole.choices[0].finish_reason]
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens > 0
+    again = client.chat.completions.create(**kw)
+    other = client.chat.completions.create(**{**kw, "seed": 8})
+    assert again.choices[0].message.content == whole.choices[0].message.content
+    assert other.choices[0].message.content != whole.choices[0].message.content
+    lp = client.chat.completions.create(**kw, logprobs=True, top_logprobs=3).choices[0].logprobs.content
+    assert len(lp) == whole.usage.completion_tokens and all(len(t.top_logprobs) == 3 for t in lp)
+    assert "".join(t.token for t in lp) == whole.choices[0].message.content
+
+
+def test_stop_strings_cut_the_text(client):
+    full = client.completions.create(model=NAME, prompt="the model of", max_tokens=24, temperature=0).choices[0]
+    stop = full.text[8:11]
+    cut = full.text[:full.text.index(stop)]
+    for stream in (False, True):
+        r = client.completions.create(model=NAME, prompt="the model of", max_tokens=24, temperature=0, stop=[stop],
+                                      stream=stream)
+        text = "".join(c.choices[0].text for c in r) if stream else r.choices[0].text
+        assert text == cut
+
+
+def test_greedy_output_equals_quantkit_generate(client, model_dir):
+    prompt = "return the file type"
+    cli = subprocess.run([sys.executable, "-m", "quantkit.cli", "generate", str(model_dir), "--prompt", prompt,
+                          "--max-tokens", "16"], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert cli.returncode == 0, cli.stderr
+    served = client.completions.create(model=NAME, prompt=prompt, max_tokens=16, temperature=0).choices[0].text
+    assert cli.stdout == served + "\n" and served
+
+
+def test_32_concurrent_streams_some_disconnecting(server):
+    async def one(aclient, i):
+        stream = await aclient.completions.create(model=NAME, prompt=f"request {i} of the test", stream=True,
+                                                  max_tokens=100 if i % 4 == 0 else 24, temperature=0.8, seed=i,
+                                                  stream_options={"include_usage": True})
+        parts, usage, finish = [], None, None
+        async for chunk in stream:
+            if chunk.usage:
+                usage = chunk.usage
+            if chunk.choices:
+                parts.append(chunk.choices[0].text)
+                finish = chunk.choices[0].finish_reason or finish
+            if i % 4 == 0 and len(parts) == 2:  # 8 clients hang up early
+                await stream.close()
+                return "gone"
+        return finish, usage.completion_tokens
+
+    async def main():
+        aclient = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0)
+        return await asyncio.gather(*(one(aclient, i) for i in range(32)))
+
+    def errors(m):
+        return sum(v for k, v in m.items() if k.startswith("quantkit_requests_total") and 'status="5' in k)
+
+    before = server.metrics()
+    results = asyncio.run(main())
+    assert results.count("gone") == 8
+    assert all(r in {("length", 24), ("stop", r[1])} for r in results if r != "gone")
+    deadline = time.monotonic() + 10
+    while (m := server.metrics())["quantkit_kv_pages_used"] or m["quantkit_num_requests_running"]:
+        assert time.monotonic() < deadline, "KV pages leaked"
+        time.sleep(0.1)
+    assert errors(m) == errors(before)
+    assert m['quantkit_requests_total{route="/v1/completions",status="200"}'] >= 32
+    assert m["quantkit_time_to_first_token_seconds_count"] >= 32 and m["quantkit_kv_pages_total"] > 0
+    log = server.log.read_text()
+    assert log.count("client closed") >= 8  # aborted, not run to their 100 tokens
+
+
+def _post(server, body, key=KEY, raw=None):
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    r = httpx.post(server.url + "/v1/completions", content=raw if raw is not None else json.dumps(body),
+                   headers={**headers, "Content-Type": "application/json"})
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    return r.status_code, err
+
+
+def test_bad_requests_get_openai_errors(server):
+    ok = {"model": NAME, "prompt": "hello", "max_tokens": 4}
+    assert _post(server, None, raw=b'{"model": "tiny", "prompt": ')[0] == 400
+    status, err = _post(server, {**ok, "max_tokens": "ten"})
+    assert status == 400 and err["param"] == "max_tokens" and "int" in err["message"]
+    status, err = _post(server, {**ok, "temperature": 9})
+    assert status == 400 and err["param"] == "temperature"
+    status, err = _post(server, {**ok, "model": "gpt-9"})
+    assert status == 404 and err["code"] == "model_not_found" and NAME in err["message"]
+    status, err = _post(server, {**ok, "prompt": "value " * 200, "max_tokens": 10})
+    assert status == 400 and re.search(r"maximum context length is 128 tokens, but \d+ prompt tokens \+ 10",
+                                       err["message"])
+    assert _post(server, {**ok, "n": 2})[0] == 400
+    assert _post(server, {**ok, "prompt": [[1, 2], [3]]})[0] == 400
+    assert _post(server, ok, key=None)[0] == 401
+    status, err = _post(server, ok, key="wrong")
+    assert status == 401 and err["code"] == "invalid_api_key"
+    assert _post(server, None, raw=b"x" * (9 << 20))[0] == 413
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=server.url + "/v1", api_key="nope", max_retries=0).models.list()
+    assert httpx.get(server.url + "/health").status_code == 200  # still serving
+
+
+def test_full_queue_429_and_sigterm_drains(model_dir, tmp_path):
+    s = ServerProc(model_dir, tmp_path / "log", tmp_path / "cache", "--max-model-len", "128", "--max-num-seqs",
+                   "1", "--max-waiting", "0", "--decode-steps", "1", "--grace", "30")
+    body = {"model": NAME, "prompt": "hello", "max_tokens": 120, "stream": True, "temperature": 0}
+    with httpx.stream("POST", s.url + "/v1/completions", json=body, timeout=60) as r:
+        lines = r.iter_lines()
+        first = next(lines)  # the one slot is now busy for ~120 more tokens
+        busy = httpx.post(s.url + "/v1/completions", json={**body, "stream": False})
+        s.p.send_signal(signal.SIGTERM)  # in flight: must still complete
+        rest = [line for line in lines if line.startswith("data: ")]
+    assert first.startswith("data: {")
+    assert busy.status_code == 429 and busy.json()["error"]["type"] == "rate_limit_exceeded"
+    assert rest[-1] == "data: [DONE]" and json.loads(rest[-2][6:])["choices"][0]["finish_reason"] == "length"
+    assert s.p.wait(60) == 0
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(s.url + "/health")
