@@ -3,7 +3,7 @@ logprobs on device, one host transfer per step), and the continuous-batching `En
 `quantkit generate` and `quantkit serve`.
 
 Shapes are bucketed so that a server compiles a known, finite set of programs up front (`Engine.warmup`):
-prefill chunks of 16..`prefill_chunk` tokens, decode batches of 2, 4, ... `max_batch` rows, and the
+prefill chunks of 16, 32, 48, 64, 96, ... `prefill_chunk` tokens, decode batches of 2, 4, ... `max_batch` rows, and the
 attended context in 1, 2, 4, ... pages, so attention reads only the pages a batch can see.
 """
 
@@ -55,6 +55,14 @@ def _pow2_upto(lo: int, hi: int) -> tuple[int, ...]:
     while out[-1] < hi:
         out.append(min(out[-1] * 2, hi))
     return tuple(out)
+
+
+def _prefill_buckets(hi: int) -> tuple[int, ...]:
+    """16, 32, 48, 64, 96, 128, 192, ... below hi, then hi: at most a third of a chunk is padding."""
+    out = [16, 32]
+    while out[-1] < hi:
+        out.append(out[-1] // 2 * 3 if out[-1] & (out[-1] - 1) == 0 else out[-1] // 3 * 4)
+    return tuple(b for b in out if b < hi) + (hi,)
 
 
 def _fit(n: int, buckets: tuple[int, ...]) -> int:
@@ -141,9 +149,8 @@ class Runner:
             return fwd(params, cfg, tokens, positions, cache, block_tables)
 
         def prefill(params, cache, tokens, positions, block_tables, last, s):
-            logits, cache = fwd(params, cfg, tokens, positions, cache, block_tables)  # [b, t, vocab]
-            rows = jnp.arange(tokens.shape[0])
-            return _pick(logits[rows, last], s, positions[rows, last] + 1), cache
+            logits, cache = fwd(params, cfg, tokens, positions, cache, block_tables, last)  # [b, 1, vocab]
+            return _pick(logits[:, 0], s, positions[jnp.arange(tokens.shape[0]), last] + 1), cache
 
         def decode(params, cache, tokens, positions, limits, block_tables, s, steps):
             def one(carry, _):
@@ -238,9 +245,8 @@ class Engine:
         """max_waiting: requests queued beyond the `runner.max_batch` running ones before `submit` refuses."""
         self.runner, self.detokenize, self.decode_steps = runner, decode, decode_steps
         self.max_waiting = max_waiting
-        ps = runner.page_size
-        self.prefill_buckets = _pow2_upto(16, min(prefill_chunk, _fit(runner.max_model_len,
-                                                                      _pow2_upto(16, max(16, runner.max_model_len)))))
+        self.page_size = runner.page_size
+        self.prefill_buckets = _prefill_buckets(max(16, min(prefill_chunk, runner.max_model_len)))
         # at least 2 rows: with one row XLA:CPU turns the cache scatter into a copy of the whole cache
         # (measured 4.0 ms vs 0.6 ms per step for 2 rows, 512-page cache)
         self.batch_buckets = _pow2_upto(2, max(2, runner.max_batch))
@@ -254,7 +260,6 @@ class Engine:
         self._lock = threading.Lock()
         self.wakeup = threading.Event()
         self._ids = itertools.count()
-        self.page_size = ps
 
     # -- thread-safe entry points --
     def submit(self, req: Request) -> Request:

@@ -1,4 +1,5 @@
-"""Model families: each module exposes forward(params, cfg, tokens, positions, cache, block_tables)."""
+"""Model families: each module exposes forward(params, cfg, tokens, positions, cache, block_tables,
+last=None)."""
 
 from quantkit.runtime.models import llama
 

@@ -132,8 +132,14 @@ def attention_block(p: dict, x: jax.Array, cache: tuple, positions, block_tables
     return linear(out, p["o"]), (k_pages, v_pages)
 
 
-def logits(params: dict, h: jax.Array, cfg: ModelConfig) -> jax.Array:
-    """Final projection to the vocabulary (tied to the embedding when configured), float32."""
+def logits(params: dict, h: jax.Array, cfg: ModelConfig, last: jax.Array | None = None) -> jax.Array:
+    """Final projection to the vocabulary (tied to the embedding when configured), float32.
+
+    last: [b] index into t of each row's one wanted position (a prefill needs only its last token's
+    logits; the rest of the vocabulary projection would be wasted work); None: every position.
+    """
+    if last is not None:
+        h = h[jnp.arange(h.shape[0]), last][:, None]  # [b, 1, hidden]
     w = params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]
     out = linear(h, w).astype(jnp.float32)
     if cfg.final_logit_softcap:

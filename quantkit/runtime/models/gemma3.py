@@ -10,7 +10,8 @@ from quantkit.runtime.config import ModelConfig
 from quantkit.runtime.models.common import attention_block, linear, logits, rms_norm
 
 
-def forward(params: dict, cfg: ModelConfig, tokens, positions, cache, block_tables):
+def forward(params: dict, cfg: ModelConfig, tokens, positions, cache, block_tables, last=None):
+    """As llama.forward, for Gemma 3's decoder."""
     eps = cfg.rms_norm_eps
     x = params["embed"][tokens]
     x = x * jnp.asarray(cfg.embed_scale, x.dtype)  # the scale is rounded to the activation dtype, as in HF
@@ -23,4 +24,4 @@ def forward(params: dict, cfg: ModelConfig, tokens, positions, cache, block_tabl
         m = linear(jax.nn.gelu(linear(h, p["gate"]), approximate=True) * linear(h, p["up"]), p["down"])
         x = x + rms_norm(m, p["post_mlp_norm"], eps, 1.0)
         new_cache.append(kv)
-    return logits(params, rms_norm(x, params["final_norm"], eps, 1.0), cfg), new_cache
+    return logits(params, rms_norm(x, params["final_norm"], eps, 1.0), cfg, last), new_cache

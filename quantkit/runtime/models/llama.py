@@ -13,9 +13,10 @@ def mlp(p: dict, x: jax.Array) -> jax.Array:
 
 
 def forward(params: dict, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array, cache: list,
-            block_tables: jax.Array, ffn=mlp) -> tuple[jax.Array, list]:
+            block_tables: jax.Array, last: jax.Array | None = None, ffn=mlp) -> tuple[jax.Array, list]:
     """Logits [b, t, vocab] (float32) for tokens [b, t] at positions [b, t] (-1: padding), and the
-    updated cache (one (key pages, value pages) pair per layer)."""
+    updated cache (one (key pages, value pages) pair per layer). With `last` [b], logits [b, 1, vocab]
+    of that position of each row only."""
     x = params["embed"][tokens]
     new_cache = []
     for i, p in enumerate(params["layers"]):
@@ -24,4 +25,4 @@ def forward(params: dict, cfg: ModelConfig, tokens: jax.Array, positions: jax.Ar
         x = x + a
         x = x + ffn(p, rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps))
         new_cache.append(kv)
-    return logits(params, rms_norm(x, params["final_norm"], cfg.rms_norm_eps), cfg), new_cache
+    return logits(params, rms_norm(x, params["final_norm"], cfg.rms_norm_eps), cfg, last), new_cache

@@ -40,7 +40,7 @@ def moe(p: dict, x: jax.Array, cfg: ModelConfig) -> jax.Array:
     return out.astype(x.dtype).reshape(shape)
 
 
-def forward(params, cfg, tokens, positions, cache, block_tables):
+def forward(params, cfg, tokens, positions, cache, block_tables, last=None):
     """As llama.forward, with the routed-expert MLP."""
-    return llama.forward(params, cfg, tokens, positions, cache, block_tables,
+    return llama.forward(params, cfg, tokens, positions, cache, block_tables, last,
                          ffn=functools.partial(lambda p, x, c: moe(p, x, c), c=cfg))
