@@ -10,7 +10,7 @@ from typing import Annotated
 
 import typer
 
-from quantkit.errors import QuantkitError
+from quantkit.errors import InvalidInput, QuantkitError
 
 app = typer.Typer(
     name="quantkit",
@@ -44,15 +44,18 @@ def _fail(err: BaseException) -> typer.Exit:
     return typer.Exit(code)
 
 
-def _with_progress(label: str, fn):
-    """fn(progress) with a byte progress bar (speed, ETA) on stderr when stderr is a terminal, else fn(None)."""
+def _with_progress(label: str, fn, counted: bool = False):
+    """fn(progress) with a progress bar on stderr (bytes with speed, or `counted` items) when stderr is a
+    terminal, else fn(None)."""
     if not sys.stderr.isatty():
         return fn(None)
     from rich.console import Console
-    from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
+    from rich.progress import (BarColumn, DownloadColumn, MofNCompleteColumn, Progress, TimeRemainingColumn,
+                               TransferSpeedColumn)
 
-    with Progress(label, BarColumn(), DownloadColumn(), TransferSpeedColumn(), TimeRemainingColumn(),
-                  transient=True, console=Console(stderr=True)) as bar:
+    columns = (MofNCompleteColumn(),) if counted else (DownloadColumn(), TransferSpeedColumn())
+    with Progress(label, BarColumn(), *columns, TimeRemainingColumn(), transient=True,
+                  console=Console(stderr=True)) as bar:
         task = bar.add_task(label, total=None)
         return fn(lambda done, total: bar.update(task, completed=done, total=total))
 
@@ -272,6 +275,41 @@ def generate(
             stop_strings=tuple(stop or ()), decode=codec.decode, on_update=emit)
         sys.stdout.write("\n")
     except (QuantkitError, KeyboardInterrupt, Exception) as e:  # noqa: BLE001 - one line, never a traceback
+        raise _fail(e) from None
+
+
+@app.command("eval")
+def eval_(
+    reference: Annotated[Path, typer.Argument(help="The checkpoint to compare against (e.g. bf16).",
+                                              show_default=False)],
+    candidate: Annotated[Path, typer.Argument(help="The checkpoint under test (e.g. its W4A16 conversion).",
+                                              show_default=False)],
+    text: Annotated[Path | None, typer.Option(help="UTF-8 text to evaluate on [default: the source of "
+                                                   "Python's argparse module].", show_default=False)] = None,
+    max_tokens: Annotated[int, typer.Option(min=2, help="Tokens of the text to use at most.")] = 4096,
+    window: Annotated[int, typer.Option(min=2, help="Tokens per independent window (context length).")] = 512,
+    json_out: Annotated[bool, typer.Option("--json", help="One JSON document on stdout.")] = False,
+) -> None:
+    """Quality lost by CANDIDATE against REFERENCE on the same text: KL divergence of the next-token
+    distributions (mean, median, 99th percentile, max), both perplexities and top-1 agreement, with
+    paired-bootstrap 95% intervals.
+
+    Example:  quantkit eval models/tiny-llama models/tiny-llama-W4A16 --text notes.txt
+    """
+    try:
+        from quantkit.evaluate import evaluate, print_report
+
+        if text is not None:
+            try:
+                content = text.read_text(encoding="utf-8")
+            except (OSError, UnicodeDecodeError) as e:
+                raise InvalidInput(f"{text}: cannot read the text: {e}") from None
+        else:
+            content = None
+        report = _with_progress("Evaluating windows", lambda p: evaluate(reference, candidate, content, max_tokens,
+                                                                        window, p), counted=True)
+        _emit(report, json_out, print_report)
+    except (QuantkitError, Exception) as e:  # noqa: BLE001 - one line, never a traceback
         raise _fail(e) from None
 
 

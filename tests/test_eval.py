@@ -1,0 +1,110 @@
+"""`quantkit eval` against transformers + torch (the numerics oracle) and a bootstrap with known truth.
+
+Tolerances: the runtime's float32 logits equal transformers' within ~1e-6 relative (test_runtime), so
+perplexities agree to 1e-4 relative; KL divergences of a W4A16 model are small numbers computed from
+nearly equal distributions, so the two implementations' summation orders show more: 2% relative on the
+mean KL (measured ~1e-4).
+"""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import transformers as T
+
+from quantkit.convert import convert
+from quantkit.evaluate import bootstrap_ci, evaluate
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+import make_default_model  # noqa: E402
+
+TEXT = ("The value of this list is the type of the file. Return the model of the data, or none if the test "
+        "fails. This class is for the token and the error of the value. ") * 12
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("eval")
+    dense = make_default_model.build(tmp / "dense", num_hidden_layers=2)
+    convert(dense, tmp / "w4", "W4A16", 32)
+    return dense, tmp / "w4"
+
+
+def test_identical_checkpoints_give_zero_kl_and_full_agreement(models):
+    dense, _ = models
+    p = subprocess.run([sys.executable, "-m", "quantkit.cli", "eval", str(dense), str(dense), "--max-tokens", "200",
+                        "--window", "64", "--json"], capture_output=True, text=True, timeout=600,
+                       env={"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"})
+    assert p.returncode == 0, p.stderr
+    r = json.loads(p.stdout)
+    assert r["tokens"] == 200 - 4  # 4 windows of 50/64: one token per window has no successor
+    assert r["kl"]["mean"] == r["kl"]["max"] == 0.0 and r["kl"]["ci95"] == [0.0, 0.0]
+    assert r["top1_agreement"] == {"value": 1.0, "ci95": [1.0, 1.0]}
+    assert r["ppl_reference"] == r["ppl_candidate"] > 1
+
+
+def test_w4a16_against_transformers(models):
+    dense, w4 = models
+    r = evaluate(dense, w4, TEXT, max_tokens=256, window=64)
+    from quantkit.runtime.tokenizer import TextCodec
+
+    ids = TextCodec(dense).encode(TEXT)[:256]
+    ref = T.AutoModelForCausalLM.from_pretrained(dense, dtype=torch.float32).eval()
+    cand = T.AutoModelForCausalLM.from_pretrained(w4, dtype=torch.float32).eval()
+    kl, nll_r, nll_c, agree = [], [], [], []
+    with torch.no_grad():
+        for i in range(0, len(ids), 64):
+            x = torch.tensor([ids[i:i + 64]])
+            lr = torch.log_softmax(ref(x).logits[0, :-1].double(), -1)
+            lc = torch.log_softmax(cand(x).logits[0, :-1].double(), -1)
+            kl.append(torch.nn.functional.kl_div(lc, lr, log_target=True, reduction="none").sum(-1))
+            tgt = x[0, 1:]
+            nll_r.append(-lr[torch.arange(len(tgt)), tgt])
+            nll_c.append(-lc[torch.arange(len(tgt)), tgt])
+            agree.append((lr.argmax(-1) == lc.argmax(-1)).double())
+    kl, agree = torch.cat(kl), torch.cat(agree)
+    assert r["tokens"] == len(kl)
+    assert r["kl"]["mean"] > 0 and abs(r["kl"]["mean"] - kl.mean().item()) < 0.02 * kl.mean().item()
+    assert abs(r["kl"]["max"] - kl.max().item()) < 0.02 * kl.max().item()
+    assert abs(r["top1_agreement"]["value"] - agree.mean().item()) <= 1 / len(kl)  # at most one near-tie flips
+    assert r["ppl_reference"] == pytest.approx(torch.cat(nll_r).mean().exp().item(), rel=1e-4)
+    assert r["ppl_candidate"] == pytest.approx(torch.cat(nll_c).mean().exp().item(), rel=1e-4)
+    lo, hi = r["kl"]["ci95"]
+    assert lo < r["kl"]["mean"] < hi and r["kl"]["median"] <= r["kl"]["p99"] <= r["kl"]["max"]
+
+
+def test_bootstrap_interval_covers_the_truth():
+    """Known answer: per-token values i.i.d. exponential with mean 0.3, and a correlated series (AR(1))
+    with mean 0; the 95% interval of the mean must cover the truth about 95% of the time."""
+    rng = np.random.default_rng(0)
+    for make, truth in ((lambda: rng.exponential(0.3, 640), 0.3),
+                        (lambda: _ar1(rng, 640, 0.8), 0.0)):
+        hits = 0
+        for trial in range(200):
+            lo, hi = bootstrap_ci({"x": make()}, {"m": lambda d: d["x"].mean()}, resamples=300, seed=trial)["m"]
+            hits += lo <= truth <= hi
+        assert 0.88 <= hits / 200 <= 0.995, hits
+
+
+def _ar1(rng, n, phi):
+    x = np.zeros(n)
+    e = rng.standard_normal(n)
+    for i in range(1, n):
+        x[i] = phi * x[i - 1] + e[i]
+    return x
+
+
+def test_bad_inputs(models, tmp_path):
+    dense, w4 = models
+    cmd = [sys.executable, "-m", "quantkit.cli", "eval", str(dense), str(w4)]
+    env = {"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"}
+    p = subprocess.run(cmd + ["--text", str(tmp_path / "missing.txt")], capture_output=True, text=True, env=env)
+    assert p.returncode == 1 and "cannot read the text" in p.stderr and "Traceback" not in p.stderr
+    other = make_default_model.build(tmp_path / "other", num_hidden_layers=1, vocab_size=512)
+    p = subprocess.run([sys.executable, "-m", "quantkit.cli", "eval", str(dense), str(other)], capture_output=True,
+                       text=True, env=env)
+    assert p.returncode == 1 and "vocabularies differ: 4096 vs 512" in p.stderr
