@@ -18,7 +18,7 @@ import numpy as np
 
 from quantkit.errors import InvalidInput
 
-BLOCK = 64  # tokens per bootstrap block
+BLOCK = 32  # tokens per bootstrap block: covers correlation of a few tokens (see test_eval)
 RESAMPLES = 1000
 
 

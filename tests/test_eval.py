@@ -78,8 +78,10 @@ def test_w4a16_against_transformers(models):
 
 
 def test_bootstrap_interval_covers_the_truth():
-    """Known answer: per-token values i.i.d. exponential with mean 0.3, and a correlated series (AR(1))
-    with mean 0; the 95% interval of the mean must cover the truth about 95% of the time."""
+    """Known answer: per-token values i.i.d. exponential with mean 0.3, and a correlated series (AR(1),
+    phi 0.8) with mean 0; the 95% interval of the mean must cover the truth about 95% of the time.
+    Measured with 32-token blocks: 0.905 and 0.895 (a percentile bootstrap on 640 skewed or correlated
+    values covers a little under nominal); 16-token blocks gave 0.85 on the correlated series."""
     rng = np.random.default_rng(0)
     for make, truth in ((lambda: rng.exponential(0.3, 640), 0.3),
                         (lambda: _ar1(rng, 640, 0.8), 0.0)):
