@@ -37,12 +37,12 @@ OUT_TOKENS, MAX_LEN = 64, 512
 
 
 def build(work: Path, name: str) -> Path:
-    import make_default_model
+    import make_tiny_model
 
     base = name.removesuffix("-w4a16")
     dense = work / base
     if not (dense / "config.json").exists():
-        make_default_model.build(dense, **MODELS[base])
+        make_tiny_model.build(dense, **MODELS[base])
     if name == base:
         return dense
     q = work / name
@@ -55,7 +55,7 @@ def build(work: Path, name: str) -> Path:
 def prompts(n: int) -> list[str]:
     import numpy as np
 
-    from make_default_model import SYLLABLES
+    from make_tiny_model import SYLLABLES
 
     rng = np.random.default_rng(7)
     return [" ".join("".join(rng.choice(SYLLABLES, size=2)) for _ in range(rng.integers(20, 40))) for _ in range(n)]

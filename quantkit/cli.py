@@ -278,6 +278,46 @@ def generate(
         raise _fail(e) from None
 
 
+class TpuTarget(str, Enum):
+    v5e = "v5e"
+    v6e = "v6e"
+    v7x = "v7x"
+
+
+@app.command()
+def plan(
+    path: Annotated[Path, typer.Argument(help="Checkpoint directory or a bare config.json.", show_default=False)],
+    target: Annotated[TpuTarget, typer.Option(help="TPU generation to compile for.")] = TpuTarget.v6e,
+    max_model_len: Annotated[int, typer.Option(min=16, help="Prompt + output tokens per sequence.")] = 2048,
+    max_num_seqs: Annotated[int, typer.Option(min=1, help="Sequences decoded together.")] = 16,
+    tp: Annotated[int, typer.Option(min=1, help="Tensor-parallel chips (only 1 so far).")] = 1,
+    scheme: Annotated[SchemeName | None, typer.Option(help="How the weights would be stored [default: as the "
+                                                           "checkpoint says; bf16 without a quantization_config].",
+                                                      show_default=False)] = None,
+    group_size: Annotated[int, typer.Option(help="W4A16 group size (-1: channel).")] = 128,
+    search: Annotated[bool, typer.Option(help="Also find the largest --max-num-seqs that fits.")] = True,
+    json_out: Annotated[bool, typer.Option("--json", help="One JSON document on stdout.")] = False,
+) -> None:
+    """Compile the serving steps for a TPU without one (libtpu, deviceless) and report HBM for weights, KV
+    cache and temporaries, per-kernel VMEM, compile time, and whether it fits (exit 4 when it does not).
+
+    Example:  quantkit plan ./gemma-3-27b-it/config.json --scheme W4A16 --group-size 32 --max-num-seqs 8
+    """
+    try:
+        from quantkit.plan import plan as run, print_plan
+
+        def note(msg: str) -> None:
+            if sys.stderr.isatty():
+                print(msg, file=sys.stderr)
+
+        report = run(path, target.value, max_model_len, max_num_seqs, tp,
+                     scheme.value if scheme is not None else None, group_size, search, note)
+        _emit(report, json_out, print_plan)
+    except (QuantkitError, Exception) as e:  # noqa: BLE001 - one line, never a traceback
+        raise _fail(e) from None
+    raise typer.Exit(0 if report["fits"] else 4)
+
+
 @app.command("eval")
 def eval_(
     reference: Annotated[Path, typer.Argument(help="The checkpoint to compare against (e.g. bf16).",

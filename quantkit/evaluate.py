@@ -100,13 +100,15 @@ def evaluate(reference: Path, candidate: Path, text: str | None = None, max_toke
     c = {k: np.concatenate(v) for k, v in cols.items()}
     ci = bootstrap_ci(c, {"kl": lambda d: d["kl"].mean(), "agree": lambda d: d["agree"].mean(),
                           "ppl_ref": lambda d: math.exp(d["nll_ref"].mean()),
-                          "ppl_cand": lambda d: math.exp(d["nll_cand"].mean())})
+                          "ppl_cand": lambda d: math.exp(d["nll_cand"].mean()),
+                          "ratio": lambda d: math.exp(d["nll_cand"].mean() - d["nll_ref"].mean())})
     kl = c["kl"]
     return {
         "reference": str(reference), "candidate": str(candidate), "tokens": int(len(kl)),
         "windows": len(spans), "window": window,
         "ppl_reference": math.exp(c["nll_ref"].mean()), "ppl_reference_ci95": ci["ppl_ref"],
         "ppl_candidate": math.exp(c["nll_cand"].mean()), "ppl_candidate_ci95": ci["ppl_cand"],
+        "ppl_ratio": {"value": math.exp(c["nll_cand"].mean() - c["nll_ref"].mean()), "ci95": ci["ratio"]},
         "kl": {"mean": float(kl.mean()), "median": float(np.median(kl)), "p99": float(np.percentile(kl, 99)),
                "max": float(kl.max()), "ci95": ci["kl"]},
         "top1_agreement": {"value": float(c["agree"].mean()), "ci95": ci["agree"]},
@@ -122,6 +124,7 @@ def print_report(r: dict, out=sys.stdout) -> None:
         ("tokens", f"{r['tokens']} ({r['windows']} windows of up to {r['window']})", ""),
         ("PPL(reference)", f"{r['ppl_reference']:.4f}", ci(r["ppl_reference_ci95"], "{:.4f}")),
         ("PPL(candidate)", f"{r['ppl_candidate']:.4f}", ci(r["ppl_candidate_ci95"], "{:.4f}")),
+        ("PPL ratio", f"{r['ppl_ratio']['value']:.6f}", ci(r["ppl_ratio"]["ci95"], "{:.6f}")),
         ("Mean KLD", f"{kl['mean']:.6f}", ci(kl["ci95"], "{:.6f}")),
         ("Median KLD", f"{kl['median']:.6f}", ""),
         ("99.0% KLD", f"{kl['p99']:.6f}", ""),

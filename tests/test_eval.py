@@ -20,7 +20,7 @@ from quantkit.convert import convert
 from quantkit.evaluate import bootstrap_ci, evaluate
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-import make_default_model  # noqa: E402
+import make_tiny_model  # noqa: E402
 
 TEXT = ("The value of this list is the type of the file. Return the model of the data, or none if the test "
         "fails. This class is for the token and the error of the value. ") * 12
@@ -29,7 +29,7 @@ TEXT = ("The value of this list is the type of the file. Return the model of the
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("eval")
-    dense = make_default_model.build(tmp / "dense", num_hidden_layers=2)
+    dense = make_tiny_model.build(tmp / "dense", num_hidden_layers=2)
     convert(dense, tmp / "w4", "W4A16", 32)
     return dense, tmp / "w4"
 
@@ -73,6 +73,9 @@ def test_w4a16_against_transformers(models):
     assert abs(r["top1_agreement"]["value"] - agree.mean().item()) <= 1 / len(kl)  # at most one near-tie flips
     assert r["ppl_reference"] == pytest.approx(torch.cat(nll_r).mean().exp().item(), rel=1e-4)
     assert r["ppl_candidate"] == pytest.approx(torch.cat(nll_c).mean().exp().item(), rel=1e-4)
+    ratio = r["ppl_candidate"] / r["ppl_reference"]
+    assert r["ppl_ratio"]["value"] == pytest.approx(ratio, rel=1e-9)
+    assert r["ppl_ratio"]["ci95"][0] <= ratio <= r["ppl_ratio"]["ci95"][1]
     lo, hi = r["kl"]["ci95"]
     assert lo < r["kl"]["mean"] < hi and r["kl"]["median"] <= r["kl"]["p99"] <= r["kl"]["max"]
 
@@ -106,7 +109,7 @@ def test_bad_inputs(models, tmp_path):
     env = {"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"}
     p = subprocess.run(cmd + ["--text", str(tmp_path / "missing.txt")], capture_output=True, text=True, env=env)
     assert p.returncode == 1 and "cannot read the text" in p.stderr and "Traceback" not in p.stderr
-    other = make_default_model.build(tmp_path / "other", num_hidden_layers=1, vocab_size=512)
+    other = make_tiny_model.build(tmp_path / "other", num_hidden_layers=1, vocab_size=512)
     p = subprocess.run([sys.executable, "-m", "quantkit.cli", "eval", str(dense), str(other)], capture_output=True,
                        text=True, env=env)
     assert p.returncode == 1 and "vocabularies differ: 4096 vs 512" in p.stderr

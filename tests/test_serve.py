@@ -22,7 +22,7 @@ import openai
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-import make_default_model  # noqa: E402
+import make_tiny_model  # noqa: E402
 
 KEY = "sk-test-123"
 NAME = "tiny"
@@ -68,7 +68,7 @@ class ServerProc:
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    return make_default_model.build(tmp_path_factory.mktemp("serve") / NAME, num_hidden_layers=2)
+    return make_tiny_model.build(tmp_path_factory.mktemp("serve") / NAME, num_hidden_layers=2)
 
 
 @pytest.fixture(scope="module")

@@ -29,8 +29,9 @@ def tpu_device(chip: str):
     return topologies.get_topology_desc(platform="tpu", topology_name=name, chips_per_host_bounds=bounds).devices[0]
 
 
-def compile_for(chip: str, fn, *args):
-    """Compiles `fn` for `chip` on abstract args (pytrees of jax.ShapeDtypeStruct without sharding).
+def compile_for(chip: str, fn, *args, donate: tuple[int, ...] = ()):
+    """Compiles `fn` for `chip` on abstract args (pytrees of jax.ShapeDtypeStruct without sharding);
+    `donate`: argument positions whose buffers the outputs may reuse (the KV cache).
 
     Returns (compiled, seconds). Lowering runs under the target device so that Pallas rules that
     consult the chip see the target, not the host CPU.
@@ -42,5 +43,5 @@ def compile_for(chip: str, fn, *args):
     placed = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), args)
     t = time.perf_counter()
     with jax.default_device(dev):
-        compiled = jax.jit(fn).trace(*placed).lower(lowering_platforms=("tpu",)).compile()
+        compiled = jax.jit(fn, donate_argnums=donate).trace(*placed).lower(lowering_platforms=("tpu",)).compile()
     return compiled, time.perf_counter() - t

@@ -118,6 +118,44 @@ def _pick(logits: jax.Array, s: dict, next_pos: jax.Array):
     return tok.astype(jnp.int32), jnp.take_along_axis(logp, tok[:, None], axis=-1)[:, 0], top[1], top[0]
 
 
+def step_functions(cfg):
+    """The pure step functions of a model (what Runner jits and `plan` compiles for a TPU):
+
+    step(params, cache, tokens [b, t], positions [b, t], block_tables) -> (logits [b, t, vocab], cache);
+    prefill(params, cache, tokens, positions, block_tables, last [b], sampling) -> ((token, logprob, top ids,
+        top logprobs), cache): samples after position `last` of each row;
+    decode(params, cache, tokens [b], positions [b], limits [b], block_tables, sampling, steps) -> (outputs
+        [steps, b, ...], cache): `steps` decode steps; rows past `limits` write to the scratch page.
+    """
+    fwd = forward_for(cfg.family)
+
+    def step(params, cache, tokens, positions, block_tables):
+        return fwd(params, cfg, tokens, positions, cache, block_tables)
+
+    def prefill(params, cache, tokens, positions, block_tables, last, s):
+        logits, cache = fwd(params, cfg, tokens, positions, cache, block_tables, last)  # [b, 1, vocab]
+        return _pick(logits[:, 0], s, positions[jnp.arange(tokens.shape[0]), last] + 1), cache
+
+    def decode(params, cache, tokens, positions, limits, block_tables, s, steps):
+        def one(carry, _):
+            cache, tok, pos = carry
+            live = jnp.where(pos <= limits, pos, -1)  # rows past their last position write to scratch
+            logits, cache = fwd(params, cfg, tok[:, None], live[:, None], cache, block_tables)
+            out = _pick(logits[:, 0], s, pos + 1)
+            return (cache, out[0], pos + 1), out
+
+        (cache, _, _), outs = jax.lax.scan(one, (cache, tokens, positions), None, length=steps)
+        return outs, cache  # each [steps, b, ...]
+
+    return step, prefill, decode
+
+
+def sampling_arrays(b: int) -> dict:
+    """Greedy sampling parameters for b rows (the per-row arrays prefill/decode take)."""
+    return {"temperature": np.zeros(b, np.float32), "top_k": np.zeros(b, np.int32),
+            "top_p": np.ones(b, np.float32), "seed": np.zeros(b, np.uint32), "logprobs": np.zeros(b, bool)}
+
+
 @dataclass
 class Runner:
     """Jitted model steps with a paged cache of `max_batch * ceil(max_model_len / page_size)` pages (+ scratch)."""
@@ -143,26 +181,7 @@ class Runner:
             self.cache = [(jax.device_put(k, spec), jax.device_put(v, spec)) for k, v in self.cache]
         self.block_tables = jnp.asarray(
             1 + np.arange(self.max_batch * self.pages_per_seq).reshape(self.max_batch, self.pages_per_seq), jnp.int32)
-        fwd, cfg = forward_for(self.model.cfg.family), self.model.cfg
-
-        def step(params, cache, tokens, positions, block_tables):
-            return fwd(params, cfg, tokens, positions, cache, block_tables)
-
-        def prefill(params, cache, tokens, positions, block_tables, last, s):
-            logits, cache = fwd(params, cfg, tokens, positions, cache, block_tables, last)  # [b, 1, vocab]
-            return _pick(logits[:, 0], s, positions[jnp.arange(tokens.shape[0]), last] + 1), cache
-
-        def decode(params, cache, tokens, positions, limits, block_tables, s, steps):
-            def one(carry, _):
-                cache, tok, pos = carry
-                live = jnp.where(pos <= limits, pos, -1)  # rows past their last position write to scratch
-                logits, cache = fwd(params, cfg, tok[:, None], live[:, None], cache, block_tables)
-                out = _pick(logits[:, 0], s, pos + 1)
-                return (cache, out[0], pos + 1), out
-
-            (cache, _, _), outs = jax.lax.scan(one, (cache, tokens, positions), None, length=steps)
-            return outs, cache  # each [steps, b, ...]
-
+        step, prefill, decode = step_functions(self.model.cfg)
         self._step = jax.jit(step, donate_argnums=(1,))
         self._prefill = jax.jit(prefill, donate_argnums=(1,))
         self._decode = jax.jit(decode, donate_argnums=(1,), static_argnums=(7,))
@@ -327,15 +346,14 @@ class Engine:
             self._decode(ready)
         return True
 
-    def _samp(self, rows: list[Request], b: int) -> dict:
-        def col(f, dtype, pad):
-            return np.array([f(r) for r in rows] + [pad] * (b - len(rows)), dtype)
-
-        return {"temperature": col(lambda r: r.sampling.temperature, np.float32, 0.0),
-                "top_k": col(lambda r: r.sampling.top_k, np.int32, 0),
-                "top_p": col(lambda r: r.sampling.top_p, np.float32, 1.0),
-                "seed": col(lambda r: r.sampling.seed & 0xFFFFFFFF, np.uint32, 0),
-                "logprobs": col(lambda r: r.logprobs is not None, bool, False)}
+    @staticmethod
+    def _samp(rows: list[Request], b: int) -> dict:
+        s = sampling_arrays(b)
+        for i, r in enumerate(rows):
+            p = r.sampling
+            s["temperature"][i], s["top_k"][i], s["top_p"][i] = p.temperature, p.top_k, p.top_p
+            s["seed"][i], s["logprobs"][i] = p.seed & 0xFFFFFFFF, r.logprobs is not None
+        return s
 
     def _reserve(self, r: Request, last_position: int) -> None:
         while len(r.pages) <= last_position // self.page_size:

@@ -16,9 +16,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from quantkit.errors import InvalidInput, Unsupported
-from quantkit.formats.compressed_tensors import QuantConfig, kernel_layout, logical_shape, parse_quantization_config
+from quantkit.formats.compressed_tensors import (QuantConfig, kernel_layout, kernel_shapes, logical_shape,
+                                                 parse_quantization_config, weight_qtype)
 from quantkit.formats.hf import Checkpoint, group_modules
-from quantkit.quant.qtensor import QTensor, make_qtensor
+from quantkit.quant.qtensor import STORAGE, QTensor, make_qtensor
 from quantkit.runtime.config import ModelConfig, from_hf
 
 LINEARS = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj"}
@@ -33,6 +34,67 @@ NORMS = {  # family -> pytree key -> module under model.layers.{i}
                "mlp_norm": "pre_feedforward_layernorm", "post_mlp_norm": "post_feedforward_layernorm",
                "q_norm": "self_attn.q_norm", "k_norm": "self_attn.k_norm"},
 }
+
+
+@dataclass(frozen=True)
+class Slot:
+    """One leaf of the weight pytree: its kind, checkpoint module(s) and logical shape.
+
+    kinds: "linear" [in, out] (QTensor [1, in, out] when quantized), "experts" [experts, in, out] (modules: one
+    per expert), "embed" [vocab, hidden], "bias" [out], "norm" [d] (float32), "router" [hidden, experts]
+    (float32).
+    """
+
+    kind: str
+    module: str | tuple[str, ...]
+    shape: tuple[int, ...]
+
+
+def skeleton(cfg: ModelConfig) -> dict:
+    """The weight pytree of `cfg` with a Slot at every leaf: what `load` fills and `abstract` describes."""
+    h, hd, e = cfg.hidden_size, cfg.head_dim, cfg.num_experts
+    dims = {"q": (h, cfg.num_heads * hd), "k": (h, cfg.num_kv_heads * hd), "v": (h, cfg.num_kv_heads * hd),
+            "o": (cfg.num_heads * hd, h), "gate": (h, cfg.intermediate_size), "up": (h, cfg.intermediate_size),
+            "down": (cfg.intermediate_size, h)}
+    layers = []
+    for i in range(cfg.num_layers):
+        pre = f"model.layers.{i}."
+        layer = {key: Slot("linear", pre + mod, dims[key]) for key, mod in LINEARS.items()}
+        if cfg.attention_bias:
+            layer |= {f"{key}_bias": Slot("bias", pre + mod, dims[key][1:]) for key, mod in LINEARS.items() if key != "o"}
+        layer |= {key: Slot("norm", pre + mod, (hd,) if key in ("q_norm", "k_norm") else (h,))
+                  for key, mod in NORMS[cfg.family].items()}
+        if cfg.family == "qwen3_moe":
+            m = cfg.moe_intermediate_size
+            layer["router"] = Slot("router", pre + "mlp.gate", (h, e))
+            for key, proj, shape in (("gate", "gate_proj", (h, m)), ("up", "up_proj", (h, m)),
+                                     ("down", "down_proj", (m, h))):
+                layer[key] = Slot("experts", tuple(f"{pre}mlp.experts.{x}.{proj}" for x in range(e)), (e, *shape))
+        else:
+            layer |= {key: Slot("linear", pre + mod, dims[key]) for key, mod in MLP.items()}
+        layers.append(layer)
+    params = {"embed": Slot("embed", "model.embed_tokens", (cfg.vocab_size, h)), "layers": layers,
+              "final_norm": Slot("norm", "model.norm", (h,))}
+    if not cfg.tie_word_embeddings:
+        params["lm_head"] = Slot("linear", "lm_head", (h, cfg.vocab_size))
+    return params
+
+
+def abstract(cfg: ModelConfig, qc: QuantConfig | None, dtype=jnp.bfloat16) -> dict:
+    """The weight pytree of `cfg` quantized as `qc` says, as jax.ShapeDtypeStruct leaves (no data): the
+    argument `plan` compiles with. Scales are assumed bfloat16 (what `quantkit convert` writes)."""
+    def leaf(s: Slot):
+        scheme = qc.scheme_for(s.module[0] if s.kind == "experts" else s.module, "Linear") if qc else None
+        quantized = s.kind in ("linear", "experts") and weight_qtype(scheme) != "dense"
+        if not quantized:
+            return jax.ShapeDtypeStruct(s.shape, jnp.float32 if s.kind in ("norm", "router") else dtype)
+        *g, k, n = s.shape
+        values, scales, sdtype, qtype, group = kernel_shapes(scheme, (n, k))
+        g = g[0] if g else 1
+        return QTensor(jax.ShapeDtypeStruct((g, k, n), STORAGE[qtype]),
+                       jax.ShapeDtypeStruct((g, *scales), jnp.dtype(sdtype)), qtype, group)
+
+    return jax.tree_util.tree_map(leaf, skeleton(cfg), is_leaf=lambda x: isinstance(x, Slot))
 
 
 @dataclass
@@ -129,22 +191,17 @@ def load(path: str | Path, dtype=jnp.bfloat16, check: bool = True) -> LoadedMode
     raw = ckpt.config.get("quantization_config")
     qc = parse_quantization_config(raw) if isinstance(raw, dict) else None
     r = _Reader(ckpt, qc, dtype)
-    layers = []
-    for i in range(cfg.num_layers):
-        pre = f"model.layers.{i}."
-        layer = {key: r.linear(pre + mod) for key, mod in LINEARS.items()}
-        if cfg.attention_bias:
-            layer |= {f"{key}_bias": r.array(pre + mod, "bias") for key, mod in LINEARS.items() if key != "o"}
-        layer |= {key: r.array(pre + mod, dtype=jnp.float32) for key, mod in NORMS[cfg.family].items()}
-        if cfg.family == "qwen3_moe":
-            layer["router"] = r.array(pre + "mlp.gate", dtype=jnp.float32).T  # [hidden, experts]
-            for key, proj in (("gate", "gate_proj"), ("up", "up_proj"), ("down", "down_proj")):
-                layer[key] = r.experts([f"{pre}mlp.experts.{e}.{proj}" for e in range(cfg.num_experts)])
-        else:
-            layer |= {key: r.linear(pre + mod) for key, mod in MLP.items()}
-        layers.append(layer)
-    params = {"embed": r.array("model.embed_tokens"), "layers": layers,
-              "final_norm": r.array("model.norm", dtype=jnp.float32)}
-    if not cfg.tie_word_embeddings:
-        params["lm_head"] = r.linear("lm_head")
+
+    def leaf(s: Slot):
+        if s.kind == "linear":
+            return r.linear(s.module)
+        if s.kind == "experts":
+            return r.experts(list(s.module))
+        if s.kind == "bias":
+            return r.array(s.module, "bias")
+        if s.kind == "router":
+            return r.array(s.module, dtype=jnp.float32).T  # [hidden, experts]
+        return r.array(s.module, dtype=jnp.float32 if s.kind == "norm" else None)
+
+    params = jax.tree_util.tree_map(leaf, skeleton(cfg), is_leaf=lambda x: isinstance(x, Slot))
     return LoadedModel(path, cfg, params, jnp.dtype(dtype))

@@ -11,9 +11,13 @@ from quantkit.quant.qtensor import QTensor
 
 
 def _tpu_chip() -> str | None:
-    if jax.default_backend() != "tpu":
+    """The TPU generation being traced for: the default device's (set by `with jax.default_device(...)`
+    for deviceless compilation in `plan`), else the backend's; None off TPU."""
+    dev = jax.config.jax_default_device
+    dev = dev if isinstance(dev, jax.Device) else (jax.devices()[0] if jax.default_backend() == "tpu" else None)
+    if dev is None or dev.platform != "tpu":
         return None
-    kind = jax.devices()[0].device_kind.lower()
+    kind = dev.device_kind.lower()
     return "v5e" if "v5" in kind else "v7x" if "7" in kind else "v6e"
 
 

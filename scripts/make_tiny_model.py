@@ -1,7 +1,8 @@
-"""Builds the embedded default model: a tiny random Llama (bf16) with a byte-level BPE tokenizer and a chat
-template, deterministic, with numpy and the tokenizers library only.
+"""Builds a tiny random Llama (bf16) with a byte-level BPE tokenizer and a chat template, deterministic,
+with numpy and the tokenizers library only: the model of the serving tests and benchmarks (the trained
+default model is scripts/train_default_model.py's).
 
-Usage: python scripts/make_default_model.py [OUT_DIR] [--layers N]   (default: models/tiny-llama, 4 layers)
+Usage: python scripts/make_tiny_model.py [OUT_DIR] [--layers N]   (default: models/tiny-random, 4 layers)
 The same seed gives the same bytes on every machine.
 """
 
@@ -83,7 +84,7 @@ if __name__ == "__main__":
     import argparse
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("out", nargs="?", default="models/tiny-llama")
+    ap.add_argument("out", nargs="?", default="models/tiny-random")
     ap.add_argument("--layers", type=int, default=CONFIG["num_hidden_layers"])
     args = ap.parse_args()
     print(build(Path(args.out), num_hidden_layers=args.layers))

@@ -1,0 +1,71 @@
+"""`quantkit plan` for three published model shapes at W4A16 on a v6e (deviceless libtpu compilation on
+this CPU): HBM split, the largest concurrency at 2048 tokens, compile seconds, and the decode step's
+roofline time (an estimate, not a measurement). Configs are the models' published config.json values.
+
+Usage: .venv/bin/python benchmarks/plan_table.py [--max-model-len 2048] [--max-num-seqs 16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from quantkit.plan import plan  # noqa: E402
+
+LLAMA3_8B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
+             "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+             "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 128256, "max_position_embeddings": 131072,
+             "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "tie_word_embeddings": False,
+             "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                              "original_max_position_embeddings": 8192, "rope_type": "llama3"}}
+GEMMA3_27B = {"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "hidden_size": 5376,
+              "intermediate_size": 21504, "num_hidden_layers": 62, "num_attention_heads": 32,
+              "num_key_value_heads": 16, "head_dim": 128, "vocab_size": 262208, "max_position_embeddings": 131072,
+              "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "rope_local_base_freq": 10000.0, "sliding_window": 1024,
+              "query_pre_attn_scalar": 168, "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+              "tie_word_embeddings": True, "hidden_activation": "gelu_pytorch_tanh", "sliding_window_pattern": 6}
+QWEN3_30B_A3B = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 2048,
+                 "intermediate_size": 6144, "moe_intermediate_size": 768, "num_hidden_layers": 48,
+                 "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128, "vocab_size": 151936,
+                 "num_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": True,
+                 "max_position_embeddings": 40960, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+                 "tie_word_embeddings": False}
+ROWS = [("Llama-3-8B", LLAMA3_8B, 128), ("Gemma-3-27B", GEMMA3_27B, 128), ("Gemma-3-27B", GEMMA3_27B, 32),
+        ("Qwen3-30B-A3B", QWEN3_30B_A3B, 128)]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--max-model-len", type=int, default=2048)
+    ap.add_argument("--max-num-seqs", type=int, default=16)
+    args = ap.parse_args()
+    gib = 1 << 30
+    lines = ["| model | W4A16 | fits at 16 | weights GiB | KV GiB (16 × 2048) | temporaries GiB | largest "
+             "concurrency at 2048 | compile s (this CPU) | decode step, roofline estimate |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    results = []
+    for name, cfg, group in ROWS:
+        with tempfile.TemporaryDirectory() as d:
+            (Path(d) / "config.json").write_text(json.dumps(cfg))
+            r = plan(Path(d) / "config.json", "v6e", args.max_model_len, args.max_num_seqs, scheme="W4A16",
+                     group_size=group)
+        h, est = r["hbm_bytes"], r["decode_step_estimate"]
+        results.append({"model": name, "group": group, **r})
+        lines.append(f"| {name} | g{group} | {'yes' if r['fits'] else 'no'} | {h['weights'] / gib:.2f} | "
+                     f"{h['kv_cache'] / gib:.2f} | {h['temporaries'] / gib:.2f} | {r['max_num_seqs_that_fit']} | "
+                     f"{r['compile_seconds']:.0f} | {est['seconds'] * 1e3:.1f} ms → ~{est['output_tokens_per_s']:.0f} "
+                     f"tok/s at 16 |")
+        print(lines[-1], flush=True)
+    print("\n".join(lines))
+    Path(tempfile.gettempdir(), "qk-plan-table.json").write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()

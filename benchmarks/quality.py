@@ -1,0 +1,71 @@
+"""Quality table for the trained default model: every scheme `quantkit convert` makes, against bf16, with
+`quantkit eval` on held-out text (standard-library files the model never saw in training).
+
+Usage: .venv/bin/python benchmarks/quality.py [--model assets/tiny-llama] [--max-tokens 16384]
+Prints a markdown table (docs/quality.md) and writes results.json next to the converted checkpoints.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from quantkit.convert import convert  # noqa: E402
+from quantkit.evaluate import evaluate  # noqa: E402
+
+VARIANTS = [  # label, scheme, group size, observer
+    ("W4A16 g32 min-max", "W4A16", 32, "minmax"), ("W4A16 g32 mse", "W4A16", 32, "mse"),
+    ("W4A16 g128 min-max", "W4A16", 128, "minmax"), ("W4A16 g128 mse", "W4A16", 128, "mse"),
+    ("W4A16 channel min-max", "W4A16", -1, "minmax"), ("W4A16 channel mse", "W4A16", -1, "mse"),
+    ("FP8_DYNAMIC", "FP8_DYNAMIC", 128, "minmax"), ("MXFP4A16", "MXFP4A16", 32, "minmax"),
+    ("MXFP4A16 mse", "MXFP4A16", 32, "mse"),
+]
+
+
+def main() -> None:
+    from train_default_model import heldout_files
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=str(ROOT / "assets/tiny-llama"))
+    ap.add_argument("--max-tokens", type=int, default=16384)
+    ap.add_argument("--dir", default=None)
+    args = ap.parse_args()
+    work = Path(args.dir or tempfile.mkdtemp(prefix="qk-quality-"))
+    text = "\n".join(f.read_text(encoding="utf-8", errors="replace") for f in heldout_files())
+    rows = []
+    for label, scheme, group, observer in VARIANTS:
+        dst = work / label.replace(" ", "_")
+        convert(args.model, dst, scheme, group, observer=observer, force=True)
+        r = evaluate(Path(args.model), dst, text, max_tokens=args.max_tokens)
+        rows.append({"label": label, **r})
+        print(f"{label}: ppl {r['ppl_candidate']:.3f} (bf16 {r['ppl_reference']:.3f}), mean KLD "
+              f"{r['kl']['mean']:.5f}, same top-1 {100 * r['top1_agreement']['value']:.2f}%", flush=True)
+    (work / "results.json").write_text(json.dumps(rows, indent=1))
+    ref = rows[0]
+    print(f"\nheld-out text: {ref['tokens']} predicted tokens in {ref['windows']} windows of {ref['window']}; "
+          f"bf16 perplexity {ref['ppl_reference']:.3f} [{ref['ppl_reference_ci95'][0]:.3f}, "
+          f"{ref['ppl_reference_ci95'][1]:.3f}]\n")
+    print("| weights | perplexity [95% CI] | PPL ratio [95% CI] | mean KLD [95% CI] | median / p99 / max KLD "
+          "| same top-1 % [95% CI] |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        kl, top = r["kl"], r["top1_agreement"]
+        print(f"| {r['label']} | {r['ppl_candidate']:.3f} [{r['ppl_candidate_ci95'][0]:.3f}, "
+              f"{r['ppl_candidate_ci95'][1]:.3f}] | {r['ppl_ratio']['value']:.4f} [{r['ppl_ratio']['ci95'][0]:.4f}, "
+              f"{r['ppl_ratio']['ci95'][1]:.4f}] | "
+              f"{kl['mean']:.5f} [{kl['ci95'][0]:.5f}, {kl['ci95'][1]:.5f}] | {kl['median']:.5f} / "
+              f"{kl['p99']:.4f} / {kl['max']:.4f} | {100 * top['value']:.2f} [{100 * top['ci95'][0]:.2f}, "
+              f"{100 * top['ci95'][1]:.2f}] |")
+
+
+if __name__ == "__main__":
+    main()
