@@ -31,25 +31,32 @@ CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}
                  "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
 
 
-def tokenizer(out: Path, vocab_size: int, seed: int = 0) -> None:
-    """A byte-level BPE of exactly `vocab_size` tokens trained on seeded pseudo-words (ids 0-2: <unk> <s> </s>)."""
+def train_tokenizer(texts: list[str], out: Path, vocab_size: int, chat_template: str = CHAT_TEMPLATE):
+    """Trains a byte-level BPE of `vocab_size` tokens (ids 0-2: <unk> <s> </s>) on `texts` and writes
+    tokenizer.json and tokenizer_config.json (with the chat template) into `out`. Returns the tokenizer."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    rng = np.random.default_rng(seed)
-    words = ["".join(rng.choice(SYLLABLES, size=rng.integers(1, 4))) for _ in range(60000)]
-    punct = rng.choice([" ", " ", " ", " ", ", ", ". ", "\n", "(", ") ", ": "], size=len(words))
-    text = "".join(w + p for w, p in zip(words, punct))
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<unk>", "<s>", "</s>"],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train_from_iterator([text[i:i + 10000] for i in range(0, len(text), 10000)], trainer)
+    tok.train_from_iterator(texts, trainer)
     tok.save(str(out / "tokenizer.json"))
     (out / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
         "unk_token": "<unk>", "model_max_length": CONFIG["max_position_embeddings"],
-        "chat_template": CHAT_TEMPLATE}, indent=2) + "\n")
+        "chat_template": chat_template}, indent=2) + "\n")
+    return tok
+
+
+def pseudo_text(seed: int = 0) -> list[str]:
+    """Seeded pseudo-words and punctuation, in 10,000-character pieces."""
+    rng = np.random.default_rng(seed)
+    words = ["".join(rng.choice(SYLLABLES, size=rng.integers(1, 4))) for _ in range(60000)]
+    punct = rng.choice([" ", " ", " ", " ", ", ", ". ", "\n", "(", ") ", ": "], size=len(words))
+    text = "".join(w + p for w, p in zip(words, punct))
+    return [text[i:i + 10000] for i in range(0, len(text), 10000)]
 
 
 def build(out: Path, seed: int = 0, **overrides) -> Path:
@@ -76,7 +83,7 @@ def build(out: Path, seed: int = 0, **overrides) -> Path:
     write_safetensors(out / "model.safetensors", tensors, {"format": "pt"})
     (out / "config.json").write_text(json.dumps(c, indent=2) + "\n")
     (out / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2}) + "\n")
-    tokenizer(out, c["vocab_size"], seed)
+    train_tokenizer(pseudo_text(seed), out, c["vocab_size"])
     return out
 
 

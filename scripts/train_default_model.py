@@ -22,23 +22,19 @@ from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import ml_dtypes  # noqa: E402
+import make_tiny_model  # noqa: E402
 import numpy as np  # noqa: E402
 
 from quantkit.formats.safetensors_io import write_safetensors  # noqa: E402
 from quantkit.runtime.config import from_hf  # noqa: E402
 from quantkit.runtime.models.llama import forward  # noqa: E402
 
-CONFIG = {
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 256, "intermediate_size": 768,
-    "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
-    "vocab_size": 4096, "max_position_embeddings": 2048, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
-    "hidden_act": "silu", "tie_word_embeddings": False, "torch_dtype": "bfloat16", "bos_token_id": 1,
-    "eos_token_id": 2, "attention_bias": False, "mlp_bias": False,
-}
+CONFIG = make_tiny_model.CONFIG | {"rope_theta": 10000.0}  # the tiny model's shape: 5.25M parameters
 SEQ, BATCH, LR, WARMUP = 256, 16, 3e-3, 50
 CHAT_TEMPLATE = ("{% for m in messages %}# {{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
                  "{% if add_generation_prompt %}# assistant:\n{% endif %}")
@@ -61,22 +57,6 @@ def training_files() -> list[Path]:
 
 def _read(files: list[Path]) -> list[str]:
     return [f.read_text(encoding="utf-8", errors="replace") for f in files]
-
-
-def train_tokenizer(texts: list[str], out: Path):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE(unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=CONFIG["vocab_size"], special_tokens=["<unk>", "<s>", "</s>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train_from_iterator(texts, trainer)
-    tok.save(str(out / "tokenizer.json"))
-    (out / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
-        "model_max_length": CONFIG["max_position_embeddings"], "chat_template": CHAT_TEMPLATE}, indent=2) + "\n")
-    return tok
 
 
 def init_params(key) -> dict:
@@ -155,7 +135,7 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     texts = _read(training_files())
-    tok = train_tokenizer(texts, out)
+    tok = make_tiny_model.train_tokenizer(texts, out, CONFIG["vocab_size"], CHAT_TEMPLATE)
     ids = np.concatenate([np.array(e.ids + [2], np.int32) for e in tok.encode_batch(texts)])  # </s> between files
     held = np.concatenate([np.array(e.ids, np.int32) for e in tok.encode_batch(_read(heldout_files()))])
     print(f"{len(ids)} training tokens, {len(held)} held out", flush=True)

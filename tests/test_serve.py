@@ -63,7 +63,11 @@ class ServerProc:
 
     def stop(self) -> int:
         self.p.send_signal(signal.SIGTERM)
-        return self.p.wait(60)
+        try:
+            return self.p.wait(60)
+        except subprocess.TimeoutExpired:
+            self.p.kill()
+            raise
 
 
 @pytest.fixture(scope="module")

@@ -561,14 +561,14 @@ def stored_layout(scheme: str, group_size: int, shape: tuple[int, int], dtype: s
 
 def kernel_shapes(scheme: Scheme, shape: tuple[int, int], scale_dtype: str = "bfloat16"):
     """What `kernel_layout` returns for a logical [out, in] weight, without data (for `plan`):
-    (values dtype, scales shape [in // group, out], scales dtype, qtype, group)."""
+    (scales shape [in // group, out], scales dtype, qtype, group)."""
     out, inp = shape
     w, fmt = scheme.weights, scheme.format
     if fmt == "mxfp4-pack-quantized":
-        return "int4", (inp // 32, out), "uint8", "mxfp4", 32
-    values, qtype = ("int4", "int4") if fmt == "pack-quantized" else ("float8_e4m3fn", "fp8")
+        return (inp // 32, out), "uint8", "mxfp4", 32
+    qtype = "int4" if fmt == "pack-quantized" else "fp8"
     group = {"group": w.group_size, "block": (w.block_structure or (0, 128))[1]}.get(w.strategy, inp)
-    return values, (inp // group, out), scale_dtype, qtype, group
+    return (inp // group, out), scale_dtype, qtype, group
 
 
 def kernel_layout(scheme: Scheme, arrays: dict, shape: tuple[int, int]):

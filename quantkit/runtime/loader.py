@@ -89,7 +89,7 @@ def abstract(cfg: ModelConfig, qc: QuantConfig | None, dtype=jnp.bfloat16) -> di
         if not quantized:
             return jax.ShapeDtypeStruct(s.shape, jnp.float32 if s.kind in ("norm", "router") else dtype)
         *g, k, n = s.shape
-        values, scales, sdtype, qtype, group = kernel_shapes(scheme, (n, k))
+        scales, sdtype, qtype, group = kernel_shapes(scheme, (n, k))
         g = g[0] if g else 1
         return QTensor(jax.ShapeDtypeStruct((g, k, n), STORAGE[qtype]),
                        jax.ShapeDtypeStruct((g, *scales), jnp.dtype(sdtype)), qtype, group)
