@@ -45,6 +45,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--max-num-seqs", type=int, default=16)
+    ap.add_argument("--only", nargs="*", help="rows to run, as NAME:GROUP (e.g. Gemma-3-27B:32)")
     args = ap.parse_args()
     gib = 1 << 30
     lines = ["| model | W4A16 | fits at 16 | weights GiB | KV GiB (16 × 2048) | temporaries GiB | largest "
@@ -52,6 +53,8 @@ def main() -> None:
              "|---|---|---|---|---|---|---|---|---|"]
     results = []
     for name, cfg, group in ROWS:
+        if args.only and f"{name}:{group}" not in args.only:
+            continue
         with tempfile.TemporaryDirectory() as d:
             (Path(d) / "config.json").write_text(json.dumps(cfg))
             r = plan(Path(d) / "config.json", "v6e", args.max_model_len, args.max_num_seqs, scheme="W4A16",

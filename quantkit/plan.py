@@ -109,30 +109,33 @@ def plan(path: str | Path, target: str = "v6e", max_model_len: int = 2048, max_n
             raise
         return compiled.memory_analysis().temp_size_in_bytes, seconds, "", _dequantized(compiled, weight_shapes)
 
+    def fits_at(n: int) -> tuple[bool, int, float, str, list]:
+        """Compiles prefill and decode for n sequences: (fits, temporary bytes, seconds, message, found)."""
+        seconds, temps, found = 0.0, [], []
+        for kind in ("prefill", "decode"):
+            temp, s, message, more = compile_step(kind, n)
+            seconds, found = seconds + s, found + more
+            if temp is None:
+                return False, 0, seconds, message, found
+            temps.append(temp)
+        return weights + kv_bytes(n) + max(temps) <= chip.hbm_bytes, max(temps), seconds, "", found
+
     if progress:
         progress(f"compiling prefill and decode for {target} ({max_num_seqs} sequences of {max_model_len})")
-    prefill_temp, seconds, message, found = compile_step("prefill", max_num_seqs)
-    fits, temp = False, 0
-    if prefill_temp is not None:
-        decode_temp, s, message, more = compile_step("decode", max_num_seqs)
-        seconds, found = seconds + s, found + more
-        if decode_temp is not None:
-            temp = max(prefill_temp, decode_temp)
-            fits = weights + kv_bytes(max_num_seqs) + temp <= chip.hbm_bytes
+    fits, temp, seconds, message, found = fits_at(max_num_seqs)
     best = None
-    if search and prefill_temp is not None:
-        # KV grows by kv_bytes(1) per sequence; confirm the analytic bound by compiling the decode step there
-        n = max(0, (chip.hbm_bytes - weights - temp) // (kv_bytes(1) - kv_bytes(0)))
-        best = 0
+    if search:
+        # KV grows by kv_bytes(1) per sequence: start at the analytic bound and confirm it by compiling
+        n, best = max(0, (chip.hbm_bytes - weights - temp) // (kv_bytes(1) - kv_bytes(0))), 0
         while n >= 1:
-            if n == max_num_seqs and fits:
-                best = n
-                break
-            if progress:
-                progress(f"checking max_num_seqs = {n}")
-            t, s, _, _ = compile_step("decode", n)
-            seconds += s
-            if t is not None and weights + kv_bytes(n) + max(t, prefill_temp) <= chip.hbm_bytes:
+            if n == max_num_seqs:
+                ok = fits
+            else:
+                if progress:
+                    progress(f"checking max_num_seqs = {n}")
+                ok, _, s, _, _ = fits_at(n)
+                seconds += s
+            if ok:
                 best = n
                 break
             n -= 1
