@@ -20,9 +20,11 @@ TOPOLOGIES = {  # chip -> (topology name, chips per host, accelerator type)
 def tpu_device(chip: str):
     """The first device of a single-chip topology for `chip` (needs libtpu: `pip install quantkit[tpu]`)."""
     name, bounds, accel = TOPOLOGIES[chip]
-    # libtpu reads these when it first loads; they tell it not to look for real hardware.
+    # libtpu reads these when it first loads; they tell it not to look for real hardware, and (deviceless
+    # compilation touches no chip) not to take the one-process lockfile that another compiling process holds.
     for key, value in (("TPU_SKIP_MDS_QUERY", "1"), ("TPU_ACCELERATOR_TYPE", accel),
-                       ("TPU_WORKER_HOSTNAMES", "localhost"), ("TPU_WORKER_ID", "0")):
+                       ("TPU_WORKER_HOSTNAMES", "localhost"), ("TPU_WORKER_ID", "0"),
+                       ("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")):
         os.environ.setdefault(key, value)
     from jax.experimental import topologies
 
