@@ -83,7 +83,8 @@ def plan(path: str | Path, target: str = "v6e", max_model_len: int = 2048, max_n
     def kv_bytes(n: int) -> int:
         return sum(_nbytes(a, chip) for layer in cache(n) for a in layer)
 
-    weight_shapes = {tuple(x.shape[-2:]) for x in jax.tree_util.tree_leaves(params, is_leaf=_is_q)
+    weight_shapes = {tuple(x.shape[-2:]) for x in
+                     jax.tree_util.tree_leaves(params, is_leaf=lambda x: isinstance(x, QTensor))
                      if isinstance(x, QTensor)}
 
     def compile_step(kind: str, n: int):
@@ -165,12 +166,6 @@ def plan(path: str | Path, target: str = "v6e", max_model_len: int = 2048, max_n
                                  "seconds": step_bytes / chip.hbm_bytes_per_s,
                                  "output_tokens_per_s": max_num_seqs * chip.hbm_bytes_per_s / step_bytes},
     }
-
-
-def _is_q(x) -> bool:
-    from quantkit.quant.qtensor import QTensor
-
-    return isinstance(x, QTensor)
 
 
 def _dequantized(compiled, shapes: set) -> list[str]:

@@ -470,9 +470,8 @@ class Engine:
         """Every step shape this engine can run: ("prefill", tokens, pages) and ("decode", rows, pages)."""
         ps, c = self.page_size, self.prefill_buckets[-1]
         first = {("prefill", t, _fit(-(-t // ps), self.page_buckets)) for t in self.prefill_buckets}
-        more = {("prefill", c, p) for p in self.page_buckets if p > _fit(-(-c // ps), self.page_buckets)}
-        if self.runner.max_model_len <= c:
-            more = set()
+        more = {("prefill", c, p) for p in self.page_buckets  # continuation chunks of long prompts
+                if p > _fit(-(-c // ps), self.page_buckets)} if self.runner.max_model_len > c else set()
         decode = {("decode", b, p) for b in self.batch_buckets for p in self.page_buckets}
         return sorted(first | more) + sorted(decode)
 

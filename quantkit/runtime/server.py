@@ -1,9 +1,9 @@
 """`quantkit serve`: OpenAI-compatible HTTP routes (Starlette + uvicorn) over one continuous-batching Engine.
 
 Threads: uvicorn's event loop answers HTTP; one engine thread runs `Engine.run`, calling each request's
-`on_update`, which queues the update for the loop (one `call_soon_threadsafe` per engine iteration). A streaming response merges every
-update waiting in its queue into one SSE chunk, so a slow client costs one chunk per wake-up, not one per
-token. The model loads and compiles in a background thread while /health already answers; /ready and the
+`on_update`, which queues the update for the loop (one `call_soon_threadsafe` per engine iteration). A
+streaming response merges every update waiting in its queue into one SSE chunk, so a slow client costs one
+chunk per wake-up, not one per token. The model loads and compiles in a background thread while /health already answers; /ready and the
 /v1 routes wait for it.
 """
 
