@@ -1,8 +1,9 @@
-"""`quantkit plan` for three published model shapes at W4A16 on a v6e (deviceless libtpu compilation on
-this CPU): HBM split, the largest concurrency at 2048 tokens, compile seconds, and the decode step's
-roofline time (an estimate, not a measurement). Configs are the models' published config.json values.
+"""`quantkit plan` for three published model shapes at W4A16 on a v6e, and Gemma-3-27B on a v6e:2x2 slice
+(deviceless libtpu compilation on this CPU): HBM split (per chip), the largest concurrency at 2048 tokens,
+compile seconds, and the decode step's roofline time (an estimate, not a measurement). Configs are the
+models' published config.json values.
 
-Usage: .venv/bin/python benchmarks/plan_table.py [--max-model-len 2048] [--max-num-seqs 16]
+Usage: .venv/bin/python benchmarks/plan_table.py [--max-model-len 2048] [--max-num-seqs 16] [--only NAME:SCHEME:TP]
 """
 
 from __future__ import annotations
@@ -37,31 +38,35 @@ QWEN3_30B_A3B = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_
                  "num_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": True,
                  "max_position_embeddings": 40960, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
                  "tie_word_embeddings": False}
-ROWS = [("Llama-3-8B", LLAMA3_8B, 128), ("Gemma-3-27B", GEMMA3_27B, 128), ("Gemma-3-27B", GEMMA3_27B, 32),
-        ("Qwen3-30B-A3B", QWEN3_30B_A3B, 128)]
+ROWS = [  # name, config, scheme, group size, chips
+    ("Llama-3-8B", LLAMA3_8B, "W4A16", 128, 1), ("Gemma-3-27B", GEMMA3_27B, "W4A16", 128, 1),
+    ("Gemma-3-27B", GEMMA3_27B, "W4A16", 32, 1), ("Qwen3-30B-A3B", QWEN3_30B_A3B, "W4A16", 128, 1),
+    ("Gemma-3-27B", GEMMA3_27B, "DENSE", 0, 4), ("Gemma-3-27B", GEMMA3_27B, "W4A16", 32, 4)]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--max-num-seqs", type=int, default=16)
-    ap.add_argument("--only", nargs="*", help="rows to run, as NAME:GROUP (e.g. Gemma-3-27B:32)")
+    ap.add_argument("--only", nargs="*", help="rows to run, as NAME:SCHEME:TP (e.g. Gemma-3-27B:W4A16g32:4)")
     args = ap.parse_args()
     gib = 1 << 30
-    lines = ["| model | W4A16 | fits at 16 | weights GiB | KV GiB (16 × 2048) | temporaries GiB | largest "
+    lines = ["| model | weights | chips | fits at 16 | weights GiB | KV GiB (16 × 2048) | temporaries GiB | largest "
              "concurrency at 2048 | compile s (this CPU) | decode step, roofline estimate |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|"]
     results = []
-    for name, cfg, group in ROWS:
-        if args.only and f"{name}:{group}" not in args.only:
+    for name, cfg, scheme, group, tp in ROWS:
+        label = f"{scheme}g{group}" if scheme == "W4A16" else "bf16"
+        if args.only and f"{name}:{label}:{tp}" not in args.only:
             continue
         with tempfile.TemporaryDirectory() as d:
             (Path(d) / "config.json").write_text(json.dumps(cfg))
-            r = plan(Path(d) / "config.json", "v6e", args.max_model_len, args.max_num_seqs, scheme="W4A16",
+            r = plan(Path(d) / "config.json", "v6e", args.max_model_len, args.max_num_seqs, tp=tp, scheme=scheme,
                      group_size=group)
         h, est = r["hbm_bytes"], r["decode_step_estimate"]
         results.append({"model": name, "group": group, **r})
-        lines.append(f"| {name} | g{group} | {'yes' if r['fits'] else 'no'} | {h['weights'] / gib:.2f} | "
+        lines.append(f"| {name} | {label} | {r['topology']} | {'yes' if r['fits'] else 'no'} | "
+                     f"{h['weights'] / gib:.2f} | "
                      f"{h['kv_cache'] / gib:.2f} | {h['temporaries'] / gib:.2f} | {r['max_num_seqs_that_fit']} | "
                      f"{r['compile_seconds']:.0f} | {est['seconds'] * 1e3:.1f} ms → ~{est['output_tokens_per_s']:.0f} "
                      f"tok/s at 16 |")

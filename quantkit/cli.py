@@ -290,7 +290,8 @@ def plan(
     target: Annotated[TpuTarget, typer.Option(help="TPU generation to compile for.")] = TpuTarget.v6e,
     max_model_len: Annotated[int, typer.Option(min=16, help="Prompt + output tokens per sequence.")] = 2048,
     max_num_seqs: Annotated[int, typer.Option(min=1, help="Sequences decoded together.")] = 16,
-    tp: Annotated[int, typer.Option(min=1, help="Tensor-parallel chips (only 1 so far).")] = 1,
+    tp: Annotated[int, typer.Option(help="Tensor-parallel chips: 1, 2, 4 or 8 (a 1x2, 2x2 or 2x4 slice); "
+                                         "HBM is then reported per chip.")] = 1,
     scheme: Annotated[SchemeName | None, typer.Option(help="How the weights would be stored [default: as the "
                                                            "checkpoint says; bf16 without a quantization_config].",
                                                       show_default=False)] = None,
@@ -301,8 +302,11 @@ def plan(
     """Compile the serving steps for a TPU without one (libtpu, deviceless) and report HBM for weights, KV
     cache and temporaries, per-kernel VMEM, compile time, and whether it fits (exit 4 when it does not).
 
-    Example:  quantkit plan ./gemma-3-27b-it/config.json --scheme W4A16 --group-size 32 --max-num-seqs 8
+    Examples:  quantkit plan ./gemma-3-27b-it/config.json --scheme W4A16 --group-size 32
+               quantkit plan ./gemma-3-27b-it --scheme DENSE --tp 4 --json
     """
+    if tp not in (1, 2, 4, 8):
+        raise typer.BadParameter(f"{tp} chips: plans cover 1, 2, 4 or 8", param_hint="--tp")
     try:
         from quantkit.plan import plan as run, print_plan
 

@@ -3,12 +3,15 @@
 The runtime's own prefill and decode steps (`engine.step_functions`) are compiled for the target with
 libtpu's deviceless compilation (runtime/aot.py) on the model's abstract weights (`loader.abstract`): the
 quantized matmuls trace to the gmm_v2 Pallas kernel as they would on the chip. HBM comes from the compiled
-programs (temporaries) and from the TPU layout of the arguments (weights, KV cache: `tiling.hbm_bytes`).
+programs: temporaries from its memory analysis, weights and KV cache from the layouts XLA chose for the
+arguments. With --tp, weights and cache are placed on the topology's mesh as runtime/sharding.py places
+them, and every figure is per chip.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -29,15 +32,29 @@ def _config(path: Path) -> dict:
     return cfg
 
 
-def _nbytes(leaf, chip) -> int:
+def _local(leaf) -> tuple[int, ...]:
+    """The shape one chip holds: the shard of a tensor-parallel array, else the whole."""
+    sharding = getattr(leaf, "sharding", None)
+    return tuple(sharding.shard_shape(leaf.shape) if sharding is not None else leaf.shape)
+
+
+def _nbytes(leaf, layout, chip) -> int:
+    """HBM bytes of one chip's part of `leaf`: in the compiled program's layout when known (XLA picks the
+    tiles, e.g. 4-row tiles for 4 KV heads, or reorders dimensions), else the native-tile estimate."""
     from quantkit.kernels.tiling import hbm_bytes
 
-    return hbm_bytes(tuple(leaf.shape), 4 if leaf.dtype.name == "int4" else 8 * leaf.dtype.itemsize, chip)
+    shape, bits = list(_local(leaf)), 4 if leaf.dtype.name == "int4" else 8 * leaf.dtype.itemsize
+    if layout is None:
+        return hbm_bytes(tuple(shape), bits, chip)
+    for dim, t in zip(reversed(layout.major_to_minor), reversed(layout.tiling[0] if layout.tiling else ())):
+        shape[dim] = -(-shape[dim] // t) * t  # the minor dimensions are padded to the first tile
+    return -(-math.prod(shape) * bits // 8)
 
 
 def plan(path: str | Path, target: str = "v6e", max_model_len: int = 2048, max_num_seqs: int = 16, tp: int = 1,
          scheme: str | None = None, group_size: int = 128, search: bool = True, progress=None) -> dict:
-    """Compiles the serving steps for `target` and reports HBM, VMEM, compile time and fit (CLI.md keys).
+    """Compiles the serving steps for `tp` chips of `target` and reports HBM (per chip), VMEM, compile time and
+    fit (CLI.md keys).
 
     Args:
         path: checkpoint directory or bare config.json (then `scheme` says how weights would be stored).
@@ -49,8 +66,6 @@ def plan(path: str | Path, target: str = "v6e", max_model_len: int = 2048, max_n
 
     if importlib.util.find_spec("libtpu") is None:
         raise Unsupported("plan compiles for TPU with libtpu, which is not installed: pip install 'quantkit[tpu]'")
-    if tp != 1:
-        raise Unsupported("plan --tp > 1 is not implemented yet (single-chip plans only)")
     import jax
     import jax.numpy as jnp
 
@@ -58,10 +73,11 @@ def plan(path: str | Path, target: str = "v6e", max_model_len: int = 2048, max_n
     from quantkit.kernels.dispatch import can_use_gmm_v2
     from quantkit.kernels.tiling import CHIPS
     from quantkit.quant.qtensor import QTensor
-    from quantkit.runtime.aot import compile_for
+    from quantkit.runtime.aot import compile_for, target_mesh, topology_name
     from quantkit.runtime.config import from_hf
     from quantkit.runtime.engine import sampling_arrays, step_functions
     from quantkit.runtime.loader import abstract
+    from quantkit.runtime.models.common import ring_pages
 
     path, chip = Path(path), CHIPS[target]
     raw = _config(path)
@@ -70,22 +86,45 @@ def plan(path: str | Path, target: str = "v6e", max_model_len: int = 2048, max_n
         qc = None if scheme == "DENSE" else parse_quantization_config(writable_config(scheme, group_size, ["lm_head"]))
     else:
         qc = parse_quantization_config(raw["quantization_config"]) if "quantization_config" in raw else None
-    params = abstract(cfg, qc)
-    leaves = jax.tree_util.tree_leaves(params)
-    weights = sum(_nbytes(x, chip) for x in leaves)
+    params, mesh, kv_sharding = abstract(cfg, qc), None, None
+    if tp > 1:  # weights and KV cache placed on the topology's mesh as the runtime places them
+        from quantkit.runtime.sharding import cache_sharding, shard_params
+
+        mesh = target_mesh(target, tp)
+        params = shard_params(params, cfg, mesh, put=lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s))
+        kv_sharding = cache_sharding(cfg, mesh)
+    param_leaves = jax.tree_util.tree_leaves(params)
+    layouts = {"params": [None] * len(param_leaves), "cache": None}  # from the first compiled decode step
     pages = -(-max_model_len // PAGE_SIZE)
+    ring = ring_pages(cfg, PAGE_SIZE, max_model_len)
     _, prefill, decode = step_functions(cfg)
 
     def cache(n: int):
-        page = jax.ShapeDtypeStruct((1 + n * pages, PAGE_SIZE, cfg.num_kv_heads, cfg.head_dim), jnp.bfloat16)
-        return [(page, page) for _ in range(cfg.num_layers)]
+        """As engine.new_cache: full-length pages, a ring of the window for sliding-window layers."""
+        out = []
+        for i in range(cfg.num_layers):
+            per_seq = ring if ring and cfg.is_sliding(i) else pages
+            page = jax.ShapeDtypeStruct((1 + n * per_seq, PAGE_SIZE, cfg.num_kv_heads, cfg.head_dim), jnp.bfloat16,
+                                        sharding=kv_sharding)
+            out.append((page, page))
+        return out
+
+    def tables(n: int):
+        full = jax.ShapeDtypeStruct((n, pages), jnp.int32)
+        return full, None if ring is None else jax.ShapeDtypeStruct((n, ring), jnp.int32)
+
+    def weight_bytes() -> int:
+        return sum(_nbytes(x, lay, chip) for x, lay in zip(param_leaves, layouts["params"]))
 
     def kv_bytes(n: int) -> int:
-        return sum(_nbytes(a, chip) for layer in cache(n) for a in layer)
+        leaves = jax.tree_util.tree_leaves(cache(n))
+        return sum(_nbytes(x, lay, chip) for x, lay in zip(leaves, layouts["cache"] or [None] * len(leaves)))
 
-    weight_shapes = {tuple(x.shape[-2:]) for x in
-                     jax.tree_util.tree_leaves(params, is_leaf=lambda x: isinstance(x, QTensor))
-                     if isinstance(x, QTensor)}
+    quantized = [x for x in jax.tree_util.tree_leaves(params, is_leaf=lambda x: isinstance(x, QTensor))
+                 if isinstance(x, QTensor)]
+    # a quantized weight's [k, n] on one chip, unless a dense weight (which may be there) has that shape too
+    dense = {_local(x)[-2:] for x in param_leaves if x.dtype.name in ("bfloat16", "float32", "float16")}
+    weight_shapes = {_local(x.values)[-2:] for x in quantized} - dense
 
     def compile_step(kind: str, n: int):
         """(temporary bytes, seconds, compiler message, dequantized-weight buffers); temporary bytes are
@@ -93,21 +132,24 @@ def plan(path: str | Path, target: str = "v6e", max_model_len: int = 2048, max_n
         i32 = jnp.int32
         if kind == "decode":
             fn = lambda p, c, t, pos, lim, bt, s: decode(p, c, t, pos, lim, bt, s, 1)  # noqa: E731
-            args = (params, cache(n), *(jax.ShapeDtypeStruct((n,), i32) for _ in range(3)),
-                    jax.ShapeDtypeStruct((n, pages), i32), sampling_arrays(n))
+            args = (params, cache(n), *(jax.ShapeDtypeStruct((n,), i32) for _ in range(3)), tables(n),
+                    sampling_arrays(n))
         else:
             t = min(PREFILL_CHUNK, max_model_len)
             fn = prefill
             args = (params, cache(n), jax.ShapeDtypeStruct((1, t), i32), jax.ShapeDtypeStruct((1, t), i32),
-                    jax.ShapeDtypeStruct((1, pages), i32), jax.ShapeDtypeStruct((1,), i32), sampling_arrays(1))
+                    tables(1), jax.ShapeDtypeStruct((1,), i32), sampling_arrays(1))
         t0 = time.perf_counter()
         try:
-            compiled, seconds = compile_for(target, fn, *args, donate=(1,))
+            compiled, seconds = compile_for(target, fn, *args, donate=(1,), tp=tp)
         except Exception as e:  # noqa: BLE001 - libtpu reports running out of HBM as an exception
             msg = str(e).splitlines()[0] if str(e) else type(e).__name__
             if "HBM" in msg or "RESOURCE_EXHAUSTED" in msg or "memory" in msg.lower():
                 return None, time.perf_counter() - t0, msg[:300], []
             raise
+        if kind == "decode" and layouts["cache"] is None:  # the argument layouts XLA chose, in args' order
+            formats = [f.layout for f in jax.tree_util.tree_leaves(compiled.input_formats)]
+            layouts["params"], layouts["cache"] = formats[:len(param_leaves)], formats[len(param_leaves):]
         return compiled.memory_analysis().temp_size_in_bytes, seconds, "", _dequantized(compiled, weight_shapes)
 
     def fits_at(n: int) -> tuple[bool, int, float, str, list]:
@@ -119,12 +161,12 @@ def plan(path: str | Path, target: str = "v6e", max_model_len: int = 2048, max_n
             if temp is None:
                 return False, 0, seconds, message, found
             temps.append(temp)
-        return weights + kv_bytes(n) + max(temps) <= chip.hbm_bytes, max(temps), seconds, "", found
+        return weight_bytes() + kv_bytes(n) + max(temps) <= chip.hbm_bytes, max(temps), seconds, "", found
 
     if progress:
         progress(f"compiling prefill and decode for {target} ({max_num_seqs} sequences of {max_model_len})")
     fits, temp, seconds, message, found = fits_at(max_num_seqs)
-    best = None
+    weights, best = weight_bytes(), None
     if search:
         # KV grows by kv_bytes(1) per sequence: start at the analytic bound and confirm it by compiling
         n, best = max(0, (chip.hbm_bytes - weights - temp) // (kv_bytes(1) - kv_bytes(0))), 0
@@ -140,23 +182,27 @@ def plan(path: str | Path, target: str = "v6e", max_model_len: int = 2048, max_n
                 best = n
                 break
             n -= 1
-    # the kernels: one entry per distinct quantized weight shape, with its gmm_v2 tiling
+    # the kernels: one entry per distinct quantized weight shape (on one chip), with its gmm_v2 tiling
     kernels, seen = [], set()
     for name, leaf in _named(params):
-        if isinstance(leaf, QTensor) and (key := (leaf.shape, leaf.qtype, leaf.group)) not in seen:
+        if isinstance(leaf, QTensor) and (key := (leaf.shape, leaf.qtype, leaf.group, leaf.split)) not in seen:
             seen.add(key)
-            g, k, n = leaf.shape
-            tiles, reason = can_use_gmm_v2(leaf.qtype, k, n, leaf.group, chip, m=max_num_seqs, g=g,
+            g, k, n = _local(leaf.values)
+            group = k if leaf.group == leaf.shape[1] else leaf.group  # channel scales span the shard
+            tiles, reason = can_use_gmm_v2(leaf.qtype, k, n, group, chip, m=max_num_seqs, g=g,
                                            scale_bytes=leaf.scales.dtype.itemsize)
-            kernels.append({"name": name, "shape": [g, k, n], "qtype": leaf.qtype, "group": leaf.group,
+            kernels.append({"name": name, "shape": [g, k, n], "qtype": leaf.qtype, "group": group,
                             "path": "gmm_v2" if tiles else f"xla ({reason})",
                             "vmem_bytes": tiles.vmem_bytes if tiles else 0,
                             "tiles": {"tm": tiles.tm, "tk": tiles.tk, "tn": tiles.tn} if tiles else None})
     kv = kv_bytes(max_num_seqs)
-    step_bytes = weights + kv  # a decode step at full context reads every weight and every cached token once
+    # a decode step at full context reads every weight and every cached token once (each chip its share, in
+    # parallel; the all-reduces of a tensor-parallel step are left out)
+    step_bytes = weights + kv
     return {
         "path": str(path), "target": target, "scheme": scheme or ("checkpoint" if qc else "DENSE"),
-        "max_model_len": max_model_len, "max_num_seqs": max_num_seqs, "tp": tp, "fits": bool(fits),
+        "max_model_len": max_model_len, "max_num_seqs": max_num_seqs, "tp": tp,
+        "topology": topology_name(target, tp), "fits": bool(fits),
         "hbm_bytes": {"weights": weights, "kv_cache": kv, "temporaries": temp,
                       "total": weights + kv + temp, "capacity": chip.hbm_bytes},
         "max_num_seqs_that_fit": best, "compile_seconds": round(seconds, 2), "compiler_message": message,
@@ -196,8 +242,9 @@ def _named(params: dict):
 def print_plan(r: dict, out=sys.stdout) -> None:
     gib = 1 << 30
     h = r["hbm_bytes"]
-    print(f"{r['path']} on {r['target']}: {r['scheme']}, {r['max_num_seqs']} sequences of {r['max_model_len']} tokens",
-          file=out)
+    chips = f"{r['tp']} chips ({r['topology']}), HBM per chip" if r["tp"] > 1 else r["topology"]
+    print(f"{r['path']} on {r['target']}: {r['scheme']}, {r['max_num_seqs']} sequences of {r['max_model_len']} tokens, "
+          f"{chips}", file=out)
     for k in ("weights", "kv_cache", "temporaries", "total", "capacity"):
         print(f"  {k:<12}{h[k] / gib:9.2f} GiB", file=out)
     print(f"  compile     {r['compile_seconds']:9.1f} s on this CPU (prefill + decode, deviceless libtpu)", file=out)

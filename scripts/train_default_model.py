@@ -85,7 +85,7 @@ def make_step(cfg):
                  for _ in range(cfg.num_layers)]
         tables = 1 + jnp.arange(b * pages).reshape(b, pages)
         positions = jnp.broadcast_to(jnp.arange(SEQ), (b, SEQ))
-        logits, _ = forward(params, cfg, batch[:, :-1], positions, cache, tables)
+        logits, _ = forward(params, cfg, batch[:, :-1], positions, cache, (tables, None))
         logp = jax.nn.log_softmax(logits, axis=-1)
         return -jnp.take_along_axis(logp, batch[:, 1:, None], axis=-1).mean()
 

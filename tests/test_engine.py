@@ -44,6 +44,23 @@ def _prompts(k, seed=0):
 
 @pytest.mark.parametrize("decode_steps,chunk", [(1, 512), (3, 16)])
 def test_staggered_requests_match_each_alone(model, decode_steps, chunk):
+    _staggered(model, decode_steps, chunk)
+
+
+def test_sliding_window_ring_with_chunked_prompts(tmp_path):
+    """Gemma 3 with an 8-token window: its local layers keep a one-page ring per sequence (positions wrap
+    after 8 tokens), read before a chunk overwrites it; prompts up to 40 tokens in 16-token chunks."""
+    torch.manual_seed(0)
+    T.Gemma3ForCausalLM(T.Gemma3TextConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=128, head_dim=16, max_position_embeddings=256, sliding_window=8,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"])).save_pretrained(tmp_path)
+    gemma = load(tmp_path, dtype=jnp.float32)
+    runner = _staggered(gemma, 3, 16)
+    assert runner.ring_pages == 1 and [c[0].shape[0] for c in runner.cache] == [1 + 4, 1 + 4, 1 + 4 * 16]
+
+
+def _staggered(model, decode_steps, chunk):
     prompts = _prompts(6)
     lengths = [5, 12, 9, 20, 3, 15]
     engine = Engine(Runner(model, max_model_len=128, max_batch=4, page_size=8), decode_steps=decode_steps,
@@ -58,6 +75,7 @@ def test_staggered_requests_match_each_alone(model, decode_steps, chunk):
     for r, p, n in zip(reqs, prompts, lengths):
         assert r.out == _reference(model, p, n) and r.finish_reason == "length"
     assert engine.pages_used == 0 and sorted(engine.free_slots) == [0, 1, 2, 3]
+    return engine.runner
 
 
 def test_long_prompt_is_prefilled_in_chunks_while_others_decode(model):

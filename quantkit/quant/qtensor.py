@@ -10,6 +10,9 @@ Invariants:
   group == k means channel scales. int4/fp8: float32 or bfloat16; mxfp4: uint8 E8M0 exponents.
   fp8 block [128, 128] scales are stored as group 128 with each column's block scale repeated.
 - `qtype` and `group` are static (pytree metadata), so jit specializes on them.
+- Tensor parallelism (runtime/sharding.py): `mesh` is the Mesh the arrays are placed on and `split` which
+  dimension is divided over its "model" axis ("n" output columns, "k" input rows, "" replicated); both
+  static. None / "" on one device.
 The logical value of element [e, i, j] is decode(values[e, i, j]) * scale[e, i // group, j].
 """
 
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import partial
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -26,13 +30,16 @@ QTYPES = ("int4", "fp8", "mxfp4")
 STORAGE = {"int4": jnp.int4, "fp8": jnp.float8_e4m3fn, "mxfp4": jnp.int4}
 
 
-@partial(jax.tree_util.register_dataclass, data_fields=["values", "scales"], meta_fields=["qtype", "group"])
+@partial(jax.tree_util.register_dataclass, data_fields=["values", "scales"],
+         meta_fields=["qtype", "group", "mesh", "split"])
 @dataclass(frozen=True)
 class QTensor:
     values: jax.Array  # [g, k, n]
     scales: jax.Array  # [g, k // group, n]
     qtype: str  # static: "int4" | "fp8" | "mxfp4"
     group: int  # static: input features per scale (k for channel scales)
+    mesh: Any = None  # static: jax.sharding.Mesh of a tensor-parallel weight
+    split: str = ""  # static: "n" | "k" | "" (see above)
 
     @property
     def shape(self) -> tuple[int, int, int]:

@@ -9,17 +9,24 @@ import os
 import time
 from functools import cache
 
-TOPOLOGIES = {  # chip -> (topology name, chips per host, accelerator type)
-    "v5e": ("v5e:1x1", (1, 1, 1), "v5litepod-1"),
-    "v6e": ("v6e:1x1", (1, 1, 1), "v6e-1"),
-    "v7x": ("tpu7x:1x1x1", (1, 1, 1), "tpu7x-2"),
+TOPOLOGIES = {  # chip -> (topology name prefix, accelerator type of one chip)
+    "v5e": ("v5e", "v5litepod-1"),
+    "v6e": ("v6e", "v6e-1"),
+    "v7x": ("tpu7x", "tpu7x-2"),
 }
+GRIDS = {1: (1, 1), 2: (1, 2), 4: (2, 2), 8: (2, 4)}  # chips -> chip grid of a v5e / v6e slice
 
 
 @cache
-def tpu_device(chip: str):
-    """The first device of a single-chip topology for `chip` (needs libtpu: `pip install quantkit[tpu]`)."""
-    name, bounds, accel = TOPOLOGIES[chip]
+def tpu_devices(chip: str, tp: int = 1) -> tuple:
+    """The devices of a `tp`-chip topology of `chip` (needs libtpu: `pip install quantkit[tpu]`).
+
+    v7x: one chip (its first TensorCore; multi-chip v7x topologies are not offered)."""
+    accel = TOPOLOGIES[chip][1]
+    if tp not in GRIDS or chip == "v7x" and tp > 1:
+        from quantkit.errors import Unsupported
+
+        raise Unsupported(f"--tp {tp} on {chip}: plans cover 1, 2, 4 or 8 chips of v5e / v6e, and one v7x chip")
     # libtpu reads these when it first loads; they tell it not to look for real hardware, and (deviceless
     # compilation touches no chip) not to take the one-process lockfile that another compiling process holds.
     for key, value in (("TPU_SKIP_MDS_QUERY", "1"), ("TPU_ACCELERATOR_TYPE", accel),
@@ -28,22 +35,45 @@ def tpu_device(chip: str):
         os.environ.setdefault(key, value)
     from jax.experimental import topologies
 
-    return topologies.get_topology_desc(platform="tpu", topology_name=name, chips_per_host_bounds=bounds).devices[0]
+    x, y = GRIDS[tp]
+    return tuple(topologies.get_topology_desc(platform="tpu", topology_name=topology_name(chip, tp),
+                                              chips_per_host_bounds=(x, y, 1)).devices[:tp])
 
 
-def compile_for(chip: str, fn, *args, donate: tuple[int, ...] = ()):
-    """Compiles `fn` for `chip` on abstract args (pytrees of jax.ShapeDtypeStruct without sharding);
-    `donate`: argument positions whose buffers the outputs may reuse (the KV cache).
+def topology_name(chip: str, tp: int) -> str:
+    x, y = GRIDS[tp]
+    return "tpu7x:1x1x1" if chip == "v7x" else f"{TOPOLOGIES[chip][0]}:{x}x{y}"
+
+
+@cache
+def target_mesh(chip: str, tp: int):
+    """The tensor-parallel mesh over a `tp`-chip topology (one object per target, so that weights placed on
+    it and the programs compiled for it agree)."""
+    from quantkit.runtime.sharding import make_mesh
+
+    return make_mesh(tp, list(tpu_devices(chip, tp)))
+
+
+def compile_for(chip: str, fn, *args, donate: tuple[int, ...] = (), tp: int = 1):
+    """Compiles `fn` for `tp` chips of `chip` on abstract args (pytrees of jax.ShapeDtypeStruct; those
+    without a sharding go on the one device, or are replicated over the mesh); `donate`: argument positions
+    whose buffers the outputs may reuse (the KV cache).
 
     Returns (compiled, seconds). Lowering runs under the target device so that Pallas rules that
     consult the chip see the target, not the host CPU.
     """
     import jax
+    from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
-    dev = tpu_device(chip)
-    sharding = jax.sharding.SingleDeviceSharding(dev)
-    placed = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), args)
+    devices = tpu_devices(chip, tp)
+    default = NamedSharding(target_mesh(chip, tp), PartitionSpec()) if tp > 1 else SingleDeviceSharding(devices[0])
+
+    def place(a):
+        return a if getattr(a, "sharding", None) is not None else jax.ShapeDtypeStruct(a.shape, a.dtype,
+                                                                                      sharding=default)
+
+    placed = jax.tree_util.tree_map(place, args)
     t = time.perf_counter()
-    with jax.default_device(dev):
+    with jax.default_device(devices[0]):
         compiled = jax.jit(fn, donate_argnums=donate).trace(*placed).lower(lowering_platforms=("tpu",)).compile()
     return compiled, time.perf_counter() - t

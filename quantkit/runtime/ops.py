@@ -23,6 +23,8 @@ def _tpu_chip() -> str | None:
 
 def grouped_matmul(x: jax.Array, w: QTensor, group_sizes: jax.Array) -> jax.Array:
     """x [m, k] rows sorted by group, w [g, k, n] -> [m, n]."""
+    if w.mesh is not None:
+        return _per_shard(x, w, group_sizes)
     chip = _tpu_chip()
     if chip is not None:
         from quantkit.kernels.gmm_v2 import check_gmm_v2, gmm_v2
@@ -31,6 +33,26 @@ def grouped_matmul(x: jax.Array, w: QTensor, group_sizes: jax.Array) -> jax.Arra
         if tiles is not None:
             return gmm_v2(x, w, group_sizes, chip=chip, tiles=tiles)
     return gmm_xla(x, w, group_sizes)
+
+
+def _per_shard(x: jax.Array, w: QTensor, group_sizes: jax.Array) -> jax.Array:
+    """A tensor-parallel weight (runtime/sharding.py): each device multiplies by its own shard under
+    shard_map, since XLA cannot partition a Mosaic kernel by itself. Split "n": each device computes its
+    output columns; split "k": each its input rows' partial product, summed across devices."""
+    from jax.sharding import PartitionSpec as P
+
+    ax, k_split = "model", w.split == "k"
+    spec = {"n": P(None, None, ax), "k": P(None, ax, None), "": P()}[w.split]
+    channel = w.group == w.shape[1]  # one scale row: replicated when the rows are split, and spans a shard
+
+    def body(x, values, scales, sizes):
+        y = grouped_matmul(x, QTensor(values, scales, w.qtype, values.shape[1] if channel else w.group), sizes)
+        return jax.lax.psum(y, ax) if k_split else y
+
+    return jax.shard_map(body, mesh=w.mesh, in_specs=(P(None, ax) if k_split else P(), spec,
+                                                      P() if channel and k_split else spec, P()),
+                         out_specs=P(None, ax) if w.split == "n" else P(), check_vma=False)(
+        x, w.values, w.scales, group_sizes)
 
 
 def qmatmul(x: jax.Array, w: QTensor) -> jax.Array:

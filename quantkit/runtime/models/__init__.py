@@ -1,5 +1,5 @@
 """Model families: each module exposes forward(params, cfg, tokens, positions, cache, block_tables,
-last=None)."""
+last=None); block_tables is the (full, ring) pair of common.py."""
 
 from quantkit.runtime.models import llama
 

@@ -4,8 +4,12 @@ Weights: a linear weight is either a dense array [in, out] or a QTensor [1, in, 
 `linear` sends the latter through the one quantized matmul (gmm_v2 on TPU, the XLA path elsewhere).
 
 KV cache (paged, vLLM's design): per layer, keys and values live in `pages` [num_pages, page_size,
-kv_heads, head_dim]; a sequence owns the pages listed in its row of `block_tables` [batch, max_pages].
+kv_heads, head_dim]; a sequence owns the pages listed in its row of a block table [batch, max_pages].
 Page 0 is reserved as scratch: padding tokens write there and no block table lists it.
+`block_tables` is a pair (full, ring): full-attention layers keep every position of a sequence (position
+p in page full[p // page_size]); sliding-window layers, when `ring` is not None, keep only a ring of
+`ring_pages` pages, the last `window` positions or more (position p in slot p mod ring length), so their
+cache does not grow with the model length. ring None: sliding layers use the full layout too.
 """
 
 from __future__ import annotations
@@ -77,34 +81,45 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.A
     return (xf * cos + rotated * sin).astype(x.dtype)
 
 
-def write_kv(pages: jax.Array, new: jax.Array, positions: jax.Array, block_tables: jax.Array) -> jax.Array:
-    """Stores new [b, t, kvh, d] at their positions [b, t] (negative: padding -> scratch page 0)."""
+def ring_pages(cfg: ModelConfig, page_size: int, max_model_len: int) -> int | None:
+    """Pages per sequence of the sliding-window layers' ring, or None when no layer slides or the window
+    spans the model length (then a ring would save nothing)."""
+    sliding = any(cfg.is_sliding(i) for i in range(cfg.num_layers))
+    return -(-cfg.sliding_window // page_size) if sliding and cfg.sliding_window < max_model_len else None
+
+
+def write_kv(pages: jax.Array, new: jax.Array, positions: jax.Array, block_tables: jax.Array,
+             ring: int = 0) -> jax.Array:
+    """Stores new [b, t, kvh, d] at their positions [b, t] (negative: padding -> scratch page 0); with a
+    ring of `ring` tokens, at position mod ring, and only a row's last `ring` positions."""
     page_size = pages.shape[1]
-    pos = jnp.maximum(positions, 0)
+    pos, keep = jnp.maximum(positions, 0), positions >= 0
+    if ring:
+        keep &= positions > positions.max(axis=1, keepdims=True) - ring  # older ones would be overwritten
+        pos = pos % ring
     page = jnp.take_along_axis(block_tables, pos // page_size, axis=1)
-    slot = jnp.where(positions >= 0, page * page_size + pos % page_size, 0)  # [b, t]
+    slot = jnp.where(keep, page * page_size + pos % page_size, 0)  # [b, t]
     flat = pages.reshape(-1, *pages.shape[2:])
     flat = flat.at[slot.reshape(-1)].set(new.reshape(-1, *new.shape[2:]).astype(pages.dtype))
     return flat.reshape(pages.shape)
 
 
-def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, positions: jax.Array,
-                    block_tables: jax.Array, scale: float, window: int | None = None) -> jax.Array:
-    """Causal attention of q [b, t, h, d] over each sequence's cached keys/values (pure JAX path).
+def attend(q: jax.Array, k: jax.Array, v: jax.Array, kpos: jax.Array, positions: jax.Array, scale: float,
+           window: int | None = None) -> jax.Array:
+    """Causal attention of q [b, t, h, d] at positions [b, t] over keys/values [b, L, kvh, d] held at
+    kpos [b, L] or [L] (negative: empty) (pure JAX path).
 
     A query at position p sees keys at positions <= p (and > p - window with a sliding window); queries
     with negative positions (padding) produce zeros.
     """
     b, t, h, d = q.shape
-    kvh = k_pages.shape[2]
-    k = k_pages[block_tables].reshape(b, -1, kvh, d)  # [b, L, kvh, d]
-    v = v_pages[block_tables].reshape(b, -1, kvh, d)
-    kpos = jnp.arange(k.shape[1])
+    kvh = k.shape[2]
     qg = q.reshape(b, t, kvh, h // kvh, d).astype(jnp.float32)
     scores = jnp.einsum("btgrd,blgd->bgrtl", qg, k.astype(jnp.float32)) * scale
-    visible = kpos[None, None, :] <= positions[:, :, None]  # [b, t, L]
+    kp, qp = jnp.atleast_2d(kpos)[:, None, :], positions[:, :, None]
+    visible = (kp >= 0) & (kp <= qp)  # [b, t, L]
     if window:
-        visible &= kpos[None, None, :] > positions[:, :, None] - window
+        visible &= kp > qp - window
     scores = jnp.where(visible[:, None, None], scores, -jnp.inf)
     probs = jax.nn.softmax(scores, axis=-1)
     probs = jnp.where(visible[:, None, None].any(-1, keepdims=True), probs, 0.0)
@@ -125,11 +140,27 @@ def attention_block(p: dict, x: jax.Array, cache: tuple, positions, block_tables
     sliding = cfg.is_sliding(layer)
     inv = rope_frequencies(cfg, local=sliding)
     q, k = apply_rope(q, positions, inv), apply_rope(k, positions, inv)
-    k_pages = write_kv(cache[0], k, positions, block_tables)
-    v_pages = write_kv(cache[1], v, positions, block_tables)
-    out = paged_attention(q, k_pages, v_pages, positions, block_tables, cfg.scale,
-                          cfg.sliding_window if sliding else None)
-    return linear(out, p["o"]), (k_pages, v_pages)
+    full, ring_tables = block_tables
+    window, ps = cfg.sliding_window if sliding else None, cache[0].shape[1]
+
+    def cached(pages, tables):
+        return pages[tables].reshape(b, -1, *pages.shape[2:])  # [b, L, kvh, d]
+
+    if sliding and ring_tables is not None:
+        # read the ring before writing: this step's keys may overwrite slots its first queries still see.
+        # Slot j holds the latest position <= first - 1 that is j mod ring (negative: none yet).
+        ring = -(-cfg.sliding_window // ps) * ps
+        first = jnp.min(jnp.where(positions >= 0, positions, 1 << 30), axis=1, keepdims=True)
+        held = first - 1 - (first - 1 - jnp.arange(ring_tables.shape[1] * ps)) % ring  # [b, L]
+        out = attend(q, jnp.concatenate([cached(cache[0], ring_tables), k], 1),
+                     jnp.concatenate([cached(cache[1], ring_tables), v], 1),
+                     jnp.concatenate([held, positions], 1), positions, cfg.scale, window)
+        new = tuple(write_kv(c, x, positions, ring_tables, ring) for c, x in zip(cache, (k, v)))
+    else:
+        new = tuple(write_kv(c, x, positions, full) for c, x in zip(cache, (k, v)))
+        out = attend(q, cached(new[0], full), cached(new[1], full), jnp.arange(full.shape[1] * ps), positions,
+                     cfg.scale, window)
+    return linear(out, p["o"]), new
 
 
 def logits(params: dict, h: jax.Array, cfg: ModelConfig, last: jax.Array | None = None) -> jax.Array:

@@ -13,7 +13,7 @@ def mlp(p: dict, x: jax.Array) -> jax.Array:
 
 
 def forward(params: dict, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array, cache: list,
-            block_tables: jax.Array, last: jax.Array | None = None, ffn=mlp) -> tuple[jax.Array, list]:
+            block_tables: tuple, last: jax.Array | None = None, ffn=mlp) -> tuple[jax.Array, list]:
     """Logits [b, t, vocab] (float32) for tokens [b, t] at positions [b, t] (-1: padding), and the
     updated cache (one (key pages, value pages) pair per layer). With `last` [b], logits [b, 1, vocab]
     of that position of each row only."""
