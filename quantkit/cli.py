@@ -292,7 +292,7 @@ def plan(
     max_num_seqs: Annotated[int, typer.Option(min=1, help="Sequences decoded together.")] = 16,
     tp: Annotated[int, typer.Option(help="Tensor-parallel chips: 1, 2, 4 or 8 (a 1x2, 2x2 or 2x4 slice); "
                                          "HBM is then reported per chip.")] = 1,
-    scheme: Annotated[SchemeName | None, typer.Option(help="How the weights would be stored [default: as the "
+    scheme: Annotated[SchemeName | None, typer.Option(help="How the weights would be stored \\[default: as the "
                                                            "checkpoint says; bf16 without a quantization_config].",
                                                       show_default=False)] = None,
     group_size: Annotated[int, typer.Option(help="W4A16 group size (-1: channel).")] = 128,
@@ -328,7 +328,7 @@ def eval_(
                                               show_default=False)],
     candidate: Annotated[Path, typer.Argument(help="The checkpoint under test (e.g. its W4A16 conversion).",
                                               show_default=False)],
-    text: Annotated[Path | None, typer.Option(help="UTF-8 text to evaluate on [default: the source of "
+    text: Annotated[Path | None, typer.Option(help="UTF-8 text to evaluate on \\[default: the source of "
                                                    "Python's argparse module].", show_default=False)] = None,
     max_tokens: Annotated[int, typer.Option(min=2, help="Tokens of the text to use at most.")] = 4096,
     window: Annotated[int, typer.Option(min=2, help="Tokens per independent window (context length).")] = 512,
@@ -365,10 +365,10 @@ def serve(
     = "127.0.0.1",
     port: Annotated[int, typer.Option(min=0, max=65535, help="TCP port (0 = any free port, printed).")] = 8000,
     max_model_len: Annotated[int | None, typer.Option(min=2, help="Prompt + output tokens per request "
-                                                              "[default: the model's, at most 2048].")] = None,
+                                                              "\\[default: the model's, at most 2048].")] = None,
     max_num_seqs: Annotated[int, typer.Option(min=1, help="Requests decoded together (KV cache slots).")] = 16,
     api_key: Annotated[str | None, typer.Option(help="Require 'Authorization: Bearer KEY' on /v1 routes.")] = None,
-    served_model_name: Annotated[str | None, typer.Option(help="Model id clients send [default: PATH's name].")]
+    served_model_name: Annotated[str | None, typer.Option(help="Model id clients send \\[default: PATH's name].")]
     = None,
     decode_steps: Annotated[int, typer.Option(min=1, max=64, help="Decode steps per engine iteration "
                                                                   "(more: higher throughput, burstier streams).")] = 4,

@@ -168,20 +168,20 @@ def plan(path: str | Path, target: str = "v6e", max_model_len: int = 2048, max_n
     fits, temp, seconds, message, found = fits_at(max_num_seqs)
     weights, best = weight_bytes(), None
     if search:
-        # KV grows by kv_bytes(1) per sequence: start at the analytic bound and confirm it by compiling
-        n, best = max(0, (chip.hbm_bytes - weights - temp) // (kv_bytes(1) - kv_bytes(0))), 0
-        while n >= 1:
-            if n == max_num_seqs:
-                ok = fits
-            else:
-                if progress:
-                    progress(f"checking max_num_seqs = {n}")
-                ok, _, s, _, _ = fits_at(n)
-                seconds += s
-            if ok:
-                best = n
-                break
-            n -= 1
+        # KV grows by `per_seq` bytes a sequence: guess the largest n from the temporaries of the last compile
+        # and confirm it by compiling; temporaries grow with n, so a miss guesses again from its own (lower),
+        # or, when the compiler refused outright, halves the distance to the largest n known to fit
+        per_seq = kv_bytes(1) - kv_bytes(0)
+        lo, hi = (max_num_seqs, None) if fits else (0, max_num_seqs)
+        guess = (chip.hbm_bytes - weights - temp) // per_seq
+        while (n := guess if hi is None else min(guess, hi - 1)) > lo:
+            if progress:
+                progress(f"checking max_num_seqs = {n}")
+            ok, t, s, _, _ = fits_at(n)
+            seconds += s
+            lo, hi = (n, hi) if ok else (lo, n)
+            guess = (chip.hbm_bytes - weights - t) // per_seq if t else (lo + n) // 2
+        best = lo
     # the kernels: one entry per distinct quantized weight shape (on one chip), with its gmm_v2 tiling
     kernels, seen = [], set()
     for name, leaf in _named(params):
