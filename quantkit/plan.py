@@ -149,7 +149,8 @@ def plan(path: str | Path, target: str = "v6e", max_model_len: int = 2048, max_n
             raise
         if kind == "decode" and layouts["cache"] is None:  # the argument layouts XLA chose, in args' order
             formats = [f.layout for f in jax.tree_util.tree_leaves(compiled.input_formats)]
-            layouts["params"], layouts["cache"] = formats[:len(param_leaves)], formats[len(param_leaves):]
+            w = len(param_leaves)
+            layouts["params"], layouts["cache"] = formats[:w], formats[w:w + 2 * cfg.num_layers]
         return compiled.memory_analysis().temp_size_in_bytes, seconds, "", _dequantized(compiled, weight_shapes)
 
     def fits_at(n: int) -> tuple[bool, int, float, str, list]:
