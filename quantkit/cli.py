@@ -370,8 +370,8 @@ def serve(
     api_key: Annotated[str | None, typer.Option(help="Require 'Authorization: Bearer KEY' on /v1 routes.")] = None,
     served_model_name: Annotated[str | None, typer.Option(help="Model id clients send \\[default: PATH's name].")]
     = None,
-    decode_steps: Annotated[int, typer.Option(min=1, max=64, help="Decode steps per engine iteration "
-                                                                  "(more: higher throughput, burstier streams).")] = 4,
+    max_num_batched_tokens: Annotated[int, typer.Option(min=8, help="Tokens one step runs at most: decodes "
+                                                                    "first, prompt chunks fill the rest.")] = 512,
     max_waiting: Annotated[int, typer.Option(min=0, help="Queued requests beyond which the server answers 429.")]
     = 256,
     grace: Annotated[float, typer.Option(min=0, help="Seconds SIGTERM waits for in-flight requests.")] = 30.0,
@@ -389,7 +389,7 @@ def serve(
         from quantkit.runtime.server import serve as run
 
         code = run(path, host, port, served_model_name=served_model_name, max_model_len=max_model_len,
-                   max_num_seqs=max_num_seqs, api_key=api_key, decode_steps=decode_steps, max_waiting=max_waiting,
+                   max_num_seqs=max_num_seqs, api_key=api_key, max_num_batched_tokens=max_num_batched_tokens, max_waiting=max_waiting,
                    grace=grace)
     except (QuantkitError, Exception) as e:  # noqa: BLE001 - one line, never a traceback
         raise _fail(e) from None

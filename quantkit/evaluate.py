@@ -88,11 +88,10 @@ def evaluate(reference: Path, candidate: Path, text: str | None = None, max_toke
     spans = [s for s in spans if len(s) >= 2]
     if not spans:
         raise InvalidInput(f"the text has {len(ids)} tokens; eval needs at least 2")
-    runners = [Runner(m, max_model_len=window) for m in models]
+    runners = [Runner(m, max_model_len=window, max_num_batched_tokens=window) for m in models]
     cols: dict[str, list] = {}
     for done, span in enumerate(spans):
-        tokens, positions = np.array([span]), np.arange(len(span))[None]
-        ref, cand = (np.asarray(r.forward(tokens, positions))[0, :-1] for r in runners)
+        ref, cand = (r.forward([(0, span, 0)])[0][:-1] for r in runners)
         for k, v in _token_stats(ref, cand, np.array(span[1:])).items():
             cols.setdefault(k, []).append(v)
         if progress is not None:

@@ -1,15 +1,18 @@
 """`quantkit plan`: will a model fit and compile on a TPU? Answered on a CPU, without the weights.
 
-The runtime's own prefill and decode steps (`engine.step_functions`) are compiled for the target with
-libtpu's deviceless compilation (runtime/aot.py) on the model's abstract weights (`loader.abstract`): the
-quantized matmuls trace to the gmm_v2 Pallas kernel as they would on the chip. HBM comes from the compiled
-programs: temporaries from its memory analysis, weights and KV cache from the layouts XLA chose for the
-arguments. With --tp, weights and cache are placed on the topology's mesh as runtime/sharding.py places
+The runtime's one ragged step (`step.step_function`) is compiled for the target with libtpu's deviceless
+compilation (runtime/aot.py) on the model's abstract weights (`loader.abstract`) and cache
+(`cache.cache_layout`), at two token buckets: the decode bucket of max_num_seqs sequences and the full
+token budget (prompt chunks); the quantized matmuls trace to gmm_v2 and attention to the paged-attention
+kernel as they would on the chip. HBM comes from the compiled programs: temporaries from their memory
+analysis, weights and KV cache from the layouts XLA chose for the arguments; the decode program's own
+cost analysis (bytes accessed, flops) is reported beside the roofline floor. With --tp, weights and cache are placed on the topology's mesh as runtime/sharding.py places
 them, and every figure is per chip.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import sys
@@ -18,7 +21,7 @@ from pathlib import Path
 
 from quantkit.errors import InvalidInput, Unsupported
 
-PAGE_SIZE, PREFILL_CHUNK = 16, 512
+PAGE_SIZE, BUDGET = 16, 512  # the serve defaults (page size, --max-num-batched-tokens)
 
 
 def _config(path: Path) -> dict:
@@ -60,7 +63,7 @@ def plan(path: str | Path, target: str = "v6e", max_model_len: int = 2048, max_n
         path: checkpoint directory or bare config.json (then `scheme` says how weights would be stored).
         scheme: W4A16 / FP8_DYNAMIC / FP8_BLOCK / MXFP4A16 / DENSE; None: the checkpoint's own
             quantization_config (or bf16 without one).
-        search: also find the largest max_num_seqs that fits (compiling the decode step to confirm it).
+        search: also find the largest max_num_seqs that fits (compiling the steps to confirm it).
     """
     import importlib.util
 
@@ -75,9 +78,9 @@ def plan(path: str | Path, target: str = "v6e", max_model_len: int = 2048, max_n
     from quantkit.quant.qtensor import QTensor
     from quantkit.runtime.aot import compile_for, target_mesh, topology_name
     from quantkit.runtime.config import from_hf
-    from quantkit.runtime.engine import sampling_arrays, step_functions
+    from quantkit.runtime.cache import cache_layout
     from quantkit.runtime.loader import abstract
-    from quantkit.runtime.models.common import ring_pages
+    from quantkit.runtime.step import empty_batch, step_function, token_buckets
 
     path, chip = Path(path), CHIPS[target]
     raw = _config(path)
@@ -86,32 +89,29 @@ def plan(path: str | Path, target: str = "v6e", max_model_len: int = 2048, max_n
         qc = None if scheme == "DENSE" else parse_quantization_config(writable_config(scheme, group_size, ["lm_head"]))
     else:
         qc = parse_quantization_config(raw["quantization_config"]) if "quantization_config" in raw else None
-    params, mesh, kv_sharding = abstract(cfg, qc), None, None
+    mesh, kv_sharding = None, None
     if tp > 1:  # weights and KV cache placed on the topology's mesh as the runtime places them
         from quantkit.runtime.sharding import cache_sharding, shard_params
 
         mesh = target_mesh(target, tp)
-        params = shard_params(params, cfg, mesh, put=lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s))
         kv_sharding = cache_sharding(cfg, mesh)
+
+    def weights_of(c):
+        p = abstract(c, qc)
+        if mesh is None:
+            return p
+        return shard_params(p, c, mesh, put=lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s))
+
+    params = weights_of(cfg)
     param_leaves = jax.tree_util.tree_leaves(params)
     layouts = {"params": [None] * len(param_leaves), "cache": None}  # from the first compiled decode step
-    pages = -(-max_model_len // PAGE_SIZE)
-    ring = ring_pages(cfg, PAGE_SIZE, max_model_len)
-    _, prefill, decode = step_functions(cfg)
+    budget = min(BUDGET, max_model_len)
+    buckets = token_buckets(budget)
 
-    def cache(n: int):
-        """As engine.new_cache: full-length pages, a ring of the window for sliding-window layers."""
-        out = []
-        for i in range(cfg.num_layers):
-            per_seq = ring if ring and cfg.is_sliding(i) else pages
-            page = jax.ShapeDtypeStruct((1 + n * per_seq, PAGE_SIZE, cfg.num_kv_heads, cfg.head_dim), jnp.bfloat16,
-                                        sharding=kv_sharding)
-            out.append((page, page))
-        return out
-
-    def tables(n: int):
-        full = jax.ShapeDtypeStruct((n, pages), jnp.int32)
-        return full, None if ring is None else jax.ShapeDtypeStruct((n, ring), jnp.int32)
+    def cache(n: int, c=cfg) -> dict:
+        """As the Runner's: per kind stacked pages for n sequences."""
+        shapes = cache_layout(c, max_model_len, n, PAGE_SIZE, budget).shapes()
+        return {k: jax.ShapeDtypeStruct(s, jnp.bfloat16, sharding=kv_sharding) for k, s in shapes.items()}
 
     def weight_bytes() -> int:
         return sum(_nbytes(x, lay, chip) for x, lay in zip(param_leaves, layouts["params"]))
@@ -126,38 +126,54 @@ def plan(path: str | Path, target: str = "v6e", max_model_len: int = 2048, max_n
     dense = {_local(x)[-2:] for x in param_leaves if x.dtype.name in ("bfloat16", "float32", "float16")}
     weight_shapes = {_local(x.values)[-2:] for x in quantized} - dense
 
-    def compile_step(kind: str, n: int):
-        """(temporary bytes, seconds, compiler message, dequantized-weight buffers); temporary bytes are
-        None when the compiler refuses (out of HBM)."""
-        i32 = jnp.int32
-        if kind == "decode":
-            fn = lambda p, c, t, pos, lim, bt, s: decode(p, c, t, pos, lim, bt, s, 1)  # noqa: E731
-            args = (params, cache(n), *(jax.ShapeDtypeStruct((n,), i32) for _ in range(3)), tables(n),
-                    sampling_arrays(n))
-        else:
-            t = min(PREFILL_CHUNK, max_model_len)
-            fn = prefill
-            args = (params, cache(n), jax.ShapeDtypeStruct((1, t), i32), jax.ShapeDtypeStruct((1, t), i32),
-                    tables(1), jax.ShapeDtypeStruct((1,), i32), sampling_arrays(1))
+    def compile_program(c, weights, t: int, n: int, unroll: bool = False):
+        """Compiles the step of config c (weights: its abstract pytree) at t tokens for n sequences."""
+        batch = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
+                                       empty_batch(t, min(t, n), cache_layout(c, max_model_len, n, PAGE_SIZE, budget), n))
+        return compile_for(target, step_function(c, PAGE_SIZE, mesh=mesh, unroll=unroll), weights, cache(n, c),
+                           jax.ShapeDtypeStruct((n + 1,), jnp.int32), batch, donate=(1, 2), tp=tp)
+
+    def decode_cost(n: int) -> dict:
+        """XLA's cost analysis of the decode program, scaled to the model's depth: XLA counts a loop body
+        once, so shallow unrolled variants are compiled (the first layer's kind alone, then with one more
+        layer of each kind): a kind's layer costs the difference, the rest (embedding, logits, sampling)
+        what is left, and the step costs the rest plus each kind's layers times their count."""
+        t = next(b for b in buckets if b >= min(n, budget))
+        kinds = cfg.layer_kinds
+
+        def measure(k: tuple[str, ...]) -> dict:
+            c = dataclasses.replace(cfg, num_layers=len(k), sliding_layers=tuple(x == "sliding" for x in k))
+            ca = compile_program(c, weights_of(c), t, n, unroll=True)[0].cost_analysis()
+            ca = (ca[0] if isinstance(ca, (list, tuple)) else ca) or {}
+            return {"bytes_accessed": ca.get("bytes accessed", 0.0), "flops": ca.get("flops", 0.0)}
+
+        base = measure(kinds[:1])
+        per = {k: {m: v - base[m] for m, v in measure(kinds[:1] + (k,)).items()} for k in cfg.kinds}
+        return {m: int(base[m] - per[kinds[0]][m] + sum(kinds.count(k) * per[k][m] for k in per)) for m in base}
+
+    def compile_step(t: int, n: int):
+        """Compiles the step at t tokens for n sequences: (temporary bytes, seconds, compiler message,
+        dequantized-weight buffers); temporary bytes are None when the compiler refuses (out of HBM)."""
         t0 = time.perf_counter()
         try:
-            compiled, seconds = compile_for(target, fn, *args, donate=(1,), tp=tp)
+            compiled, seconds = compile_program(cfg, params, t, n)
         except Exception as e:  # noqa: BLE001 - libtpu reports running out of HBM as an exception
             msg = str(e).splitlines()[0] if str(e) else type(e).__name__
             if "HBM" in msg or "RESOURCE_EXHAUSTED" in msg or "memory" in msg.lower():
                 return None, time.perf_counter() - t0, msg[:300], []
             raise
-        if kind == "decode" and layouts["cache"] is None:  # the argument layouts XLA chose, in args' order
+        if layouts["cache"] is None:  # the argument layouts XLA chose, in args' order
             formats = [f.layout for f in jax.tree_util.tree_leaves(compiled.input_formats)]
             w = len(param_leaves)
-            layouts["params"], layouts["cache"] = formats[:w], formats[w:w + 2 * cfg.num_layers]
+            layouts["params"], layouts["cache"] = formats[:w], formats[w:w + len(cfg.kinds)]
         return compiled.memory_analysis().temp_size_in_bytes, seconds, "", _dequantized(compiled, weight_shapes)
 
     def fits_at(n: int) -> tuple[bool, int, float, str, list]:
-        """Compiles prefill and decode for n sequences: (fits, temporary bytes, seconds, message, found)."""
+        """Compiles the decode bucket and the full budget for n sequences: (fits, temporary bytes, seconds,
+        message, dequantized buffers found)."""
         seconds, temps, found = 0.0, [], []
-        for kind in ("prefill", "decode"):
-            temp, s, message, more = compile_step(kind, n)
+        for t in dict.fromkeys((next(b for b in buckets if b >= min(n, budget)), budget)):
+            temp, s, message, more = compile_step(t, n)
             seconds, found = seconds + s, found + more
             if temp is None:
                 return False, 0, seconds, message, found
@@ -165,8 +181,9 @@ def plan(path: str | Path, target: str = "v6e", max_model_len: int = 2048, max_n
         return weight_bytes() + kv_bytes(n) + max(temps) <= chip.hbm_bytes, max(temps), seconds, "", found
 
     if progress:
-        progress(f"compiling prefill and decode for {target} ({max_num_seqs} sequences of {max_model_len})")
+        progress(f"compiling the step for {target} ({max_num_seqs} sequences of {max_model_len})")
     fits, temp, seconds, message, found = fits_at(max_num_seqs)
+    cost = decode_cost(max_num_seqs)
     weights, best = weight_bytes(), None
     if search:
         # KV grows by `per_seq` bytes a sequence: guess the largest n from the temporaries of the last compile
@@ -185,10 +202,11 @@ def plan(path: str | Path, target: str = "v6e", max_model_len: int = 2048, max_n
         best = lo
     # the kernels: one entry per distinct quantized weight shape (on one chip), with its gmm_v2 tiling
     kernels, seen = [], set()
-    for name, leaf in _named(params):
-        if isinstance(leaf, QTensor) and (key := (leaf.shape, leaf.qtype, leaf.group, leaf.split)) not in seen:
+    for name, leaf, layers in _named(params):
+        g, k, n = _local(leaf.values) if isinstance(leaf, QTensor) else (0, 0, 0)
+        g //= layers  # one call multiplies by one layer's groups of the stack
+        if isinstance(leaf, QTensor) and (key := (g, k, n, leaf.qtype, leaf.group, leaf.split)) not in seen:
             seen.add(key)
-            g, k, n = _local(leaf.values)
             group = k if leaf.group == leaf.shape[1] else leaf.group  # channel scales span the shard
             tiles, reason = can_use_gmm_v2(leaf.qtype, k, n, group, chip, m=max_num_seqs, g=g,
                                            scale_bytes=leaf.scales.dtype.itemsize)
@@ -212,6 +230,10 @@ def plan(path: str | Path, target: str = "v6e", max_model_len: int = 2048, max_n
         "decode_step_estimate": {"kind": "roofline estimate, not a measurement", "bytes": step_bytes,
                                  "seconds": step_bytes / chip.hbm_bytes_per_s,
                                  "output_tokens_per_s": max_num_seqs * chip.hbm_bytes_per_s / step_bytes},
+        # XLA's own count for the compiled decode program (Pallas calls by their declared CostEstimate)
+        "decode_step_cost": {**cost, "floor_bytes": step_bytes,
+                             "ratio_to_floor": round(cost.get("bytes_accessed", 0) / step_bytes, 3)},
+        "step_programs": len(buckets),
     }
 
 
@@ -230,14 +252,14 @@ def _dequantized(compiled, shapes: set) -> list[str]:
 
 
 def _named(params: dict):
-    """(path like 'layers.*.q', leaf) for each weight, layers folded into '*'."""
+    """(path like 'layers.*.q', leaf, layers stacked in it) for each weight, layer kinds folded into '*'."""
     for key, value in params.items():
         if key == "layers":
-            for layer in value:
-                for k, leaf in layer.items():
-                    yield f"layers.*.{k}", leaf
+            for stack in value.values():
+                for k, leaf in stack.items():
+                    yield f"layers.*.{k}", leaf, stack["attn_norm"].shape[0]
         else:
-            yield key, value
+            yield key, value, 1
 
 
 def print_plan(r: dict, out=sys.stdout) -> None:
@@ -248,12 +270,17 @@ def print_plan(r: dict, out=sys.stdout) -> None:
           f"{chips}", file=out)
     for k in ("weights", "kv_cache", "temporaries", "total", "capacity"):
         print(f"  {k:<12}{h[k] / gib:9.2f} GiB", file=out)
-    print(f"  compile     {r['compile_seconds']:9.1f} s on this CPU (prefill + decode, deviceless libtpu)", file=out)
+    print(f"  compile     {r['compile_seconds']:9.1f} s on this CPU (decode and budget buckets of the step, "
+          "deviceless libtpu)", file=out)
     for kern in r["kernels"]:
         t = kern["tiles"]
         tiles = f"tiles {t['tm']}x{t['tk']}x{t['tn']}, VMEM {kern['vmem_bytes'] / (1 << 20):.1f} MiB" if t else ""
         print(f"  kernel {kern['name']:<18} {kern['qtype']} g{kern['group']} {kern['shape']}: {kern['path']} {tiles}",
               file=out)
+    c = r["decode_step_cost"]
+    print(f"  decode step (compiled, XLA cost analysis): {c['bytes_accessed'] / 1e9:.2f} GB accessed "
+          f"({c['ratio_to_floor']:.2f}x the {c['floor_bytes'] / 1e9:.2f} GB of weights + KV), "
+          f"{c['flops'] / 1e9:.1f} GFLOP", file=out)
     est = r["decode_step_estimate"]
     print(f"  decode step (roofline estimate, not measured): {est['seconds'] * 1e3:.1f} ms, "
           f"~{est['output_tokens_per_s']:.0f} output tokens/s at {r['max_num_seqs']} sequences", file=out)

@@ -10,6 +10,7 @@ Tolerances (relative Frobenius norm of the logits):
   library rounds each dequantized weight q·s to bf16 (relative up to 2^-9) while the runtime keeps q·s
   exact in float32.
 Greedy tokens must be identical over ten decode steps (prefill + decode through the paged cache).
+Everything runs through the one ragged step (runtime/step.py) with scanned layers.
 """
 
 import json
@@ -53,10 +54,10 @@ def _greedy_parity(path, ref_model, dtype, tol, prompt_len=20, steps=10):
     runner = Runner(model, max_model_len=64, page_size=8)
     rng = np.random.default_rng(0)
     ids = [int(x) for x in rng.integers(0, 256, prompt_len)]
-    ours = [np.asarray(runner.forward(np.array([ids]), np.arange(prompt_len)[None]))[0]]
+    ours = runner.forward([(0, ids, 0)])
     for i in range(steps):
         ids.append(int(ours[-1][-1].argmax()))
-        ours.append(np.asarray(runner.forward(np.array([[ids[-1]]]), np.array([[prompt_len + i]])))[0])
+        ours += runner.forward([(0, [ids[-1]], prompt_len + i)])
     with torch.no_grad():
         ref = ref_model(torch.tensor([ids])).logits[0].float().numpy()  # [prompt + steps, vocab]
     mine = np.concatenate(ours)  # same rows: prompt logits, then one per decode step
@@ -87,7 +88,7 @@ def test_bfloat16_logits_close(family_ckpt):
     model = load(path, dtype=jnp.bfloat16)
     runner = Runner(model, max_model_len=64, page_size=8)
     ids = np.random.default_rng(1).integers(0, 256, (1, 24))
-    ours = np.asarray(runner.forward(ids, np.arange(24)[None]))[0]
+    ours = runner.forward([(0, ids[0].tolist(), 0)])[0]
     with torch.no_grad():
         theirs = ref(torch.tensor(ids)).logits[0].numpy()
     assert _rel(ours, theirs) < 4e-2
@@ -99,28 +100,32 @@ def test_quantized_checkpoints_match_transformers_on_decompressed_weights(scheme
     library_convert_dequantize(q, tmp_path / "dense")
     ref = T.AutoModelForCausalLM.from_pretrained(tmp_path / "dense", dtype=torch.float32).eval()
     model = _greedy_parity(q, ref, jnp.float32, 1e-2)
-    kinds = {type(layer["q"]).__name__ for layer in model.params["layers"]}
-    assert kinds == {"QTensor"}  # stayed quantized
+    q = model.params["layers"]["full"]["q"]
+    assert type(q).__name__ == "QTensor" and q.values.shape[0] == model.cfg.num_layers  # quantized, stacked
     assert model.weight_bytes < sum(f.stat().st_size for f in (tmp_path / "dense").glob("*.safetensors"))
 
 
-def test_paged_cache_serves_sequences_of_different_lengths(family_ckpt):
-    """Two sequences in one batch, different lengths, padded prefill: same logits as one at a time."""
+def test_mixed_step_of_prompt_chunks_and_decodes_equals_each_alone(family_ckpt):
+    """One ragged step holding a prompt chunk of one sequence (11 tokens, continuing after 5), the first
+    chunk of another (5 tokens) and single decode tokens of two more: every sequence's logits equal its
+    run alone, chunk by chunk."""
     name, path, _ = family_ckpt
     model = load(path, dtype=jnp.float32)
     rng = np.random.default_rng(2)
-    a, b = rng.integers(0, 256, 11), rng.integers(0, 256, 5)
-    solo = []
-    for seq in (a, b):
+    seqs = [rng.integers(0, 256, n).tolist() for n in (16, 5, 14, 10)]
+    cut = [5, 0, 13, 9]  # tokens already in the cache before the mixed step
+
+    def alone(seq, c):
         r = Runner(model, max_model_len=32, page_size=4)
-        solo.append(np.asarray(r.forward(seq[None], np.arange(len(seq))[None]))[0, -1])
-    r = Runner(model, max_model_len=32, max_batch=2, page_size=4)
-    tokens = np.zeros((2, 16), np.int64)
-    positions = np.full((2, 16), -1)
-    tokens[0, :11], positions[0, :11] = a, np.arange(11)
-    tokens[1, :5], positions[1, :5] = b, np.arange(5)
-    both = np.asarray(r.forward(tokens, positions))
-    assert _rel(both[0, 10], solo[0]) < 1e-5 and _rel(both[1, 4], solo[1]) < 1e-5
+        return r.forward([(0, seq[c:], c)])[0] if c == 0 else (r.forward([(0, seq[:c], 0)]),
+                                                                 r.forward([(0, seq[c:], c)])[0])[1]
+
+    solo = [alone(s, c) for s, c in zip(seqs, cut)]
+    r = Runner(model, max_model_len=32, max_num_seqs=4, page_size=4)
+    r.forward([(i, s[:c], 0) for i, (s, c) in enumerate(zip(seqs, cut)) if c])
+    mixed = r.forward([(3, seqs[3][9:], 9), (0, seqs[0][5:], 5), (2, seqs[2][13:], 13), (1, seqs[1], 0)])
+    for got, i in zip(mixed, (3, 0, 2, 1)):
+        assert got.shape == solo[i].shape and _rel(got, solo[i]) < 1e-5, name
 
 
 def test_sampling_seed_and_stops(family_ckpt):
@@ -207,14 +212,14 @@ from quantkit.runtime.loader import load
 from quantkit.runtime.engine import Runner
 assert len(jax.devices()) == 4
 model = load(sys.argv[1], dtype=jnp.float32)
-ids = np.random.default_rng(0).integers(0, 256, (1, 20))
-one = np.asarray(Runner(model, max_model_len=64).forward(ids, np.arange(20)[None]))
+ids = np.random.default_rng(0).integers(0, 256, 20).tolist()
+one_r = Runner(model, max_model_len=64)
+one = one_r.forward([(0, ids, 0)])[0]
+one_decode = one_r.forward([(0, [7], 20)])[0]
 tp = Runner(model, max_model_len=64, tp=4)
-four = np.asarray(tp.forward(ids, np.arange(20)[None]))
-four_decode = np.asarray(tp.forward(np.array([[7]]), np.array([[20]])))
-one_r = Runner(model, max_model_len=64); one_r.forward(ids, np.arange(20)[None])
-one_decode = np.asarray(one_r.forward(np.array([[7]]), np.array([[20]])))
-q = tp.params["layers"][0]["o"]
+four = tp.forward([(0, ids, 0)])[0]
+four_decode = tp.forward([(0, [7], 20)])[0]
+q = tp.params["layers"]["full"]["o"]
 spec = q.values.sharding.spec if hasattr(q, "values") else q.sharding.spec
 print("REL", np.linalg.norm(four - one) / np.linalg.norm(one), np.linalg.norm(four_decode - one_decode) / np.linalg.norm(one_decode), spec)
 """
@@ -253,5 +258,5 @@ def test_int4_moe_experts_match_transformers(tmp_path):
     convert(tmp_path / "moe", tmp_path / "w4", "W4A16", 32)
     ref = T.AutoModelForCausalLM.from_pretrained(tmp_path / "w4", dtype=torch.float32).eval()
     model = _greedy_parity(tmp_path / "w4", ref, jnp.float32, 1e-2)
-    experts = model.params["layers"][0]["gate"]
-    assert type(experts).__name__ == "QTensor" and experts.values.shape[0] == 8 and experts.group == 32
+    experts = model.params["layers"]["full"]["gate"]  # 3 layers x 8 experts, stacked
+    assert type(experts).__name__ == "QTensor" and experts.values.shape[0] == 3 * 8 and experts.group == 32

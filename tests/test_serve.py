@@ -111,8 +111,8 @@ def test_completion_logprobs_match_the_runtime(server, client, model_dir):
     assert "".join(lp.tokens) == choice.text and len(lp.token_logprobs) == 6
     for chosen, top in zip(lp.token_logprobs, lp.top_logprobs):
         assert len(top) >= 4 and abs(chosen - max(top.values())) < 1e-6  # greedy picks the top token
-    logits = np.asarray(Runner(load(model_dir, dtype=jnp.bfloat16), max_model_len=128).forward(
-        np.array([ids]), np.arange(len(ids))[None]))[0, -1].astype(np.float64)
+    logits = Runner(load(model_dir, dtype=jnp.bfloat16), max_model_len=128).forward(
+        [(0, ids, 0)])[0][-1].astype(np.float64)
     logp = logits - np.log(np.exp(logits - logits.max()).sum()) - logits.max()
     codec = TextCodec(model_dir)
     expected = {codec.decode([int(i)]): logp[i] for i in np.argsort(-logp)[:5]}
@@ -235,7 +235,7 @@ def test_bad_requests_get_openai_errors(server):
 
 def test_full_queue_429_and_sigterm_drains(model_dir, tmp_path):
     s = ServerProc(model_dir, tmp_path / "log", tmp_path / "cache", "--max-model-len", "128", "--max-num-seqs",
-                   "1", "--max-waiting", "0", "--decode-steps", "1", "--grace", "30")
+                   "1", "--max-waiting", "0", "--grace", "30")
     body = {"model": NAME, "prompt": "hello", "max_tokens": 120, "stream": True, "temperature": 0}
     with httpx.stream("POST", s.url + "/v1/completions", json=body, timeout=60) as r:
         lines = r.iter_lines()

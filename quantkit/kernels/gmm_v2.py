@@ -38,10 +38,13 @@ def _cdiv(a: int, b: int) -> int:
 
 # ---- validation -----------------------------------------------------------------------------------
 
-def check_gmm_v2(lhs_shape: tuple[int, int], rhs: QTensor, chip: Chip) -> tuple[Tiles | None, str]:
-    """Tiles for this call, or None and why gmm_v2 cannot serve it (callers fall back to XLA)."""
+def check_gmm_v2(lhs_shape: tuple[int, int], rhs: QTensor, chip: Chip, groups: int | None = None
+                 ) -> tuple[Tiles | None, str]:
+    """Tiles for this call (over `groups` of rhs's groups, default all), or None and why gmm_v2 cannot
+    serve it (callers fall back to XLA)."""
     m, k = lhs_shape
     g, k2, n = rhs.shape
+    g = groups or g
     if k != k2:
         return None, f"lhs has {k} features but the weight {k2}"
     return can_use_gmm_v2(rhs.qtype, k, n, rhs.group, chip, m=m, g=g, scale_bytes=rhs.scales.dtype.itemsize)
@@ -101,7 +104,7 @@ def _decode_scales(s: jax.Array, qtype: str) -> jax.Array:
     return jax.lax.bitcast_convert_type(s.astype(jnp.int32) << 23, jnp.float32)
 
 
-def _kernel(vg_ref, vt_ref, nv_ref, bounds_ref, lhs_ref, q_ref, s_ref, out_ref, acc_ref, *,
+def _kernel(vg_ref, vt_ref, nv_ref, bounds_ref, off_ref, lhs_ref, q_ref, s_ref, out_ref, acc_ref, *,
             qtype: str, group: int, tiles: Tiles, num_groups: int, nk: int):
     v, ki = pl.program_id(1), pl.program_id(2)
     tm, tk, tn = tiles.tm, tiles.tk, tiles.tn
@@ -153,9 +156,11 @@ def cost(m: int, k: int, n: int, g: int, rhs: QTensor, tiles: Tiles, out_bytes: 
 
 # ---- pallas_call -----------------------------------------------------------------------------------
 
-def _call(lhs: jax.Array, rhs: QTensor, group_sizes: jax.Array, tiles: Tiles, interpret) -> jax.Array:
+def _call(lhs: jax.Array, rhs: QTensor, group_sizes: jax.Array, group_offset: jax.Array, tiles: Tiles,
+          interpret) -> jax.Array:
     m, k = lhs.shape
-    g, _, n = rhs.shape
+    _, _, n = rhs.shape
+    g = group_sizes.shape[0]
     tm, tk, tn = tiles.tm, tiles.tk, tiles.tn
     nk = k // tk
     vg, vt, nv, bounds = visits(group_sizes, m, tm)
@@ -163,23 +168,23 @@ def _call(lhs: jax.Array, rhs: QTensor, group_sizes: jax.Array, tiles: Tiles, in
     grid = (n // tn, vg.shape[0], nk)
     kernel = functools.partial(_kernel, qtype=rhs.qtype, group=rhs.group, tiles=tiles, num_groups=g, nk=nk)
 
-    def lhs_map(ni, v, ki, vg, vt, nv, bounds):  # resident: one block per m tile, kept across n tiles
+    def lhs_map(ni, v, ki, vg, vt, nv, bounds, off):  # resident: one block per m tile, kept across n tiles
         return vt[v], 0 if tiles.lhs_resident else ki
 
-    def q_map(ni, v, ki, vg, vt, nv, bounds):
-        return jnp.minimum(vg[v], g - 1), ki, ni
+    def q_map(ni, v, ki, vg, vt, nv, bounds, off):
+        return off[0] + jnp.minimum(vg[v], g - 1), ki, ni
 
-    def s_map(ni, v, ki, vg, vt, nv, bounds):  # pre-dot: the k tile's rows; else all rows (few)
-        return jnp.minimum(vg[v], g - 1), ki if tiles.predot else 0, ni
+    def s_map(ni, v, ki, vg, vt, nv, bounds, off):  # pre-dot: the k tile's rows; else all rows (few)
+        return off[0] + jnp.minimum(vg[v], g - 1), ki if tiles.predot else 0, ni
 
-    def out_map(ni, v, ki, vg, vt, nv, bounds):
+    def out_map(ni, v, ki, vg, vt, nv, bounds, off):
         return vt[v], ni
 
     return pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((m, n), lhs.dtype),
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=4,
+            num_scalar_prefetch=5,
             grid=grid,
             in_specs=[
                 pl.BlockSpec((tm, k if tiles.lhs_resident else tk), lhs_map),
@@ -193,20 +198,23 @@ def _call(lhs: jax.Array, rhs: QTensor, group_sizes: jax.Array, tiles: Tiles, in
                                              vmem_limit_bytes=tiles.vmem_limit),
         cost_estimate=cost(m, k, n, g, rhs, tiles, lhs.dtype.itemsize),
         interpret=interpret,
-    )(vg, vt, nv, bounds, lhs, rhs.values, rhs.scales)
+    )(vg, vt, nv, bounds, group_offset.reshape(1).astype(jnp.int32), lhs, rhs.values, rhs.scales)
 
 
 # ---- public entry ----------------------------------------------------------------------------------
 
 @functools.partial(jax.jit, static_argnames=("chip", "tiles", "interpret"))
-def gmm_v2(lhs: jax.Array, rhs: QTensor, group_sizes: jax.Array, *, chip: str = "v6e",
-           tiles: Tiles | None = None, interpret=False) -> jax.Array:
+def gmm_v2(lhs: jax.Array, rhs: QTensor, group_sizes: jax.Array, group_offset: jax.Array | None = None, *,
+           chip: str = "v6e", tiles: Tiles | None = None, interpret=False) -> jax.Array:
     """Grouped matmul with quantized weights.
 
     Args:
         lhs: [m, k] bf16, rows sorted by group.
         rhs: QTensor [g, k, n] (int4, fp8 or mxfp4; group or channel scales).
         group_sizes: int32 [g], rows per group, sum <= m; rows past the sum come out zero.
+        group_offset: int32 scalar: the groups are rhs's groups offset .. offset + g - 1 (default 0). A
+            layer of a stacked weight [layers, k, n] (scanned layers) is offset = layer, g = 1: the kernel
+            DMAs that layer's tiles straight from the stack, never a sliced copy.
         chip: target generation ("v5e", "v6e", "v7x"); its facts pick the tiles.
         tiles: explicit tiles (tests); default: `choose_tiles` for the chip.
         interpret: run in Pallas interpret mode (CPU), e.g. `pltpu.InterpretParams()`.
@@ -214,7 +222,8 @@ def gmm_v2(lhs: jax.Array, rhs: QTensor, group_sizes: jax.Array, *, chip: str = 
         [m, n] in lhs.dtype.
     """
     if tiles is None:
-        tiles, why = check_gmm_v2(lhs.shape, rhs, CHIPS[chip])
+        tiles, why = check_gmm_v2(lhs.shape, rhs, CHIPS[chip], group_sizes.shape[0])
         if tiles is None:
             raise ValueError(f"gmm_v2 cannot serve this call: {why}")
-    return _call(lhs, rhs, group_sizes, tiles, interpret)
+    offset = jnp.zeros((), jnp.int32) if group_offset is None else jnp.asarray(group_offset, jnp.int32)
+    return _call(lhs, rhs, group_sizes, offset, tiles, interpret)

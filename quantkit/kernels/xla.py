@@ -1,10 +1,15 @@
-"""The XLA path: gmm_v2's signature, used on CPU and as the fallback on TPU.
+"""The XLA paths: the signatures of the Pallas kernels (gmm_v2, paged_attention), used on CPU and as the
+fallback on TPU.
 
-It dequantizes the whole weight to bf16 before the dot (XLA may fuse it, but nothing guarantees the
-weight stays packed), which is exactly what gmm_v2 exists to avoid on TPU.
+gmm_xla dequantizes the whole weight to bf16 before the dot (XLA may fuse it, but nothing guarantees the
+weight stays packed), which is exactly what gmm_v2 exists to avoid on TPU. paged_attention_xla reads only
+the pages each sequence needs, in chunks, with an online softmax (pure JAX; also the test reference of the
+Pallas attention kernel, and checked itself against jax's `ref_ragged_paged_attention`).
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -14,12 +19,120 @@ from quantkit.quant.reference import dequantize
 
 
 @jax.jit
-def gmm_xla(lhs: jax.Array, rhs: QTensor, group_sizes: jax.Array) -> jax.Array:
-    """[m, k] x QTensor [g, k, n] -> [m, n] in lhs.dtype; rows past sum(group_sizes) are zero."""
+def gmm_xla(lhs: jax.Array, rhs: QTensor, group_sizes: jax.Array, group_offset: jax.Array | None = None
+            ) -> jax.Array:
+    """[m, k] x QTensor [G, k, n] -> [m, n] in lhs.dtype over groups offset .. offset + len(group_sizes) - 1
+    (as gmm_v2); rows past sum(group_sizes) are zero."""
+    g = group_sizes.shape[0]
+    if group_offset is not None or g != rhs.shape[0]:
+        off = jnp.zeros((), jnp.int32) if group_offset is None else jnp.asarray(group_offset, jnp.int32)
+        rhs = QTensor(jax.lax.dynamic_slice_in_dim(rhs.values, off, g),
+                      jax.lax.dynamic_slice_in_dim(rhs.scales, off, g), rhs.qtype, rhs.group)
     w = dequantize(rhs).astype(lhs.dtype)  # [g, k, n]
-    if w.shape[0] == 1:
+    if g == 1:
         out = jnp.dot(lhs, w[0], preferred_element_type=jnp.float32)
         rows = jnp.arange(lhs.shape[0])[:, None] < group_sizes[0]
         return jnp.where(rows, out, 0.0).astype(lhs.dtype)
     return jax.lax.ragged_dot(lhs, w, group_sizes.astype(jnp.int32),
                               preferred_element_type=jnp.float32).astype(lhs.dtype)
+
+
+# ---- paged attention --------------------------------------------------------------------------------
+
+def _attend_chunks(q, qpos, tables, kv, layer, kv_lens, *, scale, window, soft_cap, chunk):
+    """Online-softmax attention of q [B, R, H, D] at positions qpos [B, R] (negative: no query) over the
+    paged keys of B sequences (tables [B, pages], kv_lens [B]), `chunk` pages at a time, visiting only
+    the chunks that hold a visible key of some row."""
+    b, r, h, d = q.shape
+    ps, kvh = kv.shape[2], kv.shape[3] // (2 * d)
+    pages = tables.shape[1]
+    n_chunks = -(-pages // chunk)
+    tables = jnp.pad(tables, ((0, 0), (0, n_chunks * chunk - pages)))
+    qg = q.reshape(b, r, kvh, h // kvh, d).astype(jnp.float32)
+    live = qpos >= 0
+    hi = jnp.max(jnp.where(live, qpos, -1))  # the last visible key of any row
+    lo = jnp.min(jnp.where(live, qpos - (window - 1 if window else qpos), 1 << 30))
+    first, last = jnp.maximum(lo, 0) // (chunk * ps), jnp.maximum(hi, 0) // (chunk * ps)
+    start = jnp.min(jnp.where(live, qpos - (window - 1 if window else qpos), 1 << 30), axis=1)  # [B]
+    layer_kv = kv[layer]  # [P, ps, kvh * 2d]; XLA:CPU gathers from it without a copy
+
+    def body(c, carry):
+        m, l, acc = carry
+        ids = jax.lax.dynamic_slice_in_dim(tables, c * chunk, chunk, axis=1)  # [B, chunk]
+        kpos = c * chunk * ps + jnp.arange(chunk * ps)  # [L]
+        # keys no row of a sequence sees (past its length, out of its window: freed pages) are zeroed, not
+        # just masked: their pages may hold anything, and 0 * NaN would leak
+        seen = (kpos[None] < kv_lens[:, None]) & (kpos[None] >= start[:, None])  # [B, L]
+        blk = jnp.where(seen[:, :, None, None, None],
+                        layer_kv[ids].reshape(b, chunk * ps, kvh, 2, d).astype(jnp.float32), 0.0)
+        s = jnp.einsum("brkgd,blkd->brkgl", qg, blk[..., 0, :]) * scale
+        if soft_cap:
+            s = soft_cap * jnp.tanh(s / soft_cap)
+        vis = (kpos[None, None] <= qpos[..., None]) & (kpos[None, None] < kv_lens[:, None, None])  # [B, R, L]
+        if window:
+            vis &= kpos[None, None] > qpos[..., None] - window
+        s = jnp.where(vis[:, :, None, None], s, -jnp.inf)
+        m_new = jnp.maximum(m, s.max(-1))
+        safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+        p = jnp.exp(s - safe[..., None])
+        corr = jnp.exp(jnp.where(jnp.isfinite(m), m, -jnp.inf) - safe)
+        l = l * corr + p.sum(-1)
+        acc = acc * corr[..., None] + jnp.einsum("brkgl,blkd->brkgd", p, blk[..., 1, :])
+        return m_new, l, acc
+
+    init = (jnp.full((b, r, kvh, h // kvh), -jnp.inf), jnp.zeros((b, r, kvh, h // kvh)),
+            jnp.zeros((b, r, kvh, h // kvh, d)))
+    m, l, acc = jax.lax.fori_loop(first, last + 1, body, init)
+    out = jnp.where((l > 0)[..., None], acc / jnp.where(l > 0, l, 1.0)[..., None], 0.0)
+    return out.reshape(b, r, h, d)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "sliding_window", "soft_cap", "chunk_pages"))
+def paged_attention_xla(q, kv, layer, kv_lens, block_tables, cu_q_lens, num_seqs, *, scale: float,
+                        sliding_window: int | None = None, soft_cap: float | None = None,
+                        chunk_pages: int = 8) -> jax.Array:
+    """Ragged paged attention (the contract of kernels/paged_attention.py, pure JAX).
+
+    Args:
+        q: [T, H, D] queries of the flattened step; sequence s owns rows cu_q_lens[s] .. cu_q_lens[s+1]-1,
+            the last q_len positions of its kv_lens[s] tokens.
+        kv: [L, P, page_size, KVH * 2 * D] stacked pages; per token, KV head h's key is lanes [2hD, 2hD+D)
+            and its value the next D lanes.
+        layer: int32 index into L. kv_lens [S], block_tables [S, pages], cu_q_lens [S + 1], num_seqs [1].
+        scale, sliding_window, soft_cap: as jax's ref_ragged_paged_attention.
+    Returns:
+        [T, H, D] in q.dtype; rows of no sequence are zero.
+
+    Decode rows (one query of a sequence) are computed together, one row per sequence; each sequence
+    with several queries (a prompt chunk) then in a loop over those sequences only, with a T-row window.
+    """
+    t, h, d = q.shape
+    s = block_tables.shape[0]
+    layer = jnp.asarray(layer, jnp.int32).reshape(())
+    n = num_seqs.reshape(())
+    seq = jnp.arange(s)
+    start, q_len = cu_q_lens[:-1], cu_q_lens[1:] - cu_q_lens[:-1]
+    real = seq < n
+    kw = dict(scale=scale, window=sliding_window, soft_cap=soft_cap, chunk=chunk_pages)
+    # one query per sequence (decodes): [S, 1] rows
+    single = real & (q_len == 1)
+    row = jnp.where(single, start, 0)
+    dec = _attend_chunks(q[row][:, None], jnp.where(single, kv_lens - 1, -1)[:, None], block_tables, kv, layer,
+                         kv_lens, **kw)[:, 0]
+    out = jnp.zeros((t + 1, h, d), jnp.float32).at[jnp.where(single, start, t)].set(dec)
+    # sequences with several queries, one at a time over a window of t rows
+    multi = real & (q_len > 1)
+    order = jnp.argsort(~multi, stable=True)  # those sequences first
+    qpad = jnp.pad(q, ((0, t), (0, 0), (0, 0)))
+
+    def one(i, out):
+        sid = order[i]
+        rows = jax.lax.dynamic_slice_in_dim(qpad, start[sid], t)  # [t, H, D]
+        j = jnp.arange(t)
+        qpos = jnp.where(j < q_len[sid], kv_lens[sid] - q_len[sid] + j, -1)
+        o = _attend_chunks(rows[None], qpos[None], block_tables[sid][None], kv, layer, kv_lens[sid][None], **kw)[0]
+        target = jnp.where(j < q_len[sid], start[sid] + j, t)
+        return out.at[target].set(o)
+
+    out = jax.lax.fori_loop(0, jnp.sum(multi), one, out)
+    return out[:t].astype(q.dtype)

@@ -57,6 +57,17 @@ class ModelConfig:
     def is_sliding(self, layer: int) -> bool:
         return bool(self.sliding_window) and bool(self.sliding_layers) and self.sliding_layers[layer]
 
+    @property
+    def layer_kinds(self) -> tuple[str, ...]:
+        """Per layer, its kind: "sliding" (sliding-window attention) or "full". Layers of one kind share
+        their weight shapes and KV cache; each kind's weights are stacked and scanned (models/common.py)."""
+        return tuple("sliding" if self.is_sliding(i) else "full" for i in range(self.num_layers))
+
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        """The kinds present, in a fixed order."""
+        return tuple(k for k in ("full", "sliding") if k in self.layer_kinds)
+
 
 def _rope(d: dict, where: str) -> tuple[float, tuple | None]:
     """(theta, scaling) from one rope description (rope_parameters or rope_theta + rope_scaling)."""

@@ -1,10 +1,13 @@
-"""Running a loaded model: a paged KV cache, jitted prefill/decode steps over bucketed shapes (sampling and
-logprobs on device, one host transfer per step), and the continuous-batching `Engine` behind both
+"""Continuous batching over the one ragged step (runtime/step.py): a vLLM-v1-style scheduler with a token
+budget per step, page accounting (runtime/cache.py), detokenization and stops; behind both
 `quantkit generate` and `quantkit serve`.
 
-Shapes are bucketed so that a server compiles a known, finite set of programs up front (`Engine.warmup`):
-prefill chunks of 16, 32, 48, 64, 96, ... `prefill_chunk` tokens, decode batches of 2, 4, ... `max_batch` rows, and the
-attended context in 1, 2, 4, ... pages, so attention reads only the pages a batch can see.
+Each iteration schedules one step: running decodes first (one token each), then chunks of prompts fill
+the rest of the `max_num_batched_tokens` budget, newcomers admitted into free slots, all in the same
+step. The step is dispatched before the previous step's tokens are read back: the host prepares and
+launches step N + 1 while the device runs step N (a decode row's input token never leaves the device),
+and the tokens of step N are delivered one iteration late. A request that stops is therefore computed
+one step further, and that token is dropped.
 """
 
 from __future__ import annotations
@@ -18,15 +21,10 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from quantkit.errors import InvalidInput
-from quantkit.runtime.loader import LoadedModel
-from quantkit.runtime.models import forward_for
-from quantkit.runtime.models.common import ring_pages
-
-TOP_LOGPROBS = 20  # the most alternatives a request may ask for (OpenAI's limit)
+from quantkit.runtime.step import TOP_LOGPROBS, Row, Runner, Sampling  # noqa: F401 - re-exported
 
 
 def enable_compilation_cache(directory: str | None = None) -> str:
@@ -36,200 +34,6 @@ def enable_compilation_cache(directory: str | None = None) -> str:
     jax.config.update("jax_compilation_cache_dir", directory)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     return directory
-
-
-def new_cache(model: LoadedModel, max_batch: int, pages_per_seq: int, page_size: int,
-              ring: int | None = None) -> list:
-    """Per layer (key pages, value pages) [num_pages, page_size, kv_heads, head_dim]: 1 + max_batch *
-    pages_per_seq pages, or 1 + max_batch * ring for sliding-window layers with a ring; page 0 is scratch.
-
-    In the model's dtype, except float32 on CPU: XLA:CPU upcasts a bf16 scatter and so copies the whole cache
-    on every write (measured 0.69 ms vs 0.006 ms per decode write into a 2048-page cache).
-    """
-    c = model.cfg
-    dtype = jnp.float32 if jax.default_backend() == "cpu" else model.dtype
-    out = []
-    for i in range(c.num_layers):
-        pages = 1 + max_batch * (ring if ring and c.is_sliding(i) else pages_per_seq)
-        out.append(tuple(jnp.zeros((pages, page_size, c.num_kv_heads, c.head_dim), dtype) for _ in "kv"))
-    return out
-
-
-def _pow2_upto(lo: int, hi: int) -> tuple[int, ...]:
-    """lo, 2 lo, 4 lo, ... below hi, then hi."""
-    out = [lo]
-    while out[-1] < hi:
-        out.append(min(out[-1] * 2, hi))
-    return tuple(out)
-
-
-def _prefill_buckets(hi: int) -> tuple[int, ...]:
-    """16, 32, 48, 64, 96, 128, 192, ... below hi, then hi: at most a third of a chunk is padding."""
-    out = [16, 32]
-    while out[-1] < hi:
-        out.append(out[-1] // 2 * 3 if out[-1] & (out[-1] - 1) == 0 else out[-1] // 3 * 4)
-    return tuple(b for b in out if b < hi) + (hi,)
-
-
-def _fit(n: int, buckets: tuple[int, ...]) -> int:
-    return next((b for b in buckets if b >= n), buckets[-1])
-
-
-@dataclass(frozen=True)
-class Sampling:
-    """temperature 0 = greedy; top_k 0 and top_p 1 = off."""
-
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int = 0
-
-
-def sample(logits: jax.Array, keys: jax.Array, temperature, top_k, top_p) -> jax.Array:
-    """One token per row of logits [b, vocab] with per-row keys [b, 2] and parameters [b].
-
-    The top-k / top-p filter sorts the vocabulary, which XLA:CPU does slowly, so it runs only when a row
-    asks for it.
-    """
-    scaled = logits / jnp.maximum(temperature, 1e-6)[:, None]
-
-    def filtered():
-        desc = jnp.sort(scaled, axis=-1)[:, ::-1]
-        kth = jnp.take_along_axis(desc, jnp.clip(top_k - 1, 0, desc.shape[-1] - 1)[:, None], axis=-1)
-        kth = jnp.where(top_k[:, None] > 0, kth, -jnp.inf)
-        desc = jnp.where(desc < kth, -jnp.inf, desc)
-        cum = jnp.cumsum(jax.nn.softmax(desc, axis=-1), axis=-1)
-        cut = jnp.minimum(jnp.sum(cum < top_p[:, None], axis=-1), desc.shape[-1] - 1)  # smallest prefix >= top_p
-        floor = jnp.maximum(kth, jnp.take_along_axis(desc, cut[:, None], axis=-1))
-        return jnp.where(scaled < floor, -jnp.inf, scaled)
-
-    scaled = jax.lax.cond(jnp.any((top_k > 0) | (top_p < 1)), filtered, lambda: scaled)
-    drawn = jax.vmap(jax.random.categorical)(keys, scaled)
-    return jnp.where(temperature <= 0, jnp.argmax(logits, axis=-1), drawn)
-
-
-def _pick(logits: jax.Array, s: dict, next_pos: jax.Array):
-    """Token, its log-probability and the top alternatives for logits [b, vocab] (float32).
-
-    The key of a draw depends only on the request's seed and the position of the drawn token, so a seeded
-    request gives the same text whatever else shares its batch.
-    """
-    keys = jax.vmap(lambda seed, p: jax.random.fold_in(jax.random.PRNGKey(seed), p))(s["seed"], next_pos)
-    tok = jax.lax.cond(jnp.all(s["temperature"] <= 0), lambda: jnp.argmax(logits, axis=-1),
-                       lambda: sample(logits, keys, s["temperature"], s["top_k"], s["top_p"]))
-    logp = jax.nn.log_softmax(logits, axis=-1)
-    b = logits.shape[0]
-    top = jax.lax.cond(jnp.any(s["logprobs"]), lambda: tuple(jax.lax.top_k(logp, TOP_LOGPROBS)),
-                       lambda: (jnp.zeros((b, TOP_LOGPROBS), logp.dtype), jnp.zeros((b, TOP_LOGPROBS), jnp.int32)))
-    return tok.astype(jnp.int32), jnp.take_along_axis(logp, tok[:, None], axis=-1)[:, 0], top[1], top[0]
-
-
-def step_functions(cfg):
-    """The pure step functions of a model (what Runner jits and `plan` compiles for a TPU):
-
-    step(params, cache, tokens [b, t], positions [b, t], block_tables) -> (logits [b, t, vocab], cache)
-        (block_tables: the (full, ring) pair of models/common.py);
-    prefill(params, cache, tokens, positions, block_tables, last [b], sampling) -> ((token, logprob, top ids,
-        top logprobs), cache): samples after position `last` of each row;
-    decode(params, cache, tokens [b], positions [b], limits [b], block_tables, sampling, steps) -> (outputs
-        [steps, b, ...], cache): `steps` decode steps; rows past `limits` write to the scratch page.
-    """
-    fwd = forward_for(cfg.family)
-
-    def step(params, cache, tokens, positions, block_tables):
-        return fwd(params, cfg, tokens, positions, cache, block_tables)
-
-    def prefill(params, cache, tokens, positions, block_tables, last, s):
-        logits, cache = fwd(params, cfg, tokens, positions, cache, block_tables, last)  # [b, 1, vocab]
-        return _pick(logits[:, 0], s, positions[jnp.arange(tokens.shape[0]), last] + 1), cache
-
-    def decode(params, cache, tokens, positions, limits, block_tables, s, steps):
-        def one(carry, _):
-            cache, tok, pos = carry
-            live = jnp.where(pos <= limits, pos, -1)  # rows past their last position write to scratch
-            logits, cache = fwd(params, cfg, tok[:, None], live[:, None], cache, block_tables)
-            out = _pick(logits[:, 0], s, pos + 1)
-            return (cache, out[0], pos + 1), out
-
-        (cache, _, _), outs = jax.lax.scan(one, (cache, tokens, positions), None, length=steps)
-        return outs, cache  # each [steps, b, ...]
-
-    return step, prefill, decode
-
-
-def sampling_arrays(b: int) -> dict:
-    """Greedy sampling parameters for b rows (the per-row arrays prefill/decode take)."""
-    return {"temperature": np.zeros(b, np.float32), "top_k": np.zeros(b, np.int32),
-            "top_p": np.ones(b, np.float32), "seed": np.zeros(b, np.uint32), "logprobs": np.zeros(b, bool)}
-
-
-@dataclass
-class Runner:
-    """Jitted model steps with a paged cache of `max_batch * ceil(max_model_len / page_size)` pages (+ scratch),
-    and for sliding-window layers a ring of `ring_pages` pages per sequence (models/common.py)."""
-
-    model: LoadedModel
-    max_model_len: int = 2048
-    max_batch: int = 1
-    page_size: int = 16
-    tp: int = 1
-    compilations: set = field(default_factory=set)
-
-    def __post_init__(self):
-        self.pages_per_seq = -(-self.max_model_len // self.page_size)
-        self.num_pages = 1 + self.max_batch * self.pages_per_seq
-        self.ring_pages = ring_pages(self.model.cfg, self.page_size, self.max_model_len)
-        self.cache = new_cache(self.model, self.max_batch, self.pages_per_seq, self.page_size, self.ring_pages)
-        # the fixed layout (slot i owns pages 1 + i * pages_per_seq ...; Engine hands out pages instead), and
-        # a slot's ring, which is fixed: slot i owns ring pages 1 + i * ring_pages ... (it never grows)
-        self.block_tables = 1 + np.arange(self.max_batch * self.pages_per_seq, dtype=np.int32).reshape(
-            self.max_batch, self.pages_per_seq)
-        self.ring_tables = None if self.ring_pages is None else (
-            1 + np.arange(self.max_batch * self.ring_pages, dtype=np.int32).reshape(self.max_batch, -1))
-        self.params = self.model.params
-        if self.tp > 1:
-            from quantkit.runtime.sharding import cache_sharding, make_mesh, shard_params
-
-            mesh = make_mesh(self.tp)
-            self.params = shard_params(self.params, self.model.cfg, mesh)
-            spec = cache_sharding(self.model.cfg, mesh)
-            self.cache = [(jax.device_put(k, spec), jax.device_put(v, spec)) for k, v in self.cache]
-        step, prefill, decode = step_functions(self.model.cfg)
-        self._step = jax.jit(step, donate_argnums=(1,))
-        self._prefill = jax.jit(prefill, donate_argnums=(1,))
-        self._decode = jax.jit(decode, donate_argnums=(1,), static_argnums=(7,))
-
-    def forward(self, tokens: np.ndarray, positions: np.ndarray) -> jax.Array:
-        """Logits [b, t, vocab] for tokens/positions [b, t] (positions -1 = padding), row i in the pages of
-        sequence i; updates the cache."""
-        b, t = tokens.shape
-        self.compilations.add((b, t))
-        logits, self.cache = self._step(self.params, self.cache, jnp.asarray(tokens, jnp.int32),
-                                        jnp.asarray(positions, jnp.int32), self.tables(np.arange(b), None))
-        return logits
-
-    def tables(self, slots: np.ndarray, pages: int | None, full: np.ndarray | None = None) -> tuple:
-        """The (full, ring) block tables of `slots` (-1: a padding row, all scratch), attending to `pages`
-        pages (None: all); `full`: the engine's page tables, default the fixed layout."""
-        full = self.block_tables if full is None else full
-        pages = pages or full.shape[1]
-        live = (slots >= 0)[:, None]
-        f = np.where(live, full[slots, :pages], 0).astype(np.int32)
-        if self.ring_tables is None:
-            return f, None
-        return f, np.where(live, self.ring_tables[slots, :min(pages, self.ring_pages)], 0).astype(np.int32)
-
-    def prefill(self, tokens, positions, tables, last, s: dict):
-        """Samples the token after position `last` of each row; returns host arrays (tok, logprob, top ids,
-        top logprobs), each with a leading batch axis."""
-        out, self.cache = self._prefill(self.params, self.cache, tokens, positions, tables, last, s)
-        return jax.device_get(out)
-
-    def decode(self, tokens, positions, limits, tables, s: dict, steps: int):
-        """`steps` decode steps for rows whose last token is `tokens` at `positions`; host arrays with a
-        leading [steps, b] shape."""
-        out, self.cache = self._decode(self.params, self.cache, tokens, positions, limits, tables, s, steps)
-        return jax.device_get(out)
 
 
 # ---- continuous batching -------------------------------------------------------------------------------
@@ -262,8 +66,8 @@ class Request:
     id: str = ""
     # engine state
     slot: int = -1
-    pages: list = field(default_factory=list)
-    done: int = 0  # prompt tokens already in the cache
+    done: int = 0  # tokens (prompt, then fed-back outputs) scheduled into the cache
+    pending: int = 0  # sampled tokens of dispatched steps not yet delivered
     out: list = field(default_factory=list)
     text: str = ""
     sent: int = 0  # characters of text already delivered
@@ -277,28 +81,19 @@ class Request:
 class Engine:
     """Continuous batching over one Runner: requests join and leave between steps.
 
-    Each iteration admits waiting requests into free slots, runs prefill chunks (at most `prefill_chunk`
-    tokens of prompt per iteration, so running requests keep decoding while long prompts arrive), then
-    `decode_steps` decode steps for every request whose prompt is in the cache. KV pages are taken from a
-    free list as sequences grow and returned the moment a request finishes or is aborted.
+    KV pages come from the runner's pools as sequences grow and go back the moment a request finishes, is
+    aborted or its client disconnects (sliding-window layers also return pages that left the window).
     """
 
-    def __init__(self, runner: Runner, decode: Callable[[list[int]], str] | None = None, decode_steps: int = 1,
-                 prefill_chunk: int = 512, max_waiting: int = 256):
-        """max_waiting: requests queued beyond the `runner.max_batch` running ones before `submit` refuses."""
-        self.runner, self.detokenize, self.decode_steps = runner, decode, decode_steps
-        self.max_waiting = max_waiting
-        self.page_size = runner.page_size
-        self.prefill_buckets = _prefill_buckets(max(16, min(prefill_chunk, runner.max_model_len)))
-        # at least 2 rows: with one row XLA:CPU turns the cache scatter into a copy of the whole cache
-        # (measured 4.0 ms vs 0.6 ms per step for 2 rows, 512-page cache)
-        self.batch_buckets = _pow2_upto(2, max(2, runner.max_batch))
-        self.page_buckets = _pow2_upto(1, runner.pages_per_seq)
-        self.tables = np.zeros((runner.max_batch, runner.pages_per_seq), np.int32)  # 0 = scratch page
-        self.free_slots = list(range(runner.max_batch))[::-1]
-        self.free_pages = list(range(runner.num_pages - 1, 0, -1))
+    def __init__(self, runner: Runner, decode: Callable[[list[int]], str] | None = None, max_waiting: int = 256):
+        """max_waiting: requests queued beyond the `runner.max_num_seqs` running ones before `submit` refuses."""
+        self.runner, self.detokenize, self.max_waiting = runner, decode, max_waiting
+        self.pool = runner.pool
+        self.budget = runner.max_num_batched_tokens
+        self.free_slots = list(range(runner.max_num_seqs))[::-1]
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.inflight = None  # (device outputs, [(request, samples?)]) of the last dispatched step
         self._aborts: set[str] = set()
         self._lock = threading.Lock()
         self.wakeup = threading.Event()
@@ -316,8 +111,8 @@ class Engine:
             raise InvalidInput(f"prompt of {n} tokens + max_tokens {req.max_tokens} exceeds the model length "
                                f"{limit}; shorten the prompt or lower max_tokens")
         with self._lock:
-            if len(self.waiting) + len(self.running) >= self.runner.max_batch + self.max_waiting:
-                raise QueueFull(f"all {self.runner.max_batch} slots are busy and {len(self.waiting)} requests "
+            if len(self.waiting) + len(self.running) >= self.runner.max_num_seqs + self.max_waiting:
+                raise QueueFull(f"all {self.runner.max_num_seqs} slots are busy and {len(self.waiting)} requests "
                                 f"are waiting; retry later")
             req.id = req.id or f"req-{next(self._ids)}"
             self.waiting.append(req)
@@ -332,10 +127,10 @@ class Engine:
 
     @property
     def pages_used(self) -> int:
-        return self.runner.num_pages - 1 - len(self.free_pages)
+        return self.pool.used
 
     def busy(self) -> bool:
-        return bool(self.running or self.waiting)
+        return bool(self.running or self.waiting or self.inflight)
 
     # -- the loop (one thread) --
     def run(self, stop: threading.Event) -> None:
@@ -346,81 +141,63 @@ class Engine:
                 self.wakeup.clear()
 
     def step(self) -> bool:
-        """One iteration; False when there was nothing to do."""
+        """One iteration: schedule and dispatch a step, then deliver the previous one's tokens. False when
+        there was nothing to do."""
         with self._lock:
             aborts, self._aborts = self._aborts, set()
             for r in [r for r in self.waiting if r.id in aborts]:
                 self.waiting.remove(r)
                 self._finish(r, "abort")
-            while self.waiting and self.free_slots:
+        for r in [r for r in self.running if r.id in aborts]:
+            self._finish(r, "abort")
+        rows = self._schedule()
+        previous, self.inflight = self.inflight, None
+        if rows:
+            batch = self.runner.batch([row for _, row, _ in rows])
+            self.inflight = (self.runner.run(batch), [(r, samples) for r, _, samples in rows])
+        if previous is not None:
+            self._collect(*previous)
+        return bool(rows) or previous is not None
+
+    def _schedule(self) -> list[tuple[Request, Row, bool]]:
+        """Decodes first, then prompt chunks (running requests, then newcomers) within the token budget.
+        Returns (request, row, whether the row's last token is the request's newest, i.e. samples)."""
+        budget, rows = self.budget, []
+
+        def add(r: Request, n: int, prompt: bool) -> bool:
+            if not self.pool.reserve(r.slot, r.done, r.done + n - 1):
+                return False  # out of pages: the request waits for a later step
+            toks = r.prompt[r.done:r.done + n] if prompt else None
+            samples = not prompt or r.done + n == len(r.prompt)
+            rows.append((r, Row(r.slot, r.done, n, toks, r.sampling, r.logprobs is not None), samples))
+            r.done += n
+            r.pending += samples
+            return True
+
+        for r in self.running:  # decodes: a fed-back token, if more tokens are wanted
+            if r.done >= len(r.prompt) and budget and len(r.out) + r.pending < r.max_tokens:
+                budget -= add(r, 1, False)
+        for r in self.running:
+            if r.done < len(r.prompt) and budget:
+                n = min(len(r.prompt) - r.done, budget)
+                budget -= n if add(r, n, True) else 0
+        with self._lock:
+            while self.waiting and self.free_slots and budget:
                 r = self.waiting.popleft()
                 r.slot = self.free_slots.pop()
                 self.running.append(r)
-        for r in [r for r in self.running if r.id in aborts]:
-            self._finish(r, "abort")
-        if not self.running:
-            return False
-        budget = self.prefill_buckets[-1]
-        for r in [r for r in self.running if r.done < len(r.prompt)]:
-            if budget <= 0:
-                break
-            budget -= self._prefill(r)
-        ready = [r for r in self.running if r.done == len(r.prompt) and r.out]
-        if ready:
-            self._decode(ready)
-        return True
+                n = min(len(r.prompt), budget)
+                budget -= n if add(r, n, True) else 0
+        return rows
 
-    @staticmethod
-    def _samp(rows: list[Request], b: int) -> dict:
-        s = sampling_arrays(b)
-        for i, r in enumerate(rows):
-            p = r.sampling
-            s["temperature"][i], s["top_k"][i], s["top_p"][i] = p.temperature, p.top_k, p.top_p
-            s["seed"][i], s["logprobs"][i] = p.seed & 0xFFFFFFFF, r.logprobs is not None
-        return s
-
-    def _reserve(self, r: Request, last_position: int) -> None:
-        while len(r.pages) <= last_position // self.page_size:
-            page = self.free_pages.pop()
-            self.tables[r.slot, len(r.pages)] = page
-            r.pages.append(page)
-
-    def _prefill(self, r: Request) -> int:
-        start, c = r.done, self.prefill_buckets[-1]
-        n = min(len(r.prompt) - start, c)
-        t = c if start else _fit(n, self.prefill_buckets)
-        self._reserve(r, start + n - 1)
-        pages = _fit(-(-(start + t) // self.page_size), self.page_buckets)
-        tokens = np.zeros((1, t), np.int32)
-        positions = np.full((1, t), -1, np.int32)
-        tokens[0, :n], positions[0, :n] = r.prompt[start:start + n], np.arange(start, start + n)
-        self.runner.compilations.add(("prefill", t, pages))
-        tok, lp, top_ids, top_lp = self.runner.prefill(tokens, positions,
-                                                       self.runner.tables(np.array([r.slot]), pages, self.tables),
-                                                       np.array([n - 1], np.int32), self._samp([r], 1))
-        r.done += n
-        if r.done == len(r.prompt):
-            self._accept(r, tok, lp, top_ids, top_lp)
-        return n
-
-    def _decode(self, rows: list[Request]) -> None:
-        k, b = self.decode_steps, _fit(len(rows), self.batch_buckets)
-        tokens, positions = np.zeros(b, np.int32), np.full(b, -1, np.int32)
-        limits = np.full(b, -2, np.int32)
-        reach = 0
-        for i, r in enumerate(rows):
-            tokens[i], positions[i] = r.out[-1], len(r.prompt) + len(r.out) - 1
-            limits[i] = len(r.prompt) + r.max_tokens - 2  # the last token is never fed back
-            last = min(positions[i] + k - 1, limits[i])
-            self._reserve(r, last)
-            reach = max(reach, last + 1)
-        pages = _fit(-(-reach // self.page_size), self.page_buckets)
-        slots = np.array([r.slot for r in rows] + [-1] * (b - len(rows)))
-        tables = self.runner.tables(slots, pages, self.tables)
-        self.runner.compilations.add(("decode", b, pages))
-        toks, lps, top_ids, top_lps = self.runner.decode(tokens, positions, limits, tables, self._samp(rows, b), k)
-        for i, r in enumerate(rows):
-            self._accept(r, toks[:, i], lps[:, i], top_ids[:, i], top_lps[:, i])
+    def _collect(self, out, rows: list) -> None:
+        """Delivers the tokens of a finished step to the rows that sampled one."""
+        toks, lps, top_ids, top_lps = jax.device_get(out)
+        for i, (r, samples) in enumerate(rows):
+            if samples:
+                r.pending -= 1
+                if r.finish_reason is None:
+                    self._accept(r, toks[i:i + 1], lps[i:i + 1], top_ids[i:i + 1], top_lps[i:i + 1])
 
     def _accept(self, r: Request, toks, lps, top_ids, top_lps) -> None:
         """Appends sampled tokens (until a stop), detokenizes, delivers an update, finishes if done."""
@@ -482,37 +259,26 @@ class Engine:
             r.on_update(Update("", [], [], reason))
 
     def _release(self, r: Request) -> None:
+        """Returns the request's slot and pages. A step already dispatched may still write them; the device
+        runs steps in order, so whoever gets them next writes after it."""
         r.finished_at = time.monotonic()
         if r.slot >= 0:
-            self.free_pages.extend(reversed(r.pages))
-            self.tables[r.slot] = 0
+            self.pool.release(r.slot)
             self.free_slots.append(r.slot)
-            r.pages, r.slot = [], -1
+            r.slot = -1
             self.running.remove(r)
 
     # -- compile everything up front --
-    def shapes(self) -> list[tuple]:
-        """Every step shape this engine can run: ("prefill", tokens, pages) and ("decode", rows, pages)."""
-        ps, c = self.page_size, self.prefill_buckets[-1]
-        first = {("prefill", t, _fit(-(-t // ps), self.page_buckets)) for t in self.prefill_buckets}
-        more = {("prefill", c, p) for p in self.page_buckets  # continuation chunks of long prompts
-                if p > _fit(-(-c // ps), self.page_buckets)} if self.runner.max_model_len > c else set()
-        decode = {("decode", b, p) for b in self.batch_buckets for p in self.page_buckets}
-        return sorted(first | more) + sorted(decode)
+    def shapes(self) -> tuple[int, ...]:
+        """The token buckets: one compiled step program each."""
+        return self.runner.buckets
 
     def warmup(self, progress: Callable[[int, int], None] | None = None) -> None:
-        """Runs every shape once on padding (writes only the scratch page), so nothing compiles later."""
-        shapes = self.shapes()
-        for i, (kind, b, pages) in enumerate(shapes):
-            if kind == "prefill":
-                self.runner.prefill(np.zeros((1, b), np.int32), np.full((1, b), -1, np.int32),
-                                    self.runner.tables(np.array([-1]), pages), np.zeros(1, np.int32), self._samp([], 1))
-            else:
-                self.runner.decode(np.zeros(b, np.int32), np.full(b, -1, np.int32), np.full(b, -2, np.int32),
-                                   self.runner.tables(np.full(b, -1), pages), self._samp([], b), self.decode_steps)
-            self.runner.compilations.add((kind, b, pages))
+        """Runs every bucket once on padding (writes only the scratch page), so nothing compiles later."""
+        for i, t in enumerate(self.shapes()):
+            jax.block_until_ready(self.runner.run(self.runner.empty(t)))
             if progress is not None:
-                progress(i + 1, len(shapes))
+                progress(i + 1, len(self.shapes()))
 
 
 def generate(runner: Runner, prompt: list[int], max_tokens: int, sampling: Sampling = Sampling(),
@@ -527,6 +293,6 @@ def generate(runner: Runner, prompt: list[int], max_tokens: int, sampling: Sampl
     engine = Engine(runner, decode=decode)
     req = engine.submit(Request(list(prompt), max_tokens, sampling, frozenset(stop_ids), tuple(stop_strings),
                                 on_update=on_update))
-    while req.finish_reason is None:
+    while engine.busy():
         engine.step()
     return req.out

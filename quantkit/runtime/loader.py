@@ -42,7 +42,8 @@ class Slot:
 
     kinds: "linear" [in, out] (QTensor [1, in, out] when quantized), "experts" [experts, in, out] (modules: one
     per expert), "embed" [vocab, hidden], "bias" [out], "norm" [d] (float32), "router" [hidden, experts]
-    (float32).
+    (float32), and "stack": the same leaf of every layer of a kind (module: their Slots), stacked along a
+    new leading axis (QTensors along their group axis: [layers * groups, in, out]).
     """
 
     kind: str
@@ -73,7 +74,10 @@ def skeleton(cfg: ModelConfig) -> dict:
         else:
             layer |= {key: Slot("linear", pre + mod, dims[key]) for key, mod in MLP.items()}
         layers.append(layer)
-    params = {"embed": Slot("embed", "model.embed_tokens", (cfg.vocab_size, h)), "layers": layers,
+    stacks = {kind: {key: Slot("stack", tuple(layers[i][key] for i in ids), (len(ids), *layers[ids[0]][key].shape))
+                     for key in layers[ids[0]]}
+              for kind in cfg.kinds for ids in [[i for i, k in enumerate(cfg.layer_kinds) if k == kind]]}
+    params = {"embed": Slot("embed", "model.embed_tokens", (cfg.vocab_size, h)), "layers": stacks,
               "final_norm": Slot("norm", "model.norm", (h,))}
     if not cfg.tie_word_embeddings:
         params["lm_head"] = Slot("linear", "lm_head", (h, cfg.vocab_size))
@@ -84,6 +88,13 @@ def abstract(cfg: ModelConfig, qc: QuantConfig | None, dtype=jnp.bfloat16) -> di
     """The weight pytree of `cfg` quantized as `qc` says, as jax.ShapeDtypeStruct leaves (no data): the
     argument `plan` compiles with. Scales are assumed bfloat16 (what `quantkit convert` writes)."""
     def leaf(s: Slot):
+        if s.kind == "stack":
+            one = leaf(s.module[0])
+            n = len(s.module)
+            if isinstance(one, QTensor):
+                return QTensor(*(jax.ShapeDtypeStruct((n * a.shape[0], *a.shape[1:]), a.dtype)
+                                 for a in (one.values, one.scales)), one.qtype, one.group)
+            return jax.ShapeDtypeStruct((n, *one.shape), one.dtype)
         scheme = qc.scheme_for(s.module[0] if s.kind == "experts" else s.module, "Linear") if qc else None
         quantized = s.kind in ("linear", "experts") and weight_qtype(scheme) != "dense"
         if not quantized:
@@ -193,6 +204,15 @@ def load(path: str | Path, dtype=jnp.bfloat16, check: bool = True) -> LoadedMode
     r = _Reader(ckpt, qc, dtype)
 
     def leaf(s: Slot):
+        if s.kind == "stack":
+            parts = [leaf(x) for x in s.module]
+            if isinstance(parts[0], QTensor):
+                if len({(type(p), p.qtype, p.group, p.scales.dtype) if isinstance(p, QTensor) else type(p)
+                        for p in parts}) != 1:
+                    raise Unsupported(f"{s.module[0].module}..: layers quantized differently are not supported")
+                return QTensor(jnp.concatenate([p.values for p in parts]), jnp.concatenate([p.scales for p in parts]),
+                               parts[0].qtype, parts[0].group)
+            return jnp.stack(parts)
         if s.kind == "linear":
             return r.linear(s.module)
         if s.kind == "experts":

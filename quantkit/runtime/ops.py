@@ -10,7 +10,7 @@ from quantkit.kernels.xla import gmm_xla
 from quantkit.quant.qtensor import QTensor
 
 
-def _tpu_chip() -> str | None:
+def tpu_chip() -> str | None:
     """The TPU generation being traced for: the default device's (set by `with jax.default_device(...)`
     for deviceless compilation in `plan`), else the backend's; None off TPU."""
     dev = jax.config.jax_default_device
@@ -21,21 +21,21 @@ def _tpu_chip() -> str | None:
     return "v5e" if "v5" in kind else "v7x" if "7" in kind else "v6e"
 
 
-def grouped_matmul(x: jax.Array, w: QTensor, group_sizes: jax.Array) -> jax.Array:
-    """x [m, k] rows sorted by group, w [g, k, n] -> [m, n]."""
+def grouped_matmul(x: jax.Array, w: QTensor, group_sizes: jax.Array, group_offset=None) -> jax.Array:
+    """x [m, k] rows sorted by group, w [G, k, n], groups group_offset .. + len(group_sizes) - 1 -> [m, n]."""
     if w.mesh is not None:
-        return _per_shard(x, w, group_sizes)
-    chip = _tpu_chip()
+        return _per_shard(x, w, group_sizes, group_offset)
+    chip = tpu_chip()
     if chip is not None:
         from quantkit.kernels.gmm_v2 import check_gmm_v2, gmm_v2
 
-        tiles, _ = check_gmm_v2(x.shape, w, CHIPS[chip])
+        tiles, _ = check_gmm_v2(x.shape, w, CHIPS[chip], group_sizes.shape[0])
         if tiles is not None:
-            return gmm_v2(x, w, group_sizes, chip=chip, tiles=tiles)
-    return gmm_xla(x, w, group_sizes)
+            return gmm_v2(x, w, group_sizes, group_offset, chip=chip, tiles=tiles)
+    return gmm_xla(x, w, group_sizes, group_offset)
 
 
-def _per_shard(x: jax.Array, w: QTensor, group_sizes: jax.Array) -> jax.Array:
+def _per_shard(x: jax.Array, w: QTensor, group_sizes: jax.Array, group_offset) -> jax.Array:
     """A tensor-parallel weight (runtime/sharding.py): each device multiplies by its own shard under
     shard_map, since XLA cannot partition a Mosaic kernel by itself. Split "n": each device computes its
     output columns; split "k": each its input rows' partial product, summed across devices."""
@@ -44,17 +44,18 @@ def _per_shard(x: jax.Array, w: QTensor, group_sizes: jax.Array) -> jax.Array:
     ax, k_split = "model", w.split == "k"
     spec = {"n": P(None, None, ax), "k": P(None, ax, None), "": P()}[w.split]
     channel = w.group == w.shape[1]  # one scale row: replicated when the rows are split, and spans a shard
+    offset = jnp.zeros((), jnp.int32) if group_offset is None else jnp.asarray(group_offset, jnp.int32)
 
-    def body(x, values, scales, sizes):
-        y = grouped_matmul(x, QTensor(values, scales, w.qtype, values.shape[1] if channel else w.group), sizes)
+    def body(x, values, scales, sizes, off):
+        y = grouped_matmul(x, QTensor(values, scales, w.qtype, values.shape[1] if channel else w.group), sizes, off)
         return jax.lax.psum(y, ax) if k_split else y
 
     return jax.shard_map(body, mesh=w.mesh, in_specs=(P(None, ax) if k_split else P(), spec,
-                                                      P() if channel and k_split else spec, P()),
+                                                      P() if channel and k_split else spec, P(), P()),
                          out_specs=P(None, ax) if w.split == "n" else P(), check_vma=False)(
-        x, w.values, w.scales, group_sizes)
+        x, w.values, w.scales, group_sizes, offset)
 
 
-def qmatmul(x: jax.Array, w: QTensor) -> jax.Array:
-    """x [m, k] @ one-group QTensor [1, k, n] -> [m, n]."""
-    return grouped_matmul(x, w, jnp.full((1,), x.shape[0], jnp.int32))
+def qmatmul(x: jax.Array, w: QTensor, layer=None) -> jax.Array:
+    """x [m, k] @ one group of w [G, k, n] (group `layer` of a stacked weight, default 0) -> [m, n]."""
+    return grouped_matmul(x, w, jnp.full((1,), x.shape[0], jnp.int32), layer)

@@ -91,7 +91,7 @@ class Metrics:
         gauges = {"num_requests_running": (len(engine.running) if engine else 0, "Requests holding a slot."),
                   "num_requests_waiting": (len(engine.waiting) if engine else 0, "Requests queued for a slot."),
                   "kv_pages_used": (engine.pages_used if engine else 0, "KV cache pages in use."),
-                  "kv_pages_total": (engine.runner.num_pages - 1 if engine else 0, "KV cache pages.")}
+                  "kv_pages_total": (engine.pool.total if engine else 0, "KV cache pages.")}
         for name, (v, help_) in gauges.items():
             out += [f"# HELP quantkit_{name} {help_}", f"# TYPE quantkit_{name} gauge", f"quantkit_{name} {v}"]
         return "\n".join(out) + "\n"
@@ -129,11 +129,11 @@ class Params:
 
 class Server:
     def __init__(self, path: Path, served_model_name: str | None = None, max_model_len: int | None = None,
-                 max_num_seqs: int = 16, api_key: str | None = None, decode_steps: int = 4,
+                 max_num_seqs: int = 16, api_key: str | None = None, max_num_batched_tokens: int = 512,
                  max_waiting: int = 256):
         self.path, self.name = Path(path), served_model_name or Path(path).name
         self.max_model_len, self.max_num_seqs, self.api_key = max_model_len, max_num_seqs, api_key
-        self.decode_steps, self.max_waiting = decode_steps, max_waiting
+        self.max_num_batched_tokens, self.max_waiting = max_num_batched_tokens, max_waiting
         self.engine: Engine | None = None
         self.codec = None
         self.status = "starting"
@@ -161,8 +161,9 @@ class Server:
             enable_compilation_cache()
             model = load(self.path)
             limit = min(self.max_model_len or 2048, model.cfg.max_position_embeddings)
-            engine = Engine(Runner(model, max_model_len=limit, max_batch=self.max_num_seqs),
-                            decode=self.codec.decode, decode_steps=self.decode_steps, max_waiting=self.max_waiting)
+            engine = Engine(Runner(model, max_model_len=limit, max_num_seqs=self.max_num_seqs,
+                                   max_num_batched_tokens=self.max_num_batched_tokens),
+                            decode=self.codec.decode, max_waiting=self.max_waiting)
             self.stop_ids = frozenset(i for i in (*model.cfg.eos_token_ids, self.codec.token_id("eos_token"))
                                       if i is not None)
             self.vocab = model.cfg.vocab_size
@@ -173,7 +174,7 @@ class Server:
             engine.warmup(progress)
             threading.Thread(target=engine.run, args=(self.stop,), name="engine", daemon=True).start()
             self.engine, self.status = engine, "ready"
-            log.warning("ready in %.1f s: %s, max_model_len %d, max_num_seqs %d, %d shapes compiled",
+            log.warning("ready in %.1f s: %s, max_model_len %d, max_num_seqs %d, %d step programs compiled",
                         time.monotonic() - t0, self.name, limit, self.max_num_seqs, len(engine.shapes()))
         except Exception as e:  # noqa: BLE001 - reported as one line, the process then exits 1
             self.failed = f"{type(e).__name__}: {e}" if not isinstance(e, InvalidInput) else str(e)

@@ -66,11 +66,12 @@ def shard_params(params: dict, cfg: ModelConfig, mesh: Mesh, put=jax.device_put)
                        put(w.scales, NamedSharding(mesh, _spec(scale_split, 3))), w.qtype, w.group, mesh, split)
 
     out = {k: place(k, v) for k, v in params.items() if k != "layers"}
-    out["layers"] = [{key: place(key, w) for key, w in layer.items()} for layer in params["layers"]]
+    out["layers"] = {kind: {key: place(key, w) for key, w in stack.items()} for kind, stack in params["layers"].items()}
     return out
 
 
 def cache_sharding(cfg: ModelConfig, mesh: Mesh) -> NamedSharding:
-    """KV pages [pages, page_size, kv_heads, head_dim]: heads split when they divide the mesh."""
+    """Stacked KV pages [layers, pages, page_size, kv_heads * 2 * head_dim]: heads split when they divide
+    the mesh (each head's keys and values are adjacent, so a split of the last axis is a split of heads)."""
     tp = mesh.shape[AXIS]
-    return NamedSharding(mesh, P(None, None, AXIS, None) if cfg.num_kv_heads % tp == 0 else P())
+    return NamedSharding(mesh, P(None, None, None, AXIS) if cfg.num_kv_heads % tp == 0 else P())

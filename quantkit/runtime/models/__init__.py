@@ -1,5 +1,5 @@
-"""Model families: each module exposes forward(params, cfg, tokens, positions, cache, block_tables,
-last=None); block_tables is the (full, ring) pair of common.py."""
+"""Model families: each module exposes forward(params, cfg, tokens, kv, batch) -> (hidden [T, hidden],
+kv) over the flattened tokens of one ragged step (runtime/step.py)."""
 
 from quantkit.runtime.models import llama
 

@@ -1,18 +1,22 @@
 """Building blocks shared by the model families: pure functions over arrays and weight pytrees.
 
-Weights: a linear weight is either a dense array [in, out] or a QTensor [1, in, out] (quant/qtensor.py);
-`linear` sends the latter through the one quantized matmul (gmm_v2 on TPU, the XLA path elsewhere).
+Weights: layers of one kind (config.layer_kinds: "full", "sliding") are stacked along a leading axis and
+run with `jax.lax.scan` (`run_layers`), so the traced program does not grow with depth. A stacked linear
+weight is dense [layers, in, out] or a QTensor [layers, in, out] (MoE experts: [layers * experts, in, out]);
+inside the scan a layer's QTensor stays the whole stack plus the layer index (`At`), and the quantized
+matmul reads that layer's tiles straight from the stack (gmm_v2's group offset), never a sliced copy.
 
-KV cache (paged, vLLM's design): per layer, keys and values live in `pages` [num_pages, page_size,
-kv_heads, head_dim]; a sequence owns the pages listed in its row of a block table [batch, max_pages].
-Page 0 is reserved as scratch: padding tokens write there and no block table lists it.
-`block_tables` is a pair (full, ring): full-attention layers keep every position of a sequence (position
-p in page full[p // page_size]); sliding-window layers, when `ring` is not None, keep only a ring of
-`ring_pages` pages, the last `window` positions or more (position p in slot p mod ring length), so their
-cache does not grow with the model length. ring None: sliding layers use the full layout too.
+A step's tokens are flattened: x [T, hidden], positions [T]. The KV cache of a kind is one array
+[layers, pages, page_size, kv_heads * 2 * head_dim] (runtime/cache.py); `batch` carries the step's
+metadata (runtime/step.py): per kind the flat cache slot of every token ("slots") and the block tables,
+and the ragged layout (cu_q_lens, kv_lens, num_seqs).
 """
 
 from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -21,22 +25,79 @@ from quantkit.quant.qtensor import QTensor
 from quantkit.runtime.config import ModelConfig
 
 
+@dataclass(frozen=True)
+class At:
+    """Layer `index` (traced) of a stacked QTensor weight; `groups` groups (experts) per layer."""
+
+    w: QTensor
+    index: Any
+    groups: int = 1
+
+
+def layer_params(stack: dict, i) -> dict:
+    """Layer i of a kind's stacked weights: dense leaves indexed, QTensors as At views."""
+    n = stack["attn_norm"].shape[0]  # layers in the stack
+    return {key: At(w, i, w.shape[0] // n) if isinstance(w, QTensor) else w[i] for key, w in stack.items()}
+
+
+def run_layers(body: Callable, kinds: tuple[str, ...], carry, unroll: bool = False):
+    """carry = body(kind, i, carry) for every layer in order, i its (traced) index within its kind's stack.
+
+    unroll: a plain Python loop instead (plan's cost analysis of shallow variants: XLA's cost analysis
+    counts a loop body once, whatever its trip count).
+
+    Consecutive layers of a kind are one scan; a repeating pattern of runs (Gemma's 5 sliding + 1 full)
+    is an outer scan over repetitions whose body runs one inner scan per run, so each kind's body is
+    traced a fixed number of times whatever the depth; leftover runs after the last repetition follow.
+    """
+    if unroll:
+        for i, kind in enumerate(kinds):
+            carry = body(kind, kinds[:i].count(kind), carry)
+        return carry
+    runs = [(k, len(list(g))) for k, g in itertools.groupby(kinds)]
+    unit, reps = runs, 1
+    for u in range(1, len(runs) // 2 + 1):
+        m = 1
+        while runs[m * u:(m + 1) * u] == runs[:u]:
+            m += 1
+        if m > 1:
+            unit, reps = runs[:u], m
+            break
+    per_unit = {k: sum(n for kk, n in unit if kk == k) for k, _ in unit}
+
+    def run(kind, first, n, carry):
+        if n == 1:
+            return body(kind, first, carry)
+        return jax.lax.scan(lambda c, j: (body(kind, first + j, c), None), carry, jnp.arange(n, dtype=jnp.int32))[0]
+
+    def unit_body(carry, r):
+        seen = dict.fromkeys(per_unit, 0)
+        for kind, n in unit:
+            carry = run(kind, r * per_unit[kind] + seen[kind], n, carry)
+            seen[kind] += n
+        return carry
+
+    if reps > 1:
+        carry = jax.lax.scan(lambda c, r: (unit_body(c, r), None), carry, jnp.arange(reps, dtype=jnp.int32))[0]
+    else:
+        carry = unit_body(carry, 0)
+    done = {k: reps * per_unit.get(k, 0) for k in per_unit}
+    for kind, n in runs[reps * len(unit):]:
+        carry = run(kind, done.get(kind, 0), n, carry)
+        done[kind] = done.get(kind, 0) + n
+    return carry
+
+
 def linear(x: jax.Array, w, bias: jax.Array | None = None) -> jax.Array:
-    """x [..., in] @ w [in, out] (+ bias), f32 accumulation, result in x.dtype."""
+    """x [..., in] @ w [in, out] (+ bias), f32 accumulation, result in x.dtype; w dense or an At view."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
-    rows = x2.shape[0]
-    if rows < 8 and jax.default_backend() == "cpu":
-        # XLA:CPU runs a bf16 matrix-vector product ~10x slower than an 8-row matrix product
-        # (measured: 1x1024 @ 1024x32000 in 50 ms vs 8 rows in 6 ms), so decode pads to 8 rows.
-        x2 = jnp.pad(x2, ((0, 8 - rows), (0, 0)))
-    if isinstance(w, QTensor):
+    if isinstance(w, (At, QTensor)):
         from quantkit.runtime.ops import qmatmul
 
-        y = qmatmul(x2, w)
+        y = qmatmul(x2, w.w, w.index) if isinstance(w, At) else qmatmul(x2, w)
     else:
         y = jnp.dot(x2, w.astype(x.dtype), preferred_element_type=jnp.float32).astype(x.dtype)
-    y = y[:rows]
     if bias is not None:
         y = (y.astype(jnp.float32) + bias.astype(jnp.float32)).astype(x.dtype)
     return y.reshape(*lead, y.shape[-1])
@@ -59,118 +120,53 @@ def rope_frequencies(cfg: ModelConfig, local: bool = False) -> jax.Array:
         return inv
     if len(cfg.rope_scaling) == 1:
         return inv / cfg.rope_scaling[0]
-    if cfg.rope_scaling is not None:
-        factor, low, high, original = cfg.rope_scaling
-        wavelen = 2 * jnp.pi / inv
-        low_wl, high_wl = original / low, original / high
-        smooth = (original / wavelen - low) / (high - low)
-        scaled = jnp.where(wavelen > low_wl, inv / factor, inv)
-        mid = (1 - smooth) * inv / factor + smooth * inv
-        inv = jnp.where((wavelen <= low_wl) & (wavelen >= high_wl), mid, scaled)
-    return inv
+    factor, low, high, original = cfg.rope_scaling
+    wavelen = 2 * jnp.pi / inv
+    low_wl, high_wl = original / low, original / high
+    smooth = (original / wavelen - low) / (high - low)
+    scaled = jnp.where(wavelen > low_wl, inv / factor, inv)
+    mid = (1 - smooth) * inv / factor + smooth * inv
+    return jnp.where((wavelen <= low_wl) & (wavelen >= high_wl), mid, scaled)
 
 
 def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
-    """Rotates x [b, t, heads, d] by positions [b, t] (rotate-half convention of Hugging Face)."""
-    angles = positions[..., None].astype(jnp.float32) * inv_freq  # [b, t, d/2]
-    cos = jnp.concatenate([jnp.cos(angles)] * 2, axis=-1)[:, :, None, :]
-    sin = jnp.concatenate([jnp.sin(angles)] * 2, axis=-1)[:, :, None, :]
+    """Rotates x [T, heads, d] by positions [T] (rotate-half convention of Hugging Face)."""
+    angles = positions[:, None].astype(jnp.float32) * inv_freq  # [T, d/2]
+    cos = jnp.concatenate([jnp.cos(angles)] * 2, axis=-1)[:, None, :]
+    sin = jnp.concatenate([jnp.sin(angles)] * 2, axis=-1)[:, None, :]
     xf = x.astype(jnp.float32)
     half = x.shape[-1] // 2
     rotated = jnp.concatenate([-xf[..., half:], xf[..., :half]], axis=-1)
     return (xf * cos + rotated * sin).astype(x.dtype)
 
 
-def ring_pages(cfg: ModelConfig, page_size: int, max_model_len: int) -> int | None:
-    """Pages per sequence of the sliding-window layers' ring, or None when no layer slides or the window
-    spans the model length (then a ring would save nothing)."""
-    sliding = any(cfg.is_sliding(i) for i in range(cfg.num_layers))
-    return -(-cfg.sliding_window // page_size) if sliding and cfg.sliding_window < max_model_len else None
+def attention_block(p: dict, x: jax.Array, kv: jax.Array, i, batch: dict, cfg: ModelConfig, kind: str,
+                    norm_offset: float = 0.0) -> tuple[jax.Array, jax.Array]:
+    """q/k/v projections (+ optional q/k norms), RoPE, cache write, paged attention, output projection.
 
+    x [T, hidden]; kv: this kind's stacked cache, layer i written and read; returns (out [T, hidden], kv)."""
+    from quantkit.runtime.attention import attention, write_kv
 
-def write_kv(pages: jax.Array, new: jax.Array, positions: jax.Array, block_tables: jax.Array,
-             ring: int = 0) -> jax.Array:
-    """Stores new [b, t, kvh, d] at their positions [b, t] (negative: padding -> scratch page 0); with a
-    ring of `ring` tokens, at position mod ring, and only a row's last `ring` positions."""
-    page_size = pages.shape[1]
-    pos, keep = jnp.maximum(positions, 0), positions >= 0
-    if ring:
-        keep &= positions > positions.max(axis=1, keepdims=True) - ring  # older ones would be overwritten
-        pos = pos % ring
-    page = jnp.take_along_axis(block_tables, pos // page_size, axis=1)
-    slot = jnp.where(keep, page * page_size + pos % page_size, 0)  # [b, t]
-    flat = pages.reshape(-1, *pages.shape[2:])
-    flat = flat.at[slot.reshape(-1)].set(new.reshape(-1, *new.shape[2:]).astype(pages.dtype))
-    return flat.reshape(pages.shape)
-
-
-def attend(q: jax.Array, k: jax.Array, v: jax.Array, kpos: jax.Array, positions: jax.Array, scale: float,
-           window: int | None = None) -> jax.Array:
-    """Causal attention of q [b, t, h, d] at positions [b, t] over keys/values [b, L, kvh, d] held at
-    kpos [b, L] or [L] (negative: empty) (pure JAX path).
-
-    A query at position p sees keys at positions <= p (and > p - window with a sliding window); queries
-    with negative positions (padding) produce zeros.
-    """
-    b, t, h, d = q.shape
-    kvh = k.shape[2]
-    qg = q.reshape(b, t, kvh, h // kvh, d).astype(jnp.float32)
-    scores = jnp.einsum("btgrd,blgd->bgrtl", qg, k.astype(jnp.float32)) * scale
-    kp, qp = jnp.atleast_2d(kpos)[:, None, :], positions[:, :, None]
-    visible = (kp >= 0) & (kp <= qp)  # [b, t, L]
-    if window:
-        visible &= kp > qp - window
-    scores = jnp.where(visible[:, None, None], scores, -jnp.inf)
-    probs = jax.nn.softmax(scores, axis=-1)
-    probs = jnp.where(visible[:, None, None].any(-1, keepdims=True), probs, 0.0)
-    out = jnp.einsum("bgrtl,blgd->btgrd", probs, v.astype(jnp.float32))
-    return out.reshape(b, t, h * d).astype(q.dtype)
-
-
-def attention_block(p: dict, x: jax.Array, cache: tuple, positions, block_tables, cfg: ModelConfig,
-                    layer: int, norm_offset: float = 0.0) -> tuple[jax.Array, tuple]:
-    """q/k/v projections (+ optional q/k norms), RoPE, cache update, attention, output projection."""
-    b, t, _ = x.shape
-    q = linear(x, p["q"], p.get("q_bias")).reshape(b, t, cfg.num_heads, cfg.head_dim)
-    k = linear(x, p["k"], p.get("k_bias")).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
-    v = linear(x, p["v"], p.get("v_bias")).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+    t = x.shape[0]
+    h, kvh, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    q = linear(x, p["q"], p.get("q_bias")).reshape(t, h, d)
+    k = linear(x, p["k"], p.get("k_bias")).reshape(t, kvh, d)
+    v = linear(x, p["v"], p.get("v_bias")).reshape(t, kvh, d)
     if cfg.qk_norm:
         q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps, norm_offset)
         k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps, norm_offset)
-    sliding = cfg.is_sliding(layer)
+    sliding = kind == "sliding"
     inv = rope_frequencies(cfg, local=sliding)
-    q, k = apply_rope(q, positions, inv), apply_rope(k, positions, inv)
-    full, ring_tables = block_tables
-    window, ps = cfg.sliding_window if sliding else None, cache[0].shape[1]
-
-    def cached(pages, tables):
-        return pages[tables].reshape(b, -1, *pages.shape[2:])  # [b, L, kvh, d]
-
-    if sliding and ring_tables is not None:
-        # read the ring before writing: this step's keys may overwrite slots its first queries still see.
-        # Slot j holds the latest position <= first - 1 that is j mod ring (negative: none yet).
-        ring = -(-cfg.sliding_window // ps) * ps
-        first = jnp.min(jnp.where(positions >= 0, positions, 1 << 30), axis=1, keepdims=True)
-        held = first - 1 - (first - 1 - jnp.arange(ring_tables.shape[1] * ps)) % ring  # [b, L]
-        out = attend(q, jnp.concatenate([cached(cache[0], ring_tables), k], 1),
-                     jnp.concatenate([cached(cache[1], ring_tables), v], 1),
-                     jnp.concatenate([held, positions], 1), positions, cfg.scale, window)
-        new = tuple(write_kv(c, x, positions, ring_tables, ring) for c, x in zip(cache, (k, v)))
-    else:
-        new = tuple(write_kv(c, x, positions, full) for c, x in zip(cache, (k, v)))
-        out = attend(q, cached(new[0], full), cached(new[1], full), jnp.arange(full.shape[1] * ps), positions,
-                     cfg.scale, window)
-    return linear(out, p["o"]), new
+    pos = batch["positions"]
+    q, k = apply_rope(q, pos, inv), apply_rope(k, pos, inv)
+    kv = write_kv(kv, i, jnp.stack([k, v], axis=2).reshape(t, kvh * 2 * d), batch["slots"][kind])
+    out = attention(q, kv, i, batch["kv_lens"], batch["tables"][kind], batch["cu_q_lens"], batch["num_seqs"],
+                    scale=cfg.scale, sliding_window=cfg.sliding_window if sliding else None, mesh=batch.get("mesh"))
+    return linear(out.reshape(t, h * d), p["o"]), kv
 
 
-def logits(params: dict, h: jax.Array, cfg: ModelConfig, last: jax.Array | None = None) -> jax.Array:
-    """Final projection to the vocabulary (tied to the embedding when configured), float32.
-
-    last: [b] index into t of each row's one wanted position (a prefill needs only its last token's
-    logits; the rest of the vocabulary projection would be wasted work); None: every position.
-    """
-    if last is not None:
-        h = h[jnp.arange(h.shape[0]), last][:, None]  # [b, 1, hidden]
+def logits(params: dict, h: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """Final projection of h [n, hidden] to the vocabulary (tied to the embedding when configured), float32."""
     w = params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]
     out = linear(h, w).astype(jnp.float32)
     if cfg.final_logit_softcap:

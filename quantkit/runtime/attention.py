@@ -1,0 +1,47 @@
+"""The attention entry the models call: the Pallas paged-attention kernel on TPU, the pure-JAX path
+(kernels/xla.py, same signature) elsewhere; and the cache write that precedes it."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def write_kv(kv: jax.Array, layer, rows: jax.Array, slots: jax.Array) -> jax.Array:
+    """Stores rows [T, kv_heads * 2 * head_dim] (each token's keys and values) into layer `layer` of the
+    stacked pages kv [L, P, page_size, width] at flat slots [T] (page * page_size + offset; padding
+    tokens go to the scratch page 0). A scatter into the scan's carried cache: updated in place."""
+    ps = kv.shape[2]
+    return kv.at[layer, slots // ps, slots % ps].set(rows.astype(kv.dtype))
+
+
+def attention(q, kv, layer, kv_lens, block_tables, cu_q_lens, num_seqs, *, scale: float,
+              sliding_window: int | None = None, soft_cap: float | None = None, mesh=None) -> jax.Array:
+    """Ragged paged attention of q [T, H, D] over layer `layer` of kv (kernels/xla.py documents the
+    contract); on a TPU target the Pallas kernel, elsewhere the pure-JAX path.
+
+    mesh: the tensor-parallel mesh (runtime/sharding.py). XLA cannot partition a Mosaic kernel, so the
+    call runs per device under shard_map: each device its query heads over its KV heads when the cache's
+    heads are split, else (KV replicated) every device the whole attention."""
+    layer = jnp.asarray(layer, jnp.int32).reshape(1)
+    kw = dict(scale=scale, sliding_window=sliding_window, soft_cap=soft_cap)
+    if mesh is not None:
+        from jax.sharding import PartitionSpec as P
+
+        from quantkit.runtime.sharding import AXIS
+
+        split = kv.shape[-1] // (2 * q.shape[-1]) % mesh.shape[AXIS] == 0  # KV heads divide the mesh (cache_sharding)
+        qs, kvs = (P(None, AXIS, None), P(None, None, None, AXIS)) if split else (P(), P())
+        return jax.shard_map(lambda q, kv, *rest: attention(q, kv, *rest, **kw), mesh=mesh,
+                             in_specs=(qs, kvs, P(), P(), P(), P(), P()), out_specs=qs, check_vma=False)(
+            q, kv, layer, kv_lens, block_tables, cu_q_lens, num_seqs)
+    from quantkit.runtime.ops import tpu_chip
+
+    chip = tpu_chip()
+    if chip is not None:
+        from quantkit.kernels.paged_attention import paged_attention
+
+        return paged_attention(q, kv, layer, kv_lens, block_tables, cu_q_lens, num_seqs, **kw, chip=chip)
+    from quantkit.kernels.xla import paged_attention_xla
+
+    return paged_attention_xla(q, kv, layer, kv_lens, block_tables, cu_q_lens, num_seqs, **kw)

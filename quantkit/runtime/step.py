@@ -1,0 +1,232 @@
+"""The one ragged step: the flattened tokens of all scheduled sequences (decode tokens and prompt chunks
+together) -> the next token of each sequence, sampled on device, and the updated cache. What `plan`
+compiles, what the engine runs.
+
+A step's batch (host arrays, built by `Batch`): tokens [T] (prompt tokens; a decode row's token comes from
+the device: `prev_slot` >= 0 takes the last token sampled for that slot, so the host never waits for a
+step's output before preparing the next), positions [T], cu_q_lens [S + 1], kv_lens [S] (tokens in the
+cache after the step), num_seqs [1], per kind block tables [S, pages_per_seq], slot [S] (the engine slot of
+each row; padding rows: max_num_seqs, dropped) and sampling arrays [S]. Shapes are bucketed by T only
+(S = min(T, max_num_seqs)), so a server compiles one program per token bucket.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from quantkit.runtime.cache import CacheLayout, PagePool, cache_layout
+from quantkit.runtime.models import forward_for
+from quantkit.runtime.models.common import logits as project
+
+TOP_LOGPROBS = 20  # the most alternatives a request may ask for (OpenAI's limit)
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """temperature 0 = greedy; top_k 0 and top_p 1 = off."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+
+
+def sample(logits: jax.Array, keys: jax.Array, temperature, top_k, top_p) -> jax.Array:
+    """One token per row of logits [b, vocab] with per-row keys [b, 2] and parameters [b].
+
+    The top-k / top-p filter sorts the vocabulary, which XLA:CPU does slowly, so it runs only when a row
+    asks for it.
+    """
+    scaled = logits / jnp.maximum(temperature, 1e-6)[:, None]
+
+    def filtered():
+        desc = jnp.sort(scaled, axis=-1)[:, ::-1]
+        kth = jnp.take_along_axis(desc, jnp.clip(top_k - 1, 0, desc.shape[-1] - 1)[:, None], axis=-1)
+        kth = jnp.where(top_k[:, None] > 0, kth, -jnp.inf)
+        desc = jnp.where(desc < kth, -jnp.inf, desc)
+        cum = jnp.cumsum(jax.nn.softmax(desc, axis=-1), axis=-1)
+        cut = jnp.minimum(jnp.sum(cum < top_p[:, None], axis=-1), desc.shape[-1] - 1)  # smallest prefix >= top_p
+        floor = jnp.maximum(kth, jnp.take_along_axis(desc, cut[:, None], axis=-1))
+        return jnp.where(scaled < floor, -jnp.inf, scaled)
+
+    scaled = jax.lax.cond(jnp.any((top_k > 0) | (top_p < 1)), filtered, lambda: scaled)
+    drawn = jax.vmap(jax.random.categorical)(keys, scaled)
+    return jnp.where(temperature <= 0, jnp.argmax(logits, axis=-1), drawn)
+
+
+def pick(logits: jax.Array, s: dict, next_pos: jax.Array):
+    """Token, its log-probability and the top alternatives for logits [b, vocab] (float32).
+
+    The key of a draw depends only on the request's seed and the position of the drawn token, so a seeded
+    request gives the same text whatever else shares its batch.
+    """
+    keys = jax.vmap(lambda seed, p: jax.random.fold_in(jax.random.PRNGKey(seed), p))(s["seed"], next_pos)
+    tok = jax.lax.cond(jnp.all(s["temperature"] <= 0), lambda: jnp.argmax(logits, axis=-1),
+                       lambda: sample(logits, keys, s["temperature"], s["top_k"], s["top_p"]))
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    b = logits.shape[0]
+    top = jax.lax.cond(jnp.any(s["logprobs"]), lambda: tuple(jax.lax.top_k(logp, TOP_LOGPROBS)),
+                       lambda: (jnp.zeros((b, TOP_LOGPROBS), logp.dtype), jnp.zeros((b, TOP_LOGPROBS), jnp.int32)))
+    return tok.astype(jnp.int32), jnp.take_along_axis(logp, tok[:, None], axis=-1)[:, 0], top[1], top[0]
+
+
+def _slots(batch: dict, ps: int) -> dict:
+    """Per kind, the flat cache slot (page * ps + offset) each token writes; padding tokens: 0 (scratch)."""
+    cu, pos = batch["cu_q_lens"], batch["positions"]
+    t = pos.shape[0]
+    tok = jnp.arange(t)
+    seq = jnp.minimum(jnp.searchsorted(cu[1:], tok, side="right"), cu.shape[0] - 2)
+    live = tok < cu[batch["num_seqs"][0]]
+    return {k: jnp.where(live, tab[seq, pos // ps] * ps + pos % ps, 0) for k, tab in batch["tables"].items()}
+
+
+def step_function(cfg, page_size: int, all_logits: bool = False, mesh=None, unroll: bool = False):
+    """step(params, kv, last, batch) -> (outputs, kv, last).
+
+    kv: per kind stacked pages; last [max_num_seqs + 1]: the last token sampled per slot. outputs: (token,
+    logprob, top ids, top logprobs) per sequence row [S, ...], or with all_logits the float32 logits of
+    every token [T, vocab] (eval and tests). mesh: the tensor-parallel mesh, if any; unroll: layers as a
+    Python loop (plan's cost analysis only).
+    """
+    fwd = forward_for(cfg.family)
+
+    def step(params, kv, last, batch):
+        tokens = jnp.where(batch["prev_slot"] >= 0, last[jnp.maximum(batch["prev_slot"], 0)], batch["tokens"])
+        meta = {**batch, "slots": _slots(batch, page_size), "mesh": mesh, "unroll": unroll}
+        h, kv = fwd(params, cfg, tokens, kv, meta)
+        if all_logits:
+            return project(params, h, cfg), kv, last
+        rows = jnp.maximum(batch["cu_q_lens"][1:] - 1, 0)  # each sequence's last token
+        out = pick(project(params, h[rows], cfg), batch["sampling"], batch["kv_lens"])
+        return out, kv, last.at[batch["slot"]].set(out[0], mode="drop")
+
+    return step
+
+
+def token_buckets(max_num_batched_tokens: int, lo: int = 8) -> tuple[int, ...]:
+    """8, 16, 32, ... below the budget, then the budget: the step's token counts."""
+    out = [lo]
+    while out[-1] < max_num_batched_tokens:
+        out.append(min(out[-1] * 2, max_num_batched_tokens))
+    return tuple(out)
+
+
+def sampling_arrays(b: int) -> dict:
+    """Greedy sampling parameters for b rows."""
+    return {"temperature": np.zeros(b, np.float32), "top_k": np.zeros(b, np.int32),
+            "top_p": np.ones(b, np.float32), "seed": np.zeros(b, np.uint32), "logprobs": np.zeros(b, bool)}
+
+
+def empty_batch(t: int, s: int, layout: CacheLayout, max_num_seqs: int) -> dict:
+    """A step of t padding tokens and no sequence (s rows): the host arrays `Batch.build` fills."""
+    return {"tokens": np.zeros(t, np.int32), "prev_slot": np.full(t, -1, np.int32),
+            "positions": np.zeros(t, np.int32), "cu_q_lens": np.zeros(s + 1, np.int32),
+            "kv_lens": np.zeros(s, np.int32), "num_seqs": np.zeros(1, np.int32),
+            "tables": {k: np.zeros((s, layout.pages_per_seq), np.int32) for k in layout.layers},
+            "slot": np.full(s, max_num_seqs, np.int32), "sampling": sampling_arrays(s)}
+
+
+@dataclass
+class Row:
+    """One sequence's part of a step: `n` tokens from position `start`; `tokens` given (prompt), or None
+    for one decode token that the device takes from the slot's last sampled token."""
+
+    slot: int
+    start: int
+    n: int
+    tokens: list | None = None
+    sampling: Sampling = Sampling()
+    logprobs: bool = False
+
+
+@dataclass
+class Runner:
+    """A loaded model on device with its paged cache (runtime/cache.py) and the jitted step.
+
+    max_num_batched_tokens: the most tokens one step runs (the largest token bucket)."""
+
+    model: object  # loader.LoadedModel
+    max_model_len: int = 2048
+    max_num_seqs: int = 1
+    page_size: int = 16
+    max_num_batched_tokens: int = 512
+    tp: int = 1
+    compiled: set = field(default_factory=set)
+
+    def __post_init__(self):
+        cfg = self.model.cfg
+        self.buckets = token_buckets(self.max_num_batched_tokens)
+        self.layout = cache_layout(cfg, self.max_model_len, self.max_num_seqs, self.page_size,
+                                   self.max_num_batched_tokens)
+        self.pool = PagePool(self.layout, self.max_num_seqs)
+        # float32 on CPU: XLA:CPU upcasts a bf16 scatter and so copies the whole cache on every write
+        dtype = jnp.float32 if jax.default_backend() == "cpu" else self.model.dtype
+        self.kv = {k: jnp.zeros(s, dtype) for k, s in self.layout.shapes().items()}
+        self.last = jnp.zeros(self.max_num_seqs + 1, jnp.int32)
+        self.params, mesh = self.model.params, None
+        if self.tp > 1:
+            from quantkit.runtime.sharding import cache_sharding, make_mesh, shard_params
+
+            mesh = make_mesh(self.tp)
+            self.params = shard_params(self.params, cfg, mesh)
+            self.kv = {k: jax.device_put(v, cache_sharding(cfg, mesh)) for k, v in self.kv.items()}
+        self._step = jax.jit(step_function(cfg, self.page_size, mesh=mesh), donate_argnums=(1, 2))
+        self._logits = jax.jit(step_function(cfg, self.page_size, True, mesh), donate_argnums=(1, 2))
+
+    def bucket(self, n: int) -> int:
+        return next(b for b in self.buckets if b >= n) if n <= self.buckets[-1] else -(-n // 8) * 8
+
+    def batch(self, rows: list[Row]) -> dict:
+        """The host arrays of a step running `rows` (pages must be reserved)."""
+        n = sum(r.n for r in rows)
+        t = self.bucket(n)
+        b = empty_batch(t, min(t, self.max_num_seqs) if n <= self.buckets[-1] else len(rows), self.layout,
+                        self.max_num_seqs)
+        at = 0
+        for i, r in enumerate(rows):
+            if r.tokens is None:
+                b["prev_slot"][at] = r.slot
+            else:
+                b["tokens"][at:at + r.n] = r.tokens
+            b["positions"][at:at + r.n] = np.arange(r.start, r.start + r.n)
+            at += r.n
+            b["cu_q_lens"][i + 1] = at
+            b["kv_lens"][i], b["slot"][i] = r.start + r.n, r.slot
+            for k, tab in self.pool.tables.items():
+                b["tables"][k][i] = tab[r.slot]
+            s, p = b["sampling"], r.sampling
+            s["temperature"][i], s["top_k"][i], s["top_p"][i] = p.temperature, p.top_k, p.top_p
+            s["seed"][i], s["logprobs"][i] = p.seed & 0xFFFFFFFF, r.logprobs
+        b["cu_q_lens"][len(rows) + 1:] = at
+        b["num_seqs"][0] = len(rows)
+        return b
+
+    def empty(self, t: int) -> dict:
+        """A step of t padding tokens (warm-up)."""
+        return empty_batch(t, min(t, self.max_num_seqs), self.layout, self.max_num_seqs)
+
+    def run(self, batch: dict):
+        """Dispatches one step (asynchronously); returns the device outputs (token, logprob, top ids, top
+        logprobs), each [S, ...]."""
+        self.compiled.add(batch["tokens"].shape[0])
+        out, self.kv, self.last = self._step(self.params, self.kv, self.last, batch)
+        return out
+
+    def forward(self, rows: list[tuple[int, list, int]]) -> list[np.ndarray]:
+        """Float32 logits of every token for (slot, tokens, start position) rows run as one ragged step
+        (tests, eval); reserves the pages the rows need."""
+        for slot, toks, start in rows:
+            if not self.pool.reserve(slot, start, start + len(toks) - 1):
+                raise RuntimeError("KV cache pool exhausted")
+        batch = self.batch([Row(slot, start, len(toks), list(toks)) for slot, toks, start in rows])
+        out, self.kv, self.last = self._logits(self.params, self.kv, self.last, batch)
+        out, at = np.asarray(out), 0
+        res = []
+        for _, toks, _ in rows:
+            res.append(out[at:at + len(toks)])
+            at += len(toks)
+        return res

@@ -1,0 +1,234 @@
+"""paged_attention (Pallas, interpret mode on CPU) against jax's ref_ragged_paged_attention, its declared cost
+against the pages it really copies, and a deviceless compile for v6e.
+
+Batches are fresh random draws each run (the seed is in every failure message)."""
+
+from __future__ import annotations
+
+import numpy as np
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.experimental.pallas import tpu as pltpu
+from jax.experimental.pallas.ops.tpu.ragged_paged_attention.kernel import ref_ragged_paged_attention
+
+from quantkit.kernels.paged_attention import choose_blocks, cost, paged_attention
+from quantkit.kernels.tiling import CHIPS
+
+INTERPRET = pltpu.InterpretParams(detect_races=True)  # simulates DMAs and semaphores; flags buffer races
+LAYERS = 3
+
+
+def _seed() -> int:
+    return int(np.random.SeedSequence().entropy % (1 << 31))
+
+
+def make_batch(rng, *, d, kvh, g, t=32, s_max=6, pps=6, ps=16, window=None, page0=np.nan, dtype=jnp.float32,
+               q_lens=None):
+    """A ragged batch on a stacked cache of LAYERS layers, poisoned wherever the kernel must not look.
+
+    - pages come from a shuffled pool (never page 0); the other layers, pages no live sequence holds, the
+      slots past each kv_len, padding q rows and the unused sequence slots are NaN;
+    - with a window, block-table entries of pages wholly below each sequence's first visible key point to
+      page 0 (filled with `page0`), and the pages they used to name are NaN.
+    """
+    h = kvh * g
+    if q_lens is None:
+        ns = int(rng.integers(1, s_max))  # num_seqs < S
+        q_lens = [int(x) for x in rng.choice([1, 1, 1, 2, 5, 11], size=ns)]  # decodes and chunks
+        while sum(q_lens) > t - 1:  # keep at least one padding row
+            q_lens.pop()
+    ns = len(q_lens)
+    kv_lens = [int(rng.integers(max(ql, 1), pps * ps + 1)) for ql in q_lens]
+    num_pages = s_max * pps + 3
+    pool = rng.permutation(np.arange(1, num_pages))
+    tables = pool[:s_max * pps].reshape(s_max, pps).astype(np.int32)
+    layer = int(rng.integers(0, LAYERS))
+    kv = np.full((LAYERS, num_pages, ps, kvh * 2 * d), np.nan, np.float32)
+    for s in range(ns):
+        for p in range(-(-kv_lens[s] // ps)):
+            rows = min(ps, kv_lens[s] - p * ps)
+            kv[layer, tables[s, p], :rows] = rng.standard_normal((rows, kvh * 2 * d))
+    if window is not None:
+        for s in range(ns):
+            first_key = max(kv_lens[s] - q_lens[s] - window + 1, 0)
+            for p in range(first_key // ps):
+                kv[layer, tables[s, p]] = np.nan
+                tables[s, p] = 0
+    kv[layer, 0] = page0
+    q = np.full((t, h, d), np.nan, np.float32)
+    n = sum(q_lens)
+    q[:n] = rng.standard_normal((n, h, d))
+    cu = np.zeros(s_max + 1, np.int32)
+    cu[1:ns + 1] = np.cumsum(q_lens)
+    cu[ns + 1:] = n
+    kvl = np.zeros(s_max, np.int32)
+    kvl[:ns] = kv_lens
+    tables[ns:] = 0
+    args = (jnp.asarray(q, dtype), jnp.asarray(kv, dtype), jnp.asarray([layer], jnp.int32), jnp.asarray(kvl),
+            jnp.asarray(tables), jnp.asarray(cu), jnp.asarray([ns], jnp.int32))
+    return args, n, dict(q_lens=q_lens, kv_lens=kv_lens, layer=layer)
+
+
+def reference(args, *, d, kvh, scale, window, soft_cap):
+    q, kv, layer, kv_lens, tables, cu, ns = args
+    lay = kv[int(layer[0])]
+    pages = lay.reshape(lay.shape[0], lay.shape[1], 2 * kvh, d)
+    # The oracle gathers every table entry (also the dropped window pages, now page 0); its mask discards them
+    # unless they are NaN/inf: give it a clean page 0 (the kernel gets the poisoned one).
+    pages = pages.at[0].set(0)
+    return ref_ragged_paged_attention(q, pages, kv_lens, tables, cu, ns, sm_scale=scale, sliding_window=window,
+                                      soft_cap=soft_cap)
+
+
+# (d, kvh, g, window, soft_cap, dtype, block_q, pages_per_chunk, page0 fill)
+CASES = [
+    (64, 2, 2, None, None, jnp.float32, 8, 2, np.nan),
+    (64, 1, 3, 20, None, jnp.float32, 8, 1, np.nan),  # odd head count: pair padding
+    (128, 1, 4, 24, 20.0, jnp.float32, 8, 2, 1e30),
+    (128, 2, 1, None, 30.0, jnp.float32, None, None, np.nan),  # default tiling
+    (256, 1, 2, 40, None, jnp.float32, 8, 2, 1e30),
+    (256, 2, 1, None, None, jnp.float32, 16, 3, np.nan),
+    (512, 1, 2, 17, 10.0, jnp.float32, 8, 2, np.nan),
+    (128, 2, 2, 24, 30.0, jnp.bfloat16, 8, 2, np.nan),
+    (64, 2, 4, None, None, jnp.bfloat16, 8, 2, np.nan),
+]
+
+
+@pytest.mark.parametrize("d,kvh,g,window,soft_cap,dtype,block_q,chunk,page0", CASES)
+def test_matches_jax_reference(d, kvh, g, window, soft_cap, dtype, block_q, chunk, page0):
+    seed = _seed()
+    rng = np.random.default_rng(seed)
+    args, n, info = make_batch(rng, d=d, kvh=kvh, g=g, window=window, page0=page0, dtype=dtype)
+    scale = d ** -0.5
+    out = paged_attention(*args, scale=scale, sliding_window=window, soft_cap=soft_cap, interpret=INTERPRET,
+                          block_q=block_q, pages_per_chunk=chunk)
+    want = reference(args, d=d, kvh=kvh, scale=scale, window=window, soft_cap=soft_cap)
+    out = np.asarray(out.astype(jnp.float32))
+    want = np.asarray(want.astype(jnp.float32))
+    msg = f"seed={seed} {info}"
+    assert out.shape == args[0].shape and out.dtype == np.float32, msg
+    assert np.all(np.isfinite(out[:n])), msg
+    assert np.all(out[n:] == 0), msg  # padding rows: zeros, although their q rows are NaN
+    err = np.linalg.norm(out[:n] - want) / np.linalg.norm(want)
+    # float32: the same math as the oracle, only the summation order differs (online softmax over chunks,
+    # scale folded into q): a few ulps of float32 per element, ~1e-7 relative; 1e-5 leaves room. bf16: q, k, v
+    # are the same bf16 values, but the kernel scales q in bf16 and casts unnormalized probabilities to bf16
+    # for the PV matmul while the oracle casts normalized ones; each costs one bf16 rounding (2^-9 relative) per
+    # element, which averages to ~3e-3 in the norm: 1.5e-2.
+    tol = 1e-5 if dtype == jnp.float32 else 1.5e-2
+    assert err < tol, f"{msg} err={err:.2e}"
+
+
+def test_long_chunks_across_blocks():
+    """Prefill chunks spanning several query blocks (each block re-reads only its causal prefix), with a
+    window and a decode packed in the same block as a chunk's tail."""
+    seed = _seed()
+    rng = np.random.default_rng(seed)
+    d, kvh, g, window = 128, 1, 2, 30
+    args, n, info = make_batch(rng, d=d, kvh=kvh, g=g, window=window, q_lens=[19, 1, 9], s_max=4, pps=5)
+    out = paged_attention(*args, scale=0.1, sliding_window=window, interpret=INTERPRET, block_q=8,
+                          pages_per_chunk=2)
+    want = reference(args, d=d, kvh=kvh, scale=0.1, window=window, soft_cap=None)
+    err = np.linalg.norm(np.asarray(out)[:n] - np.asarray(want)) / np.linalg.norm(want)
+    assert err < 1e-5 and np.all(np.asarray(out)[n:] == 0), f"seed={seed} {info} err={err:.2e}"
+
+
+# ---- cost estimate honesty ---------------------------------------------------------------------------
+
+def _decode_batch(s, pps, ps, d, kvh, g, kv_lens):
+    """S sequences, one query token each, every page distinct."""
+    rng = np.random.default_rng(0)
+    h = kvh * g
+    tables = (1 + rng.permutation(s * pps)).reshape(s, pps).astype(np.int32)
+    kv = rng.standard_normal((2, s * pps + 1, ps, kvh * 2 * d)).astype(np.float32)
+    q = rng.standard_normal((s, h, d)).astype(np.float32)
+    cu = np.arange(s + 1, dtype=np.int32)
+    return (jnp.asarray(q), jnp.asarray(kv), jnp.asarray([1], jnp.int32), jnp.asarray(kv_lens, jnp.int32),
+            jnp.asarray(tables), jnp.asarray(cu), jnp.asarray([s], jnp.int32))
+
+
+@pytest.mark.parametrize("window", [None, 33])
+def test_cost_estimate_matches_copied_pages(window):
+    """Full-context decode: the declared bytes equal q + out + metadata + the pages the kernel DMA'd (counted
+    by the kernel itself); with a window each sequence copies only the pages of its window."""
+    s, pps, ps, d, kvh, g = 8, 8, 16, 128, 1, 2
+    kv_lens = np.full(s, pps * ps, np.int32)
+    if window is not None:  # any alignment: with W - 1 a multiple of ps, every window spans (W-1)/ps + 1 pages
+        kv_lens = np.random.default_rng(_seed()).integers(window, pps * ps + 1, size=s).astype(np.int32)
+    args = _decode_batch(s, pps, ps, d, kvh, g, kv_lens)
+    out, pages = paged_attention(*args, scale=0.1, sliding_window=window, interpret=INTERPRET,
+                                 count_pages=True)
+    pages = np.asarray(pages)
+    if window is None:
+        assert np.all(pages == pps)
+    else:
+        first = (kv_lens - window) // ps  # page of the first visible key (kv_len - 1 - W + 1)
+        assert np.array_equal(pages, (kv_lens - 1) // ps - first + 1), (pages, kv_lens)
+    h = kvh * g
+    blocks = choose_blocks(s, h, d, kvh, ps, pps, 4, 4, CHIPS["v6e"])
+    declared = cost(s, h, d, kvh, s, pps, ps, 4, 4, blocks, window, None).bytes_accessed
+    measured = (2 * s * h * d * 4 + 4 * (s * pps + 2 * s + 3 + 2 * (s // blocks.block_q))
+                + int(pages.sum()) * ps * kvh * 2 * d * 4)
+    assert abs(measured - declared) <= 0.03 * declared, (measured, declared)
+    want = reference(args, d=d, kvh=kvh, scale=0.1, window=window, soft_cap=None)
+    assert np.linalg.norm(np.asarray(out) - np.asarray(want)) / np.linalg.norm(want) < 1e-5
+
+
+# ---- deviceless compile for v6e ----------------------------------------------------------------------
+
+AOT = [(64, 8, 4, None), (128, 8, 4, None), (256, 16, 4, None), (512, 4, 4, None), (128, 8, 4, 256)]
+
+
+@pytest.mark.parametrize("d,kvh,g,window", AOT)
+def test_compiles_for_v6e_and_declares_its_bytes(d, kvh, g, window):
+    """Mosaic compiles the kernel for a v6e (no TPU needed) and XLA's count of the program's bytes is the
+    declared estimate: the program is the kernel plus a few tiny metadata ops (and, for D = 64, a relayout of
+    q and out between XLA's entry layout and the kernel's, ~3% here)."""
+    from quantkit.runtime.aot import compile_for
+
+    t, s, pps, ps, layers = 128, 16, 128, 16, 4
+    h = kvh * g
+    sds = jax.ShapeDtypeStruct
+    args = (sds((t, h, d), jnp.bfloat16), sds((layers, s * pps + 1, ps, kvh * 2 * d), jnp.bfloat16),
+            sds((1,), jnp.int32), sds((s,), jnp.int32), sds((s, pps), jnp.int32), sds((s + 1,), jnp.int32),
+            sds((1,), jnp.int32))
+    compiled, _ = compile_for("v6e", lambda *a: paged_attention(*a, scale=d ** -0.5, sliding_window=window,
+                                                                soft_cap=30.0 if window else None), *args)
+    ca = compiled.cost_analysis()
+    ca = ca[0] if isinstance(ca, list) else ca
+    blocks = choose_blocks(t, h, d, kvh, ps, pps, 2, 2, CHIPS["v6e"])
+    declared = cost(t, h, d, kvh, s, pps, ps, 2, 2, blocks, window, 30.0 if window else None).bytes_accessed
+    assert abs(ca["bytes accessed"] - declared) <= 0.05 * declared, (ca["bytes accessed"], declared)
+
+
+# ---- the CPU path (kernels/xla.py): the runtime's attention off TPU -------------------------------------
+
+@pytest.mark.parametrize("d,kvh,g,window,soft_cap", [(64, 2, 2, None, None), (128, 1, 4, 24, 20.0),
+                                                     (256, 2, 1, 40, None), (32, 2, 2, 9, 30.0)])
+def test_cpu_path_matches_jax_reference(d, kvh, g, window, soft_cap):
+    """paged_attention_xla on fresh random ragged batches (decodes and chunks, poisoned pages) equals jax's
+    ref_ragged_paged_attention. float32, same math, another summation order (chunked online softmax): 1e-5."""
+    from quantkit.kernels.xla import paged_attention_xla
+
+    seed = _seed()
+    rng = np.random.default_rng(seed)
+    args, n, info = make_batch(rng, d=d, kvh=kvh, g=g, window=window, ps=8 if d == 32 else 16)
+    out = np.asarray(paged_attention_xla(*args, scale=d ** -0.5, sliding_window=window, soft_cap=soft_cap,
+                                         chunk_pages=2))
+    want = np.asarray(reference(args, d=d, kvh=kvh, scale=d ** -0.5, window=window, soft_cap=soft_cap))
+    assert np.all(np.isfinite(out[:n])) and np.all(out[n:] == 0), f"seed={seed} {info}"
+    err = np.linalg.norm(out[:n] - want) / np.linalg.norm(want)
+    assert err < 1e-5, f"seed={seed} {info} err={err:.2e}"
+
+
+def test_kernel_in_interpret_mode_equals_cpu_path():
+    """The two attention paths of the runtime agree (float32, tolerance as against the oracle)."""
+    from quantkit.kernels.xla import paged_attention_xla
+
+    seed = _seed()
+    args, n, info = make_batch(np.random.default_rng(seed), d=128, kvh=2, g=2, window=20)
+    kw = dict(scale=0.1, sliding_window=20, soft_cap=None)
+    tpu = np.asarray(paged_attention(*args, **kw, interpret=INTERPRET, block_q=8, pages_per_chunk=2))
+    cpu = np.asarray(paged_attention_xla(*args, **kw))
+    assert np.linalg.norm(tpu[:n] - cpu[:n]) / np.linalg.norm(cpu[:n]) < 1e-5, f"seed={seed} {info}"
