@@ -2,12 +2,13 @@
 in one run. Also start-to-ready of quantkit with a cold and a warm compilation cache.
 
 Models (random weights, the default model's tokenizer): `tiny` = the issue's 2-layer hidden-256 Llama,
-dense bf16 and W4A16 g128 (made by `quantkit convert`), and `mid` = a ~190M Llama (16 layers, hidden 1024).
+and `mid` = a ~190M Llama (16 layers, hidden 1024), each dense bf16 and W4A16 g128 (made by `quantkit convert`;
+quantkit serves W4A16 on CPU with its weights dequantized once at load, `Runner.weights`).
 Load: N concurrent streaming clients (async httpx, SSE parsed by hand, the same client for both servers)
 send a fixed number of /v1/completions requests with 64 output tokens (temperature 0); reported: output
 tokens/s over the wall time, time to first token and time per output token p50/p99, errors.
 
-Usage: .venv/bin/python benchmarks/serve_load.py --vllm /tmp/vllmvenv/bin/vllm [--models tiny tiny-w4a16 mid]
+Usage: .venv/bin/python benchmarks/serve_load.py --vllm /tmp/vllmvenv/bin/vllm [--models tiny tiny-w4a16 mid mid-w4a16]
 (vLLM venv per ../shared/design/PEERS.md; without --vllm only quantkit is measured.)
 """
 
@@ -157,7 +158,7 @@ def measure(base: str, model: str, runs: int) -> list[dict]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--vllm", help="path of the vllm executable in its own venv")
-    ap.add_argument("--models", nargs="+", default=["tiny", "tiny-w4a16", "mid"])
+    ap.add_argument("--models", nargs="+", default=["tiny", "tiny-w4a16", "mid", "mid-w4a16"])
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--dir", default="/tmp/qk-serve-bench")
     ap.add_argument("--port", type=int, default=8311)

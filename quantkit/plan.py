@@ -168,11 +168,12 @@ def plan(path: str | Path, target: str = "v6e", max_model_len: int = 2048, max_n
             layouts["params"], layouts["cache"] = formats[:w], formats[w:w + len(cfg.kinds)]
         return compiled.memory_analysis().temp_size_in_bytes, seconds, "", _dequantized(compiled, weight_shapes)
 
-    def fits_at(n: int) -> tuple[bool, int, float, str, list]:
-        """Compiles the decode bucket and the full budget for n sequences: (fits, temporary bytes, seconds,
-        message, dequantized buffers found)."""
+    def fits_at(n: int, decode: bool = True) -> tuple[bool, int, float, str, list]:
+        """Compiles the decode bucket (unless not `decode`) and the full budget for n sequences: (fits,
+        temporary bytes, seconds, message, dequantized buffers found)."""
         seconds, temps, found = 0.0, [], []
-        for t in dict.fromkeys((next(b for b in buckets if b >= min(n, budget)), budget)):
+        sizes = (next(b for b in buckets if b >= min(n, budget)), budget) if decode else (budget,)
+        for t in dict.fromkeys(sizes):
             temp, s, message, more = compile_step(t, n)
             seconds, found = seconds + s, found + more
             if temp is None:
@@ -189,13 +190,13 @@ def plan(path: str | Path, target: str = "v6e", max_model_len: int = 2048, max_n
         # KV grows by `per_seq` bytes a sequence: guess the largest n from the temporaries of the last compile
         # and confirm it by compiling; temporaries grow with n, so a miss guesses again from its own (lower),
         # or, when the compiler refused outright, halves the distance to the largest n known to fit
-        per_seq = kv_bytes(1) - kv_bytes(0)
+        per_seq = kv_bytes(2) - kv_bytes(1)  # marginal (a tiny pool is clamped to the full one's size)
         lo, hi = (max_num_seqs, None) if fits else (0, max_num_seqs)
         guess = (chip.hbm_bytes - weights - temp) // per_seq
         while (n := guess if hi is None else min(guess, hi - 1)) > lo:
             if progress:
                 progress(f"checking max_num_seqs = {n}")
-            ok, t, s, _, _ = fits_at(n)
+            ok, t, s, _, _ = fits_at(n, decode=False)  # the budget program has the larger temporaries
             seconds += s
             lo, hi = (n, hi) if ok else (lo, n)
             guess = (chip.hbm_bytes - weights - t) // per_seq if t else (lo + n) // 2

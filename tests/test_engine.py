@@ -148,3 +148,31 @@ def test_seeded_sampling_does_not_depend_on_batch_neighbours(model):
 
     alone, crowded = run(0), run(3)
     assert alone == crowded and alone != _reference(model, [9, 8, 7], 16)
+
+
+@pytest.mark.parametrize("k,p", [(5, 1.0), (0, 0.5), (40, 0.9)])
+def test_top_k_top_p_keep_what_a_sorted_vocabulary_keeps(k, p):
+    """The bisection cut-offs of `sample` against the textbook filter on a sorted vocabulary (numpy): every
+    draw lies in the allowed set, and 400 draws from these small sets reach all of it."""
+    import jax
+
+    from quantkit.runtime.step import sample
+
+    rng = np.random.default_rng(k)
+    x = rng.standard_normal((3, 500)).astype(np.float32) * 3
+    allowed = []
+    for row in x.copy():
+        if k:
+            row[row < np.sort(row)[::-1][k - 1]] = -np.inf
+        pr = np.exp(row - row.max())
+        pr /= pr.sum()
+        order = np.argsort(-pr)
+        allowed.append(set(order[:np.searchsorted(np.cumsum(pr[order]), p) + 1 if p < 1 else k].tolist()))
+    draw = jax.jit(sample)
+    seen = [set() for _ in allowed]
+    for i in range(400):
+        toks = draw(jnp.asarray(x), jax.random.split(jax.random.PRNGKey(i), 3), jnp.ones(3), jnp.full(3, k),
+                    jnp.full(3, p, jnp.float32))
+        for s, t in zip(seen, np.asarray(toks)):
+            s.add(int(t))
+    assert seen == allowed

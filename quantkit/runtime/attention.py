@@ -35,13 +35,14 @@ def attention(q, kv, layer, kv_lens, block_tables, cu_q_lens, num_seqs, *, scale
         return jax.shard_map(lambda q, kv, *rest: attention(q, kv, *rest, **kw), mesh=mesh,
                              in_specs=(qs, kvs, P(), P(), P(), P(), P()), out_specs=qs, check_vma=False)(
             q, kv, layer, kv_lens, block_tables, cu_q_lens, num_seqs)
-    from quantkit.runtime.ops import tpu_chip
+    from quantkit.runtime.ops import interpret, tpu_chip
 
     chip = tpu_chip()
     if chip is not None:
         from quantkit.kernels.paged_attention import paged_attention
 
-        return paged_attention(q, kv, layer, kv_lens, block_tables, cu_q_lens, num_seqs, **kw, chip=chip)
+        return paged_attention(q, kv, layer, kv_lens, block_tables, cu_q_lens, num_seqs, **kw, chip=chip,
+                               interpret=interpret())
     from quantkit.kernels.xla import paged_attention_xla
 
     return paged_attention_xla(q, kv, layer, kv_lens, block_tables, cu_q_lens, num_seqs, **kw)

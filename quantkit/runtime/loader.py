@@ -172,6 +172,27 @@ class _Reader:
                             layouts[0][2], layouts[0][3])
 
 
+def densify(params: dict, dtype) -> dict:
+    """The weight pytree with every QTensor dequantized once into a dense `dtype` array of the layout its
+    slot has when unquantized (stacked linears [layers, in, out], experts [layers, experts, in, out],
+    lm_head [in, out]). Off TPU this is what serves fastest: the XLA path would otherwise dequantize each
+    weight on every call (runtime/step.py `Runner.weights`)."""
+    from quantkit.quant.reference import dequantize
+
+    def dense(key, w, layers=None):
+        if not isinstance(w, QTensor):
+            return w
+        d = jax.jit(dequantize)(w).astype(dtype)  # [G, k, n]
+        if layers is None:
+            return d[0]
+        return d if d.shape[0] == layers else d.reshape(layers, -1, *d.shape[1:])
+
+    out = {k: dense(k, v) for k, v in params.items() if k != "layers"}
+    out["layers"] = {kind: {k: dense(k, v, stack["attn_norm"].shape[0]) for k, v in stack.items()}
+                     for kind, stack in params["layers"].items()}
+    return out
+
+
 def load(path: str | Path, dtype=jnp.bfloat16, check: bool = True) -> LoadedModel:
     """Loads a dense or compressed-tensors checkpoint that `quantkit inspect` accepts.
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+
 import jax
 import jax.numpy as jnp
 
@@ -10,9 +13,35 @@ from quantkit.kernels.xla import gmm_xla
 from quantkit.quant.qtensor import QTensor
 
 
+# Set only inside `interpreted_tpu_kernels` (tests): trace the TPU path, kernels in Pallas interpret mode.
+_INTERPRETED = contextvars.ContextVar("quantkit_interpreted_tpu_kernels", default=None)
+
+
+@contextlib.contextmanager
+def interpreted_tpu_kernels(chip: str = "v6e"):
+    """Within this context, steps traced on any backend take the TPU code path (gmm_v2, the paged-attention
+    kernel) with the kernels run in Pallas interpret mode: the TPU program run, not only compiled, on a CPU."""
+    token = _INTERPRETED.set(chip)
+    try:
+        yield
+    finally:
+        _INTERPRETED.reset(token)
+
+
+def interpret():
+    """The `interpret` argument for Pallas calls: InterpretParams inside `interpreted_tpu_kernels`, else False."""
+    if _INTERPRETED.get() is None:
+        return False
+    from jax.experimental.pallas import tpu as pltpu
+
+    return pltpu.InterpretParams()
+
+
 def tpu_chip() -> str | None:
     """The TPU generation being traced for: the default device's (set by `with jax.default_device(...)`
-    for deviceless compilation in `plan`), else the backend's; None off TPU."""
+    for deviceless compilation in `plan`), else the backend's; None off TPU (unless interpreted)."""
+    if _INTERPRETED.get() is not None:
+        return _INTERPRETED.get()
     dev = jax.config.jax_default_device
     dev = dev if isinstance(dev, jax.Device) else (jax.devices()[0] if jax.default_backend() == "tpu" else None)
     if dev is None or dev.platform != "tpu":
@@ -31,7 +60,7 @@ def grouped_matmul(x: jax.Array, w: QTensor, group_sizes: jax.Array, group_offse
 
         tiles, _ = check_gmm_v2(x.shape, w, CHIPS[chip], group_sizes.shape[0])
         if tiles is not None:
-            return gmm_v2(x, w, group_sizes, group_offset, chip=chip, tiles=tiles)
+            return gmm_v2(x, w, group_sizes, group_offset, chip=chip, tiles=tiles, interpret=interpret())
     return gmm_xla(x, w, group_sizes, group_offset)
 
 
