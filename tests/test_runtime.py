@@ -53,9 +53,9 @@ def _rel(a, b) -> float:
 
 def _greedy_parity(path, ref_model, dtype, tol, prompt_len=20, steps=10):
     """Prefill and `steps` greedy decode steps through the paged cache vs the reference's logits
-    (quantized weights kept packed: the XLA path of the quantized matmul)."""
+    (quantized weights kept packed: the XLA path of the quantized matmul; layers scanned as on a TPU)."""
     model = load(path, dtype=dtype)
-    runner = Runner(model, max_model_len=64, page_size=8, weights="packed")
+    runner = Runner(model, max_model_len=64, page_size=8, weights="packed", scan=True)
     rng = np.random.default_rng(0)
     ids = [int(x) for x in rng.integers(0, 256, prompt_len)]
     ours = runner.forward([(0, ids, 0)])
@@ -128,7 +128,7 @@ def test_mixed_step_of_prompt_chunks_and_decodes_equals_each_alone(family_ckpt):
                                                                  r.forward([(0, seq[c:], c)])[0])[1]
 
     solo = [alone(s, c) for s, c in zip(seqs, cut)]
-    r = Runner(model, max_model_len=32, max_num_seqs=4, page_size=4)
+    r = Runner(model, max_model_len=32, max_num_seqs=4, page_size=4, scan=True)
     r.forward([(i, s[:c], 0) for i, (s, c) in enumerate(zip(seqs, cut)) if c])
     mixed = r.forward([(3, seqs[3][9:], 9), (0, seqs[0][5:], 5), (2, seqs[2][13:], 13), (1, seqs[1], 0)])
     for got, i in zip(mixed, (3, 0, 2, 1)):
@@ -223,7 +223,7 @@ ids = np.random.default_rng(0).integers(0, 256, 20).tolist()
 one_r = Runner(model, max_model_len=64, weights="packed")
 one = one_r.forward([(0, ids, 0)])[0]
 one_decode = one_r.forward([(0, [7], 20)])[0]
-tp = Runner(model, max_model_len=64, tp=4, weights="packed")
+tp = Runner(model, max_model_len=64, tp=4, weights="packed", scan=True)
 four = tp.forward([(0, ids, 0)])[0]
 four_decode = tp.forward([(0, [7], 20)])[0]
 q = tp.params["layers"]["full"]["o"]
@@ -297,10 +297,10 @@ def test_tpu_kernels_in_interpret_mode_give_the_cpu_path_tokens(name, scheme, tm
         path = tmp_path / "q"
     m = load(path, dtype=jnp.float32)
     prompt = np.random.default_rng(3).integers(0, 256, 13).tolist()
-    cpu = Runner(m, max_model_len=64, page_size=8, weights="packed")
+    cpu = Runner(m, max_model_len=64, page_size=8, weights="packed", scan=True)
     cpu_logits = cpu.forward([(0, prompt, 0)])[0]
     with interpreted_tpu_kernels():
-        tpu = Runner(m, max_model_len=64, page_size=8, weights="packed")
+        tpu = Runner(m, max_model_len=64, page_size=8, weights="packed", scan=True)
         tpu_logits = tpu.forward([(0, prompt, 0)])[0]
         tokens = generate(tpu, prompt, 6)
         jaxpr = str(jax.make_jaxpr(step_function(m.cfg, 8))(tpu.params, tpu.kv, tpu.last, tpu.empty(8)))

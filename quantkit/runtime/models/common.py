@@ -43,8 +43,8 @@ def layer_params(stack: dict, i) -> dict:
 def run_layers(body: Callable, kinds: tuple[str, ...], carry, unroll: bool = False):
     """carry = body(kind, i, carry) for every layer in order, i its (traced) index within its kind's stack.
 
-    unroll: a plain Python loop instead (plan's cost analysis of shallow variants: XLA's cost analysis
-    counts a loop body once, whatever its trip count).
+    unroll: a plain Python loop instead (CPU serving, where XLA:CPU loops are slow; plan's cost analysis of
+    shallow variants, since XLA's cost analysis counts a loop body once, whatever its trip count).
 
     Consecutive layers of a kind are one scan; a repeating pattern of runs (Gemma's 5 sliding + 1 full)
     is an outer scan over repetitions whose body runs one inner scan per run, so each kind's body is
