@@ -61,33 +61,36 @@ def build(path: Path) -> None:
 
 
 def time_quantkit(path: Path, batch: int) -> tuple[float, float, int]:
+    import jax
     import jax.numpy as jnp
 
-    from quantkit.runtime.engine import Runner
+    from quantkit.runtime.step import Row, Runner
     from quantkit.runtime.loader import load
 
     model = load(path, dtype=jnp.bfloat16)
     rng = np.random.default_rng(1)
-    prompt = rng.integers(0, CFG["vocab_size"], (batch, PROMPT))
-    pos = np.broadcast_to(np.arange(PROMPT), (batch, PROMPT))
+    prompts = rng.integers(0, CFG["vocab_size"], (batch, PROMPT)).tolist()
 
     def run():
-        r = Runner(model, max_model_len=PROMPT + STEPS + 8, max_batch=batch, page_size=16)
+        """One ragged step prefilling every prompt, then STEPS steps of one decode token per sequence."""
+        r = Runner(model, max_model_len=PROMPT + STEPS + 8, max_num_seqs=batch, page_size=16,
+                   max_num_batched_tokens=batch * PROMPT)
         r._step = shared[0] or r._step
         shared[0] = r._step
+        for i in range(batch):
+            r.pool.reserve(i, 0, PROMPT + STEPS)
         t0 = time.perf_counter()
-        r.forward(prompt, pos).block_until_ready()
+        jax.block_until_ready(r.run(r.batch([Row(i, 0, PROMPT, p) for i, p in enumerate(prompts)])))
         t1 = time.perf_counter()
-        tok = np.zeros((batch, 1), np.int64)
         for s in range(STEPS):
-            out = r.forward(tok, np.full((batch, 1), PROMPT + s))
-        out.block_until_ready()
+            out = r.run(r.batch([Row(i, PROMPT + s, 1) for i in range(batch)]))
+        jax.block_until_ready(out)
         return t1 - t0, time.perf_counter() - t1, r
 
     shared = [None]
-    _, _, r = run()  # warm-up: compiles the prefill and decode shapes
+    _, _, r = run()  # warm-up: compiles the prefill and decode buckets
     pre, dec = zip(*[run()[:2] for _ in range(RUNS)])
-    return batch * PROMPT / statistics.median(pre), batch * STEPS / statistics.median(dec), len(r.compilations)
+    return batch * PROMPT / statistics.median(pre), batch * STEPS / statistics.median(dec), len(r.compiled)
 
 
 def time_transformers(path: Path, batch: int, dtype: str) -> tuple[float, float]:

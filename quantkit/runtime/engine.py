@@ -21,7 +21,6 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import jax
-import numpy as np
 
 from quantkit.errors import InvalidInput
 from quantkit.runtime.step import TOP_LOGPROBS, Row, Runner, Sampling  # noqa: F401 - re-exported

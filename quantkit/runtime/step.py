@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from quantkit.quant.qtensor import QTensor
 from quantkit.runtime.cache import CacheLayout, PagePool, cache_layout
 from quantkit.runtime.models import forward_for
 from quantkit.runtime.models.common import logits as project
@@ -202,6 +203,10 @@ class Runner:
             self.params = shard_params(self.params, cfg, mesh)
             self.kv = {k: jax.device_put(v, cache_sharding(cfg, mesh)) for k, v in self.kv.items()}
         unroll = not self.scan if self.scan is not None else jax.default_backend() == "cpu"
+        if unroll:  # per-layer arrays: a slice of a stacked weight would be copied before every dot on CPU
+            self.params = {**self.params, "layers": {
+                kind: {k: w if isinstance(w, QTensor) else tuple(w) for k, w in stack.items()}
+                for kind, stack in self.params["layers"].items()}}
         self._step = jax.jit(step_function(cfg, self.page_size, mesh=mesh, unroll=unroll), donate_argnums=(1, 2))
         self._logits = jax.jit(step_function(cfg, self.page_size, True, mesh, unroll), donate_argnums=(1, 2))
 

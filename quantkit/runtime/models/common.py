@@ -36,7 +36,7 @@ class At:
 
 def layer_params(stack: dict, i) -> dict:
     """Layer i of a kind's stacked weights: dense leaves indexed, QTensors as At views."""
-    n = stack["attn_norm"].shape[0]  # layers in the stack
+    n = len(stack["attn_norm"])  # layers in the stack (unrolled on CPU: a tuple of per-layer arrays)
     return {key: At(w, i, w.shape[0] // n) if isinstance(w, QTensor) else w[i] for key, w in stack.items()}
 
 
