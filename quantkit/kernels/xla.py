@@ -90,7 +90,7 @@ def _attend_chunks(q, qpos, tables, kv, layer, kv_lens, *, scale, window, soft_c
 @functools.partial(jax.jit, static_argnames=("scale", "sliding_window", "soft_cap", "chunk_pages"))
 def paged_attention_xla(q, kv, layer, kv_lens, block_tables, cu_q_lens, num_seqs, *, scale: float,
                         sliding_window: int | None = None, soft_cap: float | None = None,
-                        chunk_pages: int = 8) -> jax.Array:
+                        chunk_pages: int = 8, block: int = 32) -> jax.Array:
     """Ragged paged attention (the contract of kernels/paged_attention.py, pure JAX).
 
     Args:
@@ -103,16 +103,16 @@ def paged_attention_xla(q, kv, layer, kv_lens, block_tables, cu_q_lens, num_seqs
     Returns:
         [T, H, D] in q.dtype; rows of no sequence are zero.
 
-    Decode rows (one query of a sequence) are computed together, one row per sequence; each sequence
-    with several queries (a prompt chunk) then in a loop over those sequences only, with a T-row window.
+    Decode rows (one query of a sequence) are computed together, one row per sequence; the rows of
+    sequences with several queries (prompt chunks) in blocks of `block` rows of one sequence each, all
+    blocks together (T // block + S of them: a chunk's last block may be partial).
     """
     t, h, d = q.shape
     s = block_tables.shape[0]
     layer = jnp.asarray(layer, jnp.int32).reshape(())
     n = num_seqs.reshape(())
-    seq = jnp.arange(s)
     start, q_len = cu_q_lens[:-1], cu_q_lens[1:] - cu_q_lens[:-1]
-    real = seq < n
+    real = jnp.arange(s) < n
     kw = dict(scale=scale, window=sliding_window, soft_cap=soft_cap, chunk=chunk_pages)
     # one query per sequence (decodes): [S, 1] rows
     single = real & (q_len == 1)
@@ -120,19 +120,22 @@ def paged_attention_xla(q, kv, layer, kv_lens, block_tables, cu_q_lens, num_seqs
     dec = _attend_chunks(q[row][:, None], jnp.where(single, kv_lens - 1, -1)[:, None], block_tables, kv, layer,
                          kv_lens, **kw)[:, 0]
     out = jnp.zeros((t + 1, h, d), jnp.float32).at[jnp.where(single, start, t)].set(dec)
-    # sequences with several queries, one at a time over a window of t rows
-    multi = real & (q_len > 1)
-    order = jnp.argsort(~multi, stable=True)  # those sequences first
-    qpad = jnp.pad(q, ((0, t), (0, 0), (0, 0)))
+    # several queries: block b holds rows start[seq[b]] + offset[:, b] of sequence seq[b] (t: none)
+    r = min(block, t)
+    nb = t // r + s
+    per_seq = jnp.where(real & (q_len > 1), -(-q_len // r), 0)
+    ends = jnp.cumsum(per_seq)
+    b = jnp.arange(nb)
+    seq = jnp.minimum(jnp.searchsorted(ends, b, side="right"), s - 1)
+    offset = (b - (ends[seq] - per_seq[seq])) * r + jnp.arange(r)[:, None]  # [r, nb] rows into the chunk
+    valid = (b < ends[-1]) & (offset < q_len[seq])
+    rows = jnp.where(valid, start[seq] + offset, t).T  # [nb, r]
+    qpos = jnp.where(valid, kv_lens[seq] - q_len[seq] + offset, -1).T
 
-    def one(i, out):
-        sid = order[i]
-        rows = jax.lax.dynamic_slice_in_dim(qpad, start[sid], t)  # [t, H, D]
-        j = jnp.arange(t)
-        qpos = jnp.where(j < q_len[sid], kv_lens[sid] - q_len[sid] + j, -1)
-        o = _attend_chunks(rows[None], qpos[None], block_tables[sid][None], kv, layer, kv_lens[sid][None], **kw)[0]
-        target = jnp.where(j < q_len[sid], start[sid] + j, t)
-        return out.at[target].set(o)
+    def chunks(out):
+        o = _attend_chunks(jnp.pad(q, ((0, 1), (0, 0), (0, 0)))[rows], qpos, block_tables[seq], kv, layer,
+                           kv_lens[seq], **kw)
+        return out.at[rows.reshape(-1)].set(o.reshape(-1, h, d))
 
-    out = jax.lax.fori_loop(0, jnp.sum(multi), one, out)
+    out = jax.lax.cond(ends[-1] > 0, chunks, lambda out: out, out)  # decode-only steps skip the setup
     return out[:t].astype(q.dtype)
