@@ -190,16 +190,19 @@ def plan(path: str | Path, target: str = "v6e", max_model_len: int = 2048, max_n
         # KV grows by `per_seq` bytes a sequence: guess the largest n from the temporaries of the last compile
         # and confirm it by compiling; temporaries grow with n, so a miss guesses again from its own (lower),
         # or, when the compiler refused outright, halves the distance to the largest n known to fit
-        per_seq = kv_bytes(2) - kv_bytes(1)  # marginal (a tiny pool is clamped to the full one's size)
+        # (marginal, taken at max_num_seqs: a tiny sliding-window pool is clamped to the full one's size), on
+        # top of `fixed` bytes whatever n (scratch pages, the pages of one step's prompt chunks)
+        per_seq = kv_bytes(max_num_seqs + 1) - kv_bytes(max_num_seqs)
+        fixed = kv_bytes(max_num_seqs) - max_num_seqs * per_seq
         lo, hi = (max_num_seqs, None) if fits else (0, max_num_seqs)
-        guess = (chip.hbm_bytes - weights - temp) // per_seq
+        guess = (chip.hbm_bytes - weights - temp - fixed) // per_seq
         while (n := guess if hi is None else min(guess, hi - 1)) > lo:
             if progress:
                 progress(f"checking max_num_seqs = {n}")
             ok, t, s, _, _ = fits_at(n, decode=False)  # the budget program has the larger temporaries
             seconds += s
             lo, hi = (n, hi) if ok else (lo, n)
-            guess = (chip.hbm_bytes - weights - t) // per_seq if t else (lo + n) // 2
+            guess = (chip.hbm_bytes - weights - t - fixed) // per_seq if t else (lo + n) // 2
         best = lo
     # the kernels: one entry per distinct quantized weight shape (on one chip), with its gmm_v2 tiling
     kernels, seen = [], set()

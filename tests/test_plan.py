@@ -86,9 +86,10 @@ def test_gemma3_27b_w4a16_g32_on_v6e(tmp_path):
     # below); the temporaries are activations of the 512-token step, the attention kernel reads pages in place
     assert r["dequantized_weight_buffers"] == [] and 0 < h["temporaries"] < 1 << 30
     # the compiled decode step reads about the weights and the KV cache once (XLA's own cost analysis; the
-    # Pallas kernels count by their declared CostEstimates)
+    # Pallas kernels count by their declared CostEstimates): within the 1.15x, which a per-step copy
+    # of the 2.8 GB embedding or weights staged into VMEM before each gmm_v2 call (1.69x) would break
     c = r["decode_step_cost"]
-    assert c["floor_bytes"] == h["weights"] + h["kv_cache"] and 0.95 < c["ratio_to_floor"] < 1.8
+    assert c["floor_bytes"] == h["weights"] + h["kv_cache"] and 0.95 < c["ratio_to_floor"] < 1.15
     assert {k["path"] for k in r["kernels"]} == {"gmm_v2"} and len(r["kernels"]) == 5
     assert all(0 < k["vmem_bytes"] <= 128 << 20 for k in r["kernels"]) and r["compile_seconds"] > 0
     # the largest concurrency is the last one whose KV still fits beside the weights and temporaries

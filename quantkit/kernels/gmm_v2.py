@@ -198,7 +198,10 @@ def _call(lhs: jax.Array, rhs: QTensor, group_sizes: jax.Array, group_offset: ja
                                              vmem_limit_bytes=tiles.vmem_limit),
         cost_estimate=cost(m, k, n, g, rhs, tiles, lhs.dtype.itemsize),
         interpret=interpret,
-    )(vg, vt, nv, bounds, group_offset.reshape(1).astype(jnp.int32), lhs, rhs.values, rhs.scales)
+    )(vg, vt, nv, bounds, group_offset.reshape(1).astype(jnp.int32), lhs, *(
+        # weights stay in HBM: else XLA may stage a small one whole into VMEM before the call (a second copy
+        # of its bytes, seen for Gemma-3-27B's o-proj and scales), where the kernel streams tiles anyway
+        pltpu.with_memory_space_constraint(a, pltpu.HBM) for a in (rhs.values, rhs.scales)))
 
 
 # ---- public entry ----------------------------------------------------------------------------------
