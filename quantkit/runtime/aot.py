@@ -65,12 +65,14 @@ def compile_for(chip: str, fn, *args, donate: tuple[int, ...] = (), tp: int = 1)
     import jax
     from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
+    from quantkit.runtime.sharding import row_major
+
     devices = tpu_devices(chip, tp)
     default = NamedSharding(target_mesh(chip, tp), PartitionSpec()) if tp > 1 else SingleDeviceSharding(devices[0])
 
-    def place(a):
-        return a if getattr(a, "sharding", None) is not None else jax.ShapeDtypeStruct(a.shape, a.dtype,
-                                                                                      sharding=default)
+    def place(a):  # row-major, as the Runner places weights (runtime/sharding.py row_major)
+        return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=row_major(getattr(a, "sharding", None) or default,
+                                                                         len(a.shape)))
 
     placed = jax.tree_util.tree_map(place, args)
     t = time.perf_counter()
