@@ -131,7 +131,7 @@ def plan(path: str | Path, target: str = "v6e", max_model_len: int = 2048, max_n
         batch = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
                                        empty_batch(t, min(t, n), cache_layout(c, max_model_len, n, PAGE_SIZE, budget), n))
         return compile_for(target, step_function(c, PAGE_SIZE, mesh=mesh, unroll=unroll), weights, cache(n, c),
-                           jax.ShapeDtypeStruct((n + 1,), jnp.int32), batch, donate=(1, 2), tp=tp)
+                           jax.ShapeDtypeStruct((n + 1,), jnp.int32), batch, donate=(1, 2), pinned=(0,), tp=tp)
 
     def decode_cost(n: int) -> dict:
         """XLA's cost analysis of the decode program, scaled to the model's depth: XLA counts a loop body

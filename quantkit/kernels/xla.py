@@ -98,7 +98,7 @@ def _attend_chunks(q, qpos, tables, kv, layer, kv_lens, *, scale, window, soft_c
 @functools.partial(jax.jit, static_argnames=("scale", "sliding_window", "soft_cap", "chunk_pages"))
 def paged_attention_xla(q, kv, layer, kv_lens, block_tables, cu_q_lens, num_seqs, *, scale: float,
                         sliding_window: int | None = None, soft_cap: float | None = None,
-                        chunk_pages: int = 8, block: int = 32) -> jax.Array:
+                        chunk_pages: int = 4, block: int = 32) -> jax.Array:
     """Ragged paged attention (the contract of kernels/paged_attention.py, pure JAX).
 
     Args:

@@ -54,10 +54,11 @@ def target_mesh(chip: str, tp: int):
     return make_mesh(tp, list(tpu_devices(chip, tp)))
 
 
-def compile_for(chip: str, fn, *args, donate: tuple[int, ...] = (), tp: int = 1):
+def compile_for(chip: str, fn, *args, donate: tuple[int, ...] = (), pinned: tuple[int, ...] = (), tp: int = 1):
     """Compiles `fn` for `tp` chips of `chip` on abstract args (pytrees of jax.ShapeDtypeStruct; those
     without a sharding go on the one device, or are replicated over the mesh); `donate`: argument positions
-    whose buffers the outputs may reuse (the KV cache).
+    whose buffers the outputs may reuse (the KV cache); `pinned`: argument positions laid out row-major, as
+    the Runner places weights (runtime/sharding.py row_major); the others in layouts XLA chooses.
 
     Returns (compiled, seconds). Lowering runs under the target device so that Pallas rules that
     consult the chip see the target, not the host CPU.
@@ -70,11 +71,12 @@ def compile_for(chip: str, fn, *args, donate: tuple[int, ...] = (), tp: int = 1)
     devices = tpu_devices(chip, tp)
     default = NamedSharding(target_mesh(chip, tp), PartitionSpec()) if tp > 1 else SingleDeviceSharding(devices[0])
 
-    def place(a):  # row-major, as the Runner places weights (runtime/sharding.py row_major)
-        return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=row_major(getattr(a, "sharding", None) or default,
-                                                                         len(a.shape)))
+    def place(a, pin: bool):
+        sharding = getattr(a, "sharding", None) or default
+        sharding = row_major(sharding, len(a.shape)) if pin else sharding
+        return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding)
 
-    placed = jax.tree_util.tree_map(place, args)
+    placed = [jax.tree_util.tree_map(lambda a, pin=i in pinned: place(a, pin), x) for i, x in enumerate(args)]
     t = time.perf_counter()
     with jax.default_device(devices[0]):
         compiled = jax.jit(fn, donate_argnums=donate).trace(*placed).lower(lowering_platforms=("tpu",)).compile()
