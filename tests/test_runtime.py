@@ -309,3 +309,20 @@ def test_tpu_kernels_in_interpret_mode_give_the_cpu_path_tokens(name, scheme, tm
     # the kernels really are in the traced step: attention's output is [T, heads, lanes], gmm_v2's [T, n]
     ranks = [dims.count(",") + 1 for dims in re.findall(r"\w+\[([\d,]+)\] = pallas_call\[", jaxpr)]
     assert 3 in ranks and (2 in ranks) == bool(scheme), ranks
+
+
+def test_place_row_major_keeps_row_major_arrays_and_converts_others():
+    """Weights are pinned row-major (sharding.row_major) without ever holding a model twice: an array already
+    row-major is returned as is (no copy), another layout is converted with its values unchanged."""
+    from jax.experimental.layout import Format, Layout
+
+    from quantkit.runtime.sharding import place_row_major
+
+    rng = np.random.default_rng()
+    x = jnp.asarray(rng.standard_normal((6, 5, 4)), jnp.bfloat16)
+    col = jax.device_put(x, Format(Layout((2, 1, 0)), x.sharding))  # dim 0 minor-most
+    assert col.format.layout.major_to_minor == (2, 1, 0)
+    kept, fixed = place_row_major({"a": x, "b": col}).values()
+    assert kept is x
+    assert fixed.format.layout.major_to_minor == (0, 1, 2)
+    np.testing.assert_array_equal(np.asarray(fixed, np.float32), np.asarray(x, np.float32))

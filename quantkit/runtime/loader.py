@@ -21,6 +21,7 @@ from quantkit.formats.compressed_tensors import (QuantConfig, kernel_layout, ker
 from quantkit.formats.hf import Checkpoint, group_modules
 from quantkit.quant.qtensor import STORAGE, QTensor, make_qtensor
 from quantkit.runtime.config import ModelConfig, from_hf
+from quantkit.runtime.sharding import place_row_major
 
 LINEARS = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj"}
 MLP = {"gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj"}
@@ -244,5 +245,7 @@ def load(path: str | Path, dtype=jnp.bfloat16, check: bool = True) -> LoadedMode
             return r.array(s.module, dtype=jnp.float32).T  # [hidden, experts]
         return r.array(s.module, dtype=jnp.float32 if s.kind == "norm" else None)
 
-    params = jax.tree_util.tree_map(leaf, skeleton(cfg), is_leaf=lambda x: isinstance(x, Slot))
+    # each leaf row-major as it is made, the layout the Runner compiles for (sharding.row_major)
+    params = jax.tree_util.tree_map(lambda s: place_row_major(leaf(s)), skeleton(cfg),
+                                    is_leaf=lambda x: isinstance(x, Slot))
     return LoadedModel(path, cfg, params, jnp.dtype(dtype))

@@ -36,6 +36,17 @@ def row_major(sharding, ndim: int):
     return Format(Layout(tuple(range(ndim))), sharding)
 
 
+def place_row_major(tree):
+    """`tree` with every array row-major on its own sharding; an array already so is kept, not copied (a copy
+    of every weight would hold the model twice in HBM while the loader's arrays are alive)."""
+    def put(x):
+        if x.format.layout.major_to_minor == tuple(range(x.ndim)):
+            return x
+        return jax.device_put(x, row_major(x.sharding, x.ndim))
+
+    return jax.tree_util.tree_map(put, tree)
+
+
 def make_mesh(tp: int, devices=None) -> Mesh:
     """A mesh over the first `tp` of `devices` (default: this process's devices)."""
     devices = jax.devices() if devices is None else devices

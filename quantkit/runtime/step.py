@@ -22,7 +22,7 @@ from quantkit.quant.qtensor import QTensor
 from quantkit.runtime.cache import CacheLayout, PagePool, cache_layout
 from quantkit.runtime.models import forward_for
 from quantkit.runtime.models.common import logits as project
-from quantkit.runtime.sharding import row_major
+from quantkit.runtime.sharding import place_row_major, row_major
 
 TOP_LOGPROBS = 20  # the most alternatives a request may ask for (OpenAI's limit)
 
@@ -208,8 +208,8 @@ class Runner:
             self.params = {**self.params, "layers": {
                 kind: {k: w if isinstance(w, QTensor) else tuple(w) for k, w in stack.items()}
                 for kind, stack in self.params["layers"].items()}}
+        self.params = place_row_major(self.params)  # the loader placed them so; a sharded copy may not be
         formats = jax.tree_util.tree_map(lambda x: row_major(x.sharding, x.ndim), self.params)
-        self.params = jax.device_put(self.params, formats)
         pinned = dict(in_shardings=(formats, None, None, None), donate_argnums=(1, 2))
         self._step = jax.jit(step_function(cfg, self.page_size, mesh=mesh, unroll=unroll), **pinned)
         self._logits = jax.jit(step_function(cfg, self.page_size, True, mesh, unroll), **pinned)
