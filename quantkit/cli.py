@@ -375,6 +375,9 @@ def serve(
     max_waiting: Annotated[int, typer.Option(min=0, help="Queued requests beyond which the server answers 429.")]
     = 256,
     grace: Annotated[float, typer.Option(min=0, help="Seconds SIGTERM waits for in-flight requests.")] = 30.0,
+    enable_prefix_caching: Annotated[bool, typer.Option(help="Reuse the cached KV pages of earlier prompts a new "
+                                                             "prompt starts with (vLLM's automatic prefix "
+                                                             "caching).")] = True,
 ) -> None:
     """Serve PATH over an OpenAI-compatible HTTP API (completions and chat, streaming, logprobs).
 
@@ -390,7 +393,7 @@ def serve(
 
         code = run(path, host, port, served_model_name=served_model_name, max_model_len=max_model_len,
                    max_num_seqs=max_num_seqs, api_key=api_key, max_num_batched_tokens=max_num_batched_tokens, max_waiting=max_waiting,
-                   grace=grace)
+                   grace=grace, enable_prefix_caching=enable_prefix_caching)
     except (QuantkitError, Exception) as e:  # noqa: BLE001 - one line, never a traceback
         raise _fail(e) from None
     raise typer.Exit(code)

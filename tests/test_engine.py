@@ -47,16 +47,22 @@ def test_staggered_requests_match_each_alone(model, budget):
     _staggered(model, budget)
 
 
-def test_sliding_window_pages_with_chunked_prompts(tmp_path):
-    """Gemma 3 with an 8-token window: its local layers hold only the pages a query can still see (pages
-    that leave the window go back to their pool), so their pool is sized by the window, not the model
-    length; prompts up to 40 tokens in chunks of a 16-token budget."""
+@pytest.fixture(scope="module")
+def gemma(tmp_path_factory):
+    """Gemma 3 with an 8-token window."""
+    path = tmp_path_factory.mktemp("engine") / "gemma"
     torch.manual_seed(0)
     T.Gemma3ForCausalLM(T.Gemma3TextConfig(
         hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
         vocab_size=128, head_dim=16, max_position_embeddings=256, sliding_window=8,
-        layer_types=["sliding_attention", "sliding_attention", "full_attention"])).save_pretrained(tmp_path)
-    gemma = load(tmp_path, dtype=jnp.float32)
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"])).save_pretrained(path)
+    return load(path, dtype=jnp.float32)
+
+
+def test_sliding_window_pages_with_chunked_prompts(gemma):
+    """Gemma 3's local layers hold only the pages a query can still see (pages that leave the window go
+    back to their pool), so their pool is sized by the window, not the model length; prompts up to 40
+    tokens in chunks of a 16-token budget."""
     runner = _staggered(gemma, 16)
     # 4 sequences x (8 / 8 + 2) pages + 16 / 8 for one step's chunks + scratch, vs 4 x 16 + 1 for full layers
     assert runner.layout.pages == {"full": 1 + 4 * 16, "sliding": 1 + 4 * 3 + 2}
@@ -176,3 +182,120 @@ def test_top_k_top_p_keep_what_a_sorted_vocabulary_keeps(k, p):
         for s, t in zip(seen, np.asarray(toks)):
             s.add(int(t))
     assert seen == allowed
+
+
+# ---- prefix caching -------------------------------------------------------------------------------------
+
+def _expected_hit(prompt, earlier, ps=8):
+    """Tokens a prompt should find cached: its longest common prefix with what earlier requests wrote
+    (their prompts and all but their last output token), in whole pages, leaving its last token."""
+    best = 0
+    for seq in earlier:
+        n = next((i for i, (a, b) in enumerate(zip(prompt, seq)) if a != b), min(len(prompt), len(seq)))
+        best = max(best, n)
+    return min(best, len(prompt) - 1) // ps * ps
+
+
+def _run_one_by_one(engine, prompts, n):
+    reqs, written = [], []
+    for p in prompts:
+        reqs.append(engine.submit(Request(p, n)))
+        while engine.busy():
+            engine.step()
+        written.append(p + reqs[-1].out[:-1])
+    return reqs, written
+
+
+def test_prefix_caching_reuses_shared_pages_and_outputs_match(model):
+    """Prompts sharing prefixes of 16 (page-aligned), 20 and 27 tokens with earlier ones, one identical to an
+    earlier prompt, one extending an earlier conversation (its prompt + output: generated pages are cached
+    too), and one made of a cached first page and a second page cached only under another first page (one
+    page hit: the hash is chained). Hits equal the common prefixes in whole pages; outputs equal each
+    request alone."""
+    rng = np.random.default_rng(3)
+    base = rng.integers(3, 128, 27).tolist()
+    own = [rng.integers(3, 128, int(k)).tolist() for k in (5, 9, 1, 12, 7)]
+    prompts = [base + own[0], base[:16] + own[1], base[:20] + own[2], base + own[0], base[:27] + own[3]]
+    engine = Engine(Runner(model, max_model_len=128, max_num_seqs=4, page_size=8))
+    reqs, written = _run_one_by_one(engine, prompts, 6)
+    x = rng.integers(3, 128, 8).tolist()
+    follow = [written[0] + [reqs[0].out[-1]] + own[4], [5] * 8 + x + own[1], base[:8] + x + own[2]]
+    more, written2 = _run_one_by_one(engine, follow, 6)
+    expected = [_expected_hit(p, written[:i]) for i, p in enumerate(prompts)]
+    expected += [_expected_hit(p, written + written2[:i]) for i, p in enumerate(follow)]
+    assert expected == [0, 16, 16, 24, 24, 32, 0, 8]  # the cases the docstring names
+    assert engine.prefix_hits == sum(expected)
+    assert engine.prefix_queries == sum(map(len, prompts + follow))
+    for r, p in zip(reqs + more, prompts + follow):
+        assert r.out == _reference(model, p, 6)
+    assert engine.pages_used == 0 and engine.pool.cached_pages > 0
+
+
+def test_prefix_caching_off_recomputes_everything(model):
+    rng = np.random.default_rng(4)
+    p = rng.integers(3, 128, 30).tolist()
+    engine = Engine(Runner(model, max_model_len=128, max_num_seqs=2, page_size=8), prefix_caching=False)
+    reqs, _ = _run_one_by_one(engine, [p, p], 4)
+    assert engine.prefix_hits == 0 and engine.pool.cached_pages == 0
+    assert reqs[0].out == reqs[1].out == _reference(model, p, 4)
+
+
+def test_abort_mid_prefill_keeps_pages_another_request_shares(model):
+    """a's 90-token prompt goes in 16-token chunks; b (a's first 80 tokens + 30 of its own) is admitted with
+    the budget a's last chunk leaves, shares a's 10 cached pages, and is aborted mid-prefill: the pages a
+    still reads stay, a's output is that of a alone, and once a ends no page is held."""
+    engine = Engine(Runner(model, max_model_len=128, max_num_seqs=2, page_size=8, max_num_batched_tokens=16))
+    long = (np.arange(90) * 7 % 120 + 3).tolist()
+    a = engine.submit(Request(long, 20))
+    for _ in range(3):
+        engine.step()
+    b = engine.submit(Request(long[:80] + list(range(40, 70)), 6))
+    while b.slot < 0:
+        engine.step()
+    assert engine.prefix_hits == 80 and b.done == 86  # 10 pages shared, then b's own 6-token chunk
+    held = lambda: np.count_nonzero(engine.pool.tables["full"][a.slot])  # noqa: E731
+    shared = engine.pool.tables["full"][a.slot, :10]
+    assert (engine.pool.tables["full"][b.slot, :10] == shared).all() and (engine.pool.refs["full"][shared] == 2).all()
+    engine.step()
+    assert 86 < b.done < 110  # mid-prefill
+    engine.abort(b.id)
+    engine.step()
+    assert b.finish_reason == "abort" and (engine.pool.refs["full"][shared] == 1).all()
+    assert engine.pages_used == held()  # b's own pages went back, a's (shared ones included) are held
+    while engine.busy():
+        engine.step()
+    assert a.out == _reference(model, long, 20) and engine.pages_used == 0
+
+
+def test_eviction_under_page_pressure_is_least_recently_used(model):
+    """A pool of 16 pages (2 slots x 64 tokens) and 6 different 30-token prompts (4 pages each, 3 of them
+    cacheable): idle cached pages are evicted, oldest first, when fresh pages run out. The oldest prompt
+    asked again finds nothing cached, the newest finds its 24 tokens; every output equals the prompt alone."""
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(3, 128, 30).tolist() for _ in range(6)]
+    engine = Engine(Runner(model, max_model_len=64, max_num_seqs=2, page_size=8))
+    assert engine.pool.total == 16
+    reqs, _ = _run_one_by_one(engine, prompts, 4)
+    hits = engine.prefix_hits
+    again, _ = _run_one_by_one(engine, [prompts[0]], 4)
+    assert engine.prefix_hits == hits  # evicted
+    again += _run_one_by_one(engine, [prompts[-1]], 4)[0]
+    assert engine.prefix_hits == hits + 24  # 3 pages of the most recent prompt
+    for r, p in zip(reqs + again, prompts + [prompts[0], prompts[-1]]):
+        assert r.out == _reference(model, p, 4)
+    assert engine.pages_used == 0 and engine.pool.cached_pages <= engine.pool.total
+
+
+def test_prefix_caching_with_sliding_window_layers(gemma):
+    """Gemma 3 (8-token window, 8-token pages): a hit of m pages needs the full layers' pages 0..m-1 and
+    only the sliding layers' page m-1 (what a query at 8m sees), which waits idle after leaving the window.
+    A 35-token prompt after a 40-token one sharing 30 tokens: 24 tokens cached, output as alone."""
+    rng = np.random.default_rng(6)
+    base = rng.integers(3, 128, 30).tolist()
+    prompts = [base + rng.integers(3, 128, 10).tolist(), base + rng.integers(3, 128, 5).tolist()]
+    engine = Engine(Runner(gemma, max_model_len=128, max_num_seqs=4, page_size=8))
+    reqs, _ = _run_one_by_one(engine, prompts, 5)
+    assert engine.prefix_hits == 24
+    for r, p in zip(reqs, prompts):
+        assert r.out == _reference(gemma, p, 5)
+    assert engine.pages_used == 0

@@ -162,6 +162,20 @@ def test_greedy_output_equals_quantkit_generate(client, model_dir):
     assert cli.stdout == served + "\n" and served
 
 
+def test_prefix_cache_hits_in_metrics(server, client):
+    """Prefix caching is on by default: a 40-token prompt, then one sharing its first 36 tokens, finds two
+    16-token pages cached (what /metrics counts as hits); both prompts count as queried tokens."""
+    ids = np.random.default_rng(7).integers(1000, 4000, 44).tolist()
+    a, b = ids[:40], ids[:36] + ids[40:]
+    before = server.metrics()
+    outs = [client.completions.create(model=NAME, prompt=p, max_tokens=3, temperature=0).choices[0].text
+            for p in (a, b)]
+    m = server.metrics()
+    delta = {k: m[k] - before[k] for k in ("quantkit_prefix_cache_queries_total", "quantkit_prefix_cache_hits_total")}
+    assert delta == {"quantkit_prefix_cache_queries_total": 80, "quantkit_prefix_cache_hits_total": 32}
+    assert m["quantkit_kv_pages_cached"] >= 2 and all(outs)
+
+
 def test_32_concurrent_streams_some_disconnecting(server):
     async def one(aclient, i):
         stream = await aclient.completions.create(model=NAME, prompt=f"request {i} of the test", stream=True,

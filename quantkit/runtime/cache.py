@@ -13,10 +13,20 @@ can still see: before each step the pages wholly below (first query position - w
 the pool (vLLM's sliding-window manager), so their pool is sized by the window, not the model length:
 per sequence ceil(window / ps) + 2 pages (the window straddles one more page boundary, plus one page
 of a chunk's own tokens), plus ceil(max_num_batched_tokens / ps) for the chunks of one step.
+
+Prefix caching (vLLM's automatic prefix caching): a full page is named by a hash chained over its tokens
+and its parent page's hash (`page_hashes`; the chain's root is salted with what else changes the keys,
+the KV dtype). Pages are reference-counted: a sequence that starts with a cached chain shares those pages
+(`match`, `share`) and prefills only the rest. A page whose last reference goes keeps its contents and hash
+and waits, least recently used first, until a pool runs out of never-used pages (`_take` evicts it then).
+Sliding-window layers take part: their pages are named by the same chain, and a hit of m pages needs the
+full layers' pages 0..m-1 and the sliding layers' pages a query at position m * ps can still see.
 """
 
 from __future__ import annotations
 
+import hashlib
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import numpy as np
@@ -52,13 +62,41 @@ def cache_layout(cfg: ModelConfig, max_model_len: int, max_num_seqs: int, page_s
                        cfg.num_kv_heads * 2 * cfg.head_dim, window)
 
 
+def page_hashes(tokens, page_size: int, parent: bytes, start: int = 0) -> list[bytes]:
+    """Chained hashes of the full pages start, start + 1, ... of `tokens`; `parent` is page start - 1's hash
+    (the salt for page 0). blake2b, not Python's hash: crafted prompts must not collide with another
+    user's pages."""
+    out = []
+    for j in range(start, len(tokens) // page_size):
+        page = np.asarray(tokens[j * page_size:(j + 1) * page_size], np.int64).tobytes()
+        parent = hashlib.blake2b(parent + page, digest_size=16).digest()
+        out.append(parent)
+    return out
+
+
 class PagePool:
-    """Host-side page accounting: a free list and a block-table row per slot, for each kind."""
+    """Host-side page accounting for each kind: a block-table row per slot, reference counts, a free list,
+    and the prefix cache (page hashes, unreferenced cached pages in LRU order)."""
 
     def __init__(self, layout: CacheLayout, max_num_seqs: int):
         self.layout = layout
         self.tables = {k: np.zeros((max_num_seqs, layout.pages_per_seq), np.int32) for k in layout.layers}
-        self.free = {k: list(range(n - 1, 0, -1)) for k, n in layout.pages.items()}
+        self.free = {k: list(range(n - 1, 0, -1)) for k, n in layout.pages.items()}  # never used or evicted
+        self.refs = {k: np.zeros(n, np.int32) for k, n in layout.pages.items()}
+        self.cached = {k: {} for k in layout.layers}  # hash -> page
+        self.hash_of = {k: {} for k in layout.layers}  # page -> hash
+        self.idle = {k: OrderedDict() for k in layout.layers}  # cached pages no table holds, LRU first
+
+    def _lo(self, kind: str, first: int) -> int:
+        """First logical page a query at position `first` or later can see."""
+        return max(0, first - self.layout.window + 1) // self.layout.page_size if kind == "sliding" else 0
+
+    def _take(self, kind: str) -> int:
+        if self.free[kind]:
+            return self.free[kind].pop()
+        page, _ = self.idle[kind].popitem(last=False)  # evict the least recently used cached page
+        del self.cached[kind][self.hash_of[kind].pop(page)]
+        return page
 
     def reserve(self, slot: int, first: int, last: int) -> bool:
         """Makes positions first..last of `slot`'s sequence writable and everything a query at `first` or
@@ -67,31 +105,70 @@ class PagePool:
         ps = self.layout.page_size
         need = {}
         for kind, table in self.tables.items():
-            lo = max(0, first - self.layout.window + 1) // ps if kind == "sliding" else 0
-            need[kind] = [j for j in range(lo, last // ps + 1) if table[slot, j] == 0]
-            if len(need[kind]) > len(self.free[kind]):
+            need[kind] = [j for j in range(self._lo(kind, first), last // ps + 1) if table[slot, j] == 0]
+            if len(need[kind]) > len(self.free[kind]) + len(self.idle[kind]):
                 return False
         for kind, table in self.tables.items():
-            if kind == "sliding":
-                lo = max(0, first - self.layout.window + 1) // ps
-                self._drop(kind, slot, np.nonzero(table[slot, :lo])[0])
+            self._drop(kind, slot, np.nonzero(table[slot, :self._lo(kind, first)])[0])
             for j in need[kind]:
-                table[slot, j] = self.free[kind].pop()
+                table[slot, j] = page = self._take(kind)
+                self.refs[kind][page] = 1
         return True
+
+    def match(self, hashes: list[bytes]) -> int:
+        """Pages of the longest cached prefix of the chain `hashes` that every kind can serve."""
+        m = len(hashes)
+        if "full" in self.cached:
+            m = next((j for j, h in enumerate(hashes) if h not in self.cached["full"]), m)
+        for kind, cached in self.cached.items():
+            if kind != "full":  # m pages are a hit if the pages a query at m * ps sees are cached
+                while m and not all(h in cached for h in hashes[self._lo(kind, m * self.layout.page_size):m]):
+                    m -= 1
+        return m
+
+    def share(self, slot: int, hashes: list[bytes]) -> None:
+        """Puts the cached pages of the chain `hashes` (a `match`) into `slot`'s empty table row."""
+        n = len(hashes)
+        for kind, table in self.tables.items():
+            for j in range(self._lo(kind, n * self.layout.page_size), n):
+                table[slot, j] = page = self.cached[kind][hashes[j]]
+                self.refs[kind][page] += 1
+                self.idle[kind].pop(page, None)
+
+    def register(self, slot: int, hashes: list[bytes], start: int = 0) -> None:
+        """Names `slot`'s pages start .. start + len(hashes) - 1 (written, full) for later sequences."""
+        for kind, table in self.tables.items():
+            for j, h in enumerate(hashes, start):
+                page = int(table[slot, j])
+                if page and h not in self.cached[kind] and page not in self.hash_of[kind]:
+                    self.cached[kind][h], self.hash_of[kind][page] = page, h
 
     def release(self, slot: int) -> None:
         for kind, table in self.tables.items():
             self._drop(kind, slot, np.nonzero(table[slot])[0])
 
     def _drop(self, kind: str, slot: int, cols) -> None:
+        """Lets go of `slot`'s pages at logical columns `cols`: cached ones wait in LRU order (the last
+        column first, as it is the least likely to be shared), the rest are free."""
         table = self.tables[kind]
-        self.free[kind].extend(int(p) for p in table[slot, cols][::-1])
+        for page in (int(p) for p in table[slot, cols][::-1]):
+            self.refs[kind][page] -= 1
+            if self.refs[kind][page] == 0:
+                if page in self.hash_of[kind]:
+                    self.idle[kind][page] = None
+                else:
+                    self.free[kind].append(page)
         table[slot, cols] = 0
 
     @property
     def used(self) -> int:
-        """Pages in use, all kinds."""
-        return sum(n - 1 - len(self.free[k]) for k, n in self.layout.pages.items())
+        """Pages some sequence holds, all kinds."""
+        return sum(n - 1 - len(self.free[k]) - len(self.idle[k]) for k, n in self.layout.pages.items())
+
+    @property
+    def cached_pages(self) -> int:
+        """Pages holding a named prefix, held or idle, all kinds."""
+        return sum(len(c) for c in self.cached.values())
 
     @property
     def total(self) -> int:

@@ -8,6 +8,12 @@ step. The step is dispatched before the previous step's tokens are read back: th
 launches step N + 1 while the device runs step N (a decode row's input token never leaves the device),
 and the tokens of step N are delivered one iteration late. A request that stops is therefore computed
 one step further, and that token is dropped.
+
+With prefix caching (on by default, as in vLLM) a newcomer starts from the longest chain of cached full
+pages of its prompt (runtime/cache.py) and prefills only the rest; at least its last prompt token is
+computed, for its first sample. Pages are named as soon as they are full and their tokens known: prompt
+pages when their chunk is scheduled (the device runs steps in order, so a later reader sees them written),
+generated ones when their tokens are read back.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from typing import Callable
 import jax
 
 from quantkit.errors import InvalidInput
+from quantkit.runtime.cache import page_hashes
 from quantkit.runtime.step import TOP_LOGPROBS, Row, Runner, Sampling  # noqa: F401 - re-exported
 
 
@@ -71,6 +78,8 @@ class Request:
     text: str = ""
     sent: int = 0  # characters of text already delivered
     offsets: tuple[int, int] = (0, 0)  # incremental detokenization window
+    hashes: list = field(default_factory=list)  # chained hashes of its full pages (prefix caching)
+    named: int = 0  # pages registered in the prefix cache
     finish_reason: str | None = None
     arrived: float = field(default_factory=time.monotonic)
     first_token_at: float | None = None
@@ -81,13 +90,19 @@ class Engine:
     """Continuous batching over one Runner: requests join and leave between steps.
 
     KV pages come from the runner's pools as sequences grow and go back the moment a request finishes, is
-    aborted or its client disconnects (sliding-window layers also return pages that left the window).
+    aborted or its client disconnects (sliding-window layers also return pages that left the window); a
+    page other requests share stays until the last of them lets go.
     """
 
-    def __init__(self, runner: Runner, decode: Callable[[list[int]], str] | None = None, max_waiting: int = 256):
-        """max_waiting: requests queued beyond the `runner.max_num_seqs` running ones before `submit` refuses."""
+    def __init__(self, runner: Runner, decode: Callable[[list[int]], str] | None = None, max_waiting: int = 256,
+                 prefix_caching: bool = True):
+        """max_waiting: requests queued beyond the `runner.max_num_seqs` running ones before `submit` refuses.
+        prefix_caching: reuse cached pages of earlier prompts (and outputs) that a prompt starts with."""
         self.runner, self.detokenize, self.max_waiting = runner, decode, max_waiting
         self.pool = runner.pool
+        self.prefix_caching = prefix_caching
+        self.salt = f"quantkit kv {runner.kv_dtype}".encode()  # what else changes a page's keys and values
+        self.prefix_queries = self.prefix_hits = 0  # prompt tokens looked up / found cached
         self.budget = runner.max_num_batched_tokens
         self.free_slots = list(range(runner.max_num_seqs))[::-1]
         self.waiting: deque[Request] = deque()
@@ -171,6 +186,7 @@ class Engine:
             rows.append((r, Row(r.slot, r.done, n, toks, r.sampling, r.logprobs is not None), samples))
             r.done += n
             r.pending += samples
+            self._name(r)
             return True
 
         for r in self.running:  # decodes: a fed-back token, if more tokens are wanted
@@ -185,9 +201,35 @@ class Engine:
                 r = self.waiting.popleft()
                 r.slot = self.free_slots.pop()
                 self.running.append(r)
-                n = min(len(r.prompt), budget)
+                if self.prefix_caching:
+                    self._reuse(r)
+                n = min(len(r.prompt) - r.done, budget)
                 budget -= n if add(r, n, True) else 0
         return rows
+
+    def _reuse(self, r: Request) -> None:
+        """Starts a newcomer from the cached pages its prompt begins with (all but its last token)."""
+        ps = self.pool.layout.page_size
+        r.hashes = page_hashes(r.prompt, ps, self.salt)
+        m = self.pool.match(r.hashes[:(len(r.prompt) - 1) // ps])
+        self.pool.share(r.slot, r.hashes[:m])
+        r.done, r.named = m * ps, m
+        self.prefix_queries += len(r.prompt)
+        self.prefix_hits += m * ps
+
+    def _name(self, r: Request) -> None:
+        """Registers r's pages that are full, scheduled and of known tokens (sampled ones are known when
+        read back) in the prefix cache."""
+        if not self.prefix_caching or r.slot < 0:
+            return
+        ps = self.pool.layout.page_size
+        full = min(r.done, len(r.prompt) + len(r.out)) // ps
+        if full > len(r.hashes):
+            seq = (r.prompt + r.out)[:full * ps]
+            r.hashes += page_hashes(seq, ps, r.hashes[-1] if r.hashes else self.salt, len(r.hashes))
+        if full > r.named:
+            self.pool.register(r.slot, r.hashes[r.named:full], r.named)
+            r.named = full
 
     def _collect(self, out, rows: list) -> None:
         """Delivers the tokens of a finished step to the rows that sampled one."""
@@ -197,6 +239,7 @@ class Engine:
                 r.pending -= 1
                 if r.finish_reason is None:
                     self._accept(r, toks[i:i + 1], lps[i:i + 1], top_ids[i:i + 1], top_lps[i:i + 1])
+                    self._name(r)
 
     def _accept(self, r: Request, toks, lps, top_ids, top_lps) -> None:
         """Appends sampled tokens (until a stop), detokenizes, delivers an update, finishes if done."""
@@ -262,6 +305,7 @@ class Engine:
         runs steps in order, so whoever gets them next writes after it."""
         r.finished_at = time.monotonic()
         if r.slot >= 0:
+            self._name(r)
             self.pool.release(r.slot)
             self.free_slots.append(r.slot)
             r.slot = -1

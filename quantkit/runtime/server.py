@@ -83,7 +83,11 @@ class Metrics:
                "# TYPE quantkit_requests_total counter"]
         out += [f'quantkit_requests_total{{route="{r}",status="{s}"}} {n}' for (r, s), n in sorted(self.requests.items())]
         for name, v, help_ in (("prompt_tokens_total", self.prompt_tokens, "Prompt tokens processed."),
-                               ("generation_tokens_total", self.generation_tokens, "Tokens generated.")):
+                               ("generation_tokens_total", self.generation_tokens, "Tokens generated."),
+                               ("prefix_cache_queries_total", engine.prefix_queries if engine else 0,
+                                "Prompt tokens looked up in the prefix cache."),
+                               ("prefix_cache_hits_total", engine.prefix_hits if engine else 0,
+                                "Prompt tokens found in the prefix cache (not recomputed).")):
             out += [f"# HELP quantkit_{name} {help_}", f"# TYPE quantkit_{name} counter", f"quantkit_{name} {v}"]
         out += self.ttft.render("quantkit_time_to_first_token_seconds", "Arrival to first token.")
         out += self.tpot.render("quantkit_time_per_output_token_seconds", "Mean time between output tokens.")
@@ -91,7 +95,9 @@ class Metrics:
         gauges = {"num_requests_running": (len(engine.running) if engine else 0, "Requests holding a slot."),
                   "num_requests_waiting": (len(engine.waiting) if engine else 0, "Requests queued for a slot."),
                   "kv_pages_used": (engine.pages_used if engine else 0, "KV cache pages in use."),
-                  "kv_pages_total": (engine.pool.total if engine else 0, "KV cache pages.")}
+                  "kv_pages_total": (engine.pool.total if engine else 0, "KV cache pages."),
+                  "kv_pages_cached": (engine.pool.cached_pages if engine else 0,
+                                      "KV cache pages holding a cached prefix (in use or idle).")}
         for name, (v, help_) in gauges.items():
             out += [f"# HELP quantkit_{name} {help_}", f"# TYPE quantkit_{name} gauge", f"quantkit_{name} {v}"]
         return "\n".join(out) + "\n"
@@ -130,7 +136,8 @@ class Params:
 class Server:
     def __init__(self, path: Path, served_model_name: str | None = None, max_model_len: int | None = None,
                  max_num_seqs: int = 16, api_key: str | None = None, max_num_batched_tokens: int = 512,
-                 max_waiting: int = 256):
+                 max_waiting: int = 256, enable_prefix_caching: bool = True):
+        self.prefix_caching = enable_prefix_caching
         self.path, self.name = Path(path), served_model_name or Path(path).name
         self.max_model_len, self.max_num_seqs, self.api_key = max_model_len, max_num_seqs, api_key
         self.max_num_batched_tokens, self.max_waiting = max_num_batched_tokens, max_waiting
@@ -163,7 +170,8 @@ class Server:
             limit = min(self.max_model_len or 2048, model.cfg.max_position_embeddings)
             engine = Engine(Runner(model, max_model_len=limit, max_num_seqs=self.max_num_seqs,
                                    max_num_batched_tokens=self.max_num_batched_tokens),
-                            decode=self.codec.decode, max_waiting=self.max_waiting)
+                            decode=self.codec.decode, max_waiting=self.max_waiting,
+                            prefix_caching=self.prefix_caching)
             self.stop_ids = frozenset(i for i in (*model.cfg.eos_token_ids, self.codec.token_id("eos_token"))
                                       if i is not None)
             self.vocab = model.cfg.vocab_size
@@ -174,8 +182,9 @@ class Server:
             engine.warmup(progress)
             threading.Thread(target=engine.run, args=(self.stop,), name="engine", daemon=True).start()
             self.engine, self.status = engine, "ready"
-            log.warning("ready in %.1f s: %s, max_model_len %d, max_num_seqs %d, %d step programs compiled",
-                        time.monotonic() - t0, self.name, limit, self.max_num_seqs, len(engine.shapes()))
+            log.warning("ready in %.1f s: %s, max_model_len %d, max_num_seqs %d, prefix caching %s, %d step "
+                        "programs compiled", time.monotonic() - t0, self.name, limit, self.max_num_seqs,
+                        "on" if self.prefix_caching else "off", len(engine.shapes()))
         except Exception as e:  # noqa: BLE001 - reported as one line, the process then exits 1
             self.failed = f"{type(e).__name__}: {e}" if not isinstance(e, InvalidInput) else str(e)
             self.status = "failed"

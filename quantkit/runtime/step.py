@@ -191,6 +191,7 @@ class Runner:
         # float32 on CPU: XLA:CPU upcasts a bf16 scatter and so copies the whole cache on every write
         dtype = jnp.float32 if jax.default_backend() == "cpu" else self.model.dtype
         self.kv = {k: jnp.zeros(s, dtype) for k, s in self.layout.shapes().items()}
+        self.kv_dtype = jnp.dtype(dtype).name
         self.last = jnp.zeros(self.max_num_seqs + 1, jnp.int32)
         self.params, mesh = self.model.params, None
         if self.weights == "dense" or self.weights == "auto" and jax.default_backend() != "tpu":
