@@ -11,10 +11,11 @@ from pathlib import Path
 
 import numpy as np
 
-from quantkit.errors import InvalidInput
+from quantkit.errors import InvalidInput, QuantkitError
 from quantkit.formats import packing
 from quantkit.formats.compressed_tensors import (
-    QuantConfig, Scheme, check_module_tensors, parse_quantization_config, weight_qtype,
+    KV_SCALES, QuantConfig, Scheme, check_module_tensors, kv_head_scales, kv_scheme_reason, parse_quantization_config,
+    weight_qtype,
 )
 from quantkit.formats.hf import Checkpoint, classify_module, group_modules
 from quantkit.formats.safetensors_io import DTYPES, FLOAT_DTYPES
@@ -56,13 +57,39 @@ def _config_problems(ckpt: Checkpoint, qc: QuantConfig | None, raw: dict | None)
         out.append(_problem("unsupported", where, "transform_config is set: online rotations (SpinQuant/QuIP "
                             "transforms) are not supported by the runtime"))
     if qc.kv_cache_scheme is not None:
-        out.append(_problem("warning", where, "kv_cache_scheme is set: the runtime keeps the KV cache in bf16 and "
-                            "ignores k_scale/v_scale"))
+        reason = kv_scheme_reason(qc.kv_cache_scheme)
+        if reason:
+            out.append(_problem("unsupported", where, reason))
+        else:
+            out += _kv_scale_problems(ckpt)
     if qc.status not in (None, "compressed"):
         out.append(_problem("warning", where, f"quantization_status is {qc.status!r}, expected 'compressed'"))
     if any(g.input_activations is not None for g in qc.groups):
         out.append(_problem("warning", where, "fp8 activation quantization in the scheme: the runtime computes "
                             "activations in bf16 (weights stay quantized)"))
+    return out
+
+
+def _kv_scale_problems(ckpt: Checkpoint) -> list[dict]:
+    """Every layer's k_scale / v_scale (read always: a few bytes each) must exist, be finite, positive and
+    one per tensor or per KV head."""
+    from quantkit.runtime.config import from_hf
+
+    try:
+        cfg = from_hf(ckpt.config)
+    except (QuantkitError, KeyError, TypeError, ValueError):
+        return []  # the architecture problem is reported on its own
+    out = []
+    for i in range(cfg.num_layers):
+        for name in KV_SCALES:
+            tensor = f"model.layers.{i}.self_attn.{name}"
+            if tensor not in ckpt.tensors:
+                out.append(_problem("error", tensor, f"kv_cache_scheme is set but {tensor} is missing"))
+                continue
+            try:
+                kv_head_scales(ckpt.read(tensor), cfg.num_kv_heads, tensor)
+            except InvalidInput as e:
+                out.append(_problem("error", tensor, str(e)))
     return out
 
 
@@ -219,6 +246,7 @@ def inspect_checkpoint(path: str | Path, target: str = "v6e", deep: bool = False
         "architecture": ckpt.architecture,
         "quant_method": raw.get("quant_method") if isinstance(raw, dict) else None,
         "format": qc.format if qc is not None else None,
+        "kv_cache_scheme": qc.kv_cache_scheme.as_json() if qc is not None and qc.kv_cache_scheme else None,
         "version": qc.version if qc is not None else None,
         "num_tensors": len(ckpt.tensors),
         "num_files": len(ckpt.files),

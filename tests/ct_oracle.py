@@ -253,8 +253,12 @@ def _scheme(name: str, targets: list[str]) -> QuantizationScheme:
     return preset_name_to_scheme(name, targets)
 
 
-def _quant_config(scheme: str, ignore: Iterable[str]) -> QuantizationConfig:
+def _quant_config(scheme: str | None, ignore: Iterable[str], kv_strategy: str | None = None) -> QuantizationConfig:
     ignore = list(ignore)
+    kv = None if kv_strategy is None else QuantizationArgs(num_bits=8, type="float", strategy=kv_strategy,
+                                                           dynamic=False, symmetric=True)
+    if scheme is None:  # KV cache scales only
+        return QuantizationConfig(config_groups={}, ignore=ignore, kv_cache_scheme=kv)
     if scheme == "MIXED":
         groups = {
             f"group_{i}": _scheme(preset, [target])
@@ -264,7 +268,27 @@ def _quant_config(scheme: str, ignore: Iterable[str]) -> QuantizationConfig:
         groups = {"group_0": _scheme(scheme, ["Linear"])}
     else:
         raise KeyError(f"unknown scheme {scheme!r}; known: {SCHEMES}")
-    return QuantizationConfig(config_groups=groups, ignore=ignore)
+    return QuantizationConfig(config_groups=groups, ignore=ignore, kv_cache_scheme=kv)
+
+
+def _detect_cached_attention_in_transformers_5() -> None:
+    """compressed-tensors 0.20.1 finds the attention modules that own a KV cache by a `past_key_value(s)`
+    argument of their forward; transformers 5 calls it `cache`, and the library then adds no k/v scales
+    (silently). Teach its detector the new name (the module attribute and apply.py's imported copy)."""
+    import inspect
+
+    from compressed_tensors.quantization.lifecycle import apply, initialize
+
+    original = initialize.is_cached_attention_module
+    if getattr(original, "patched", False):
+        return
+
+    def detect(module) -> bool:
+        return original(module) or (initialize._is_attention_module(module) and hasattr(module, "k_proj")
+                                    and "cache" in inspect.signature(module.forward).parameters)
+
+    detect.patched = True
+    initialize.is_cached_attention_module = apply.is_cached_attention_module = detect
 
 
 # -------------------------------------------------------------------- calibration
@@ -369,11 +393,13 @@ def _fuse_global_scales(model: torch.nn.Module) -> None:
 
 def make_checkpoint(
     path,
-    scheme: str,
+    scheme: str | None,
     *,
     seed: int = 0,
     ignore=("lm_head",),
     fuse_global_scales: bool = True,
+    kv_scales=None,
+    kv_strategy: str = "tensor",
     **model_kwargs,
 ) -> pathlib.Path:
     """Build ``tiny_llama(seed, **model_kwargs)``, quantize every Linear except
@@ -388,13 +414,24 @@ def make_checkpoint(
     ``fuse_global_scales`` (NVFP4 only): like llm-compressor, give q/k/v and
     gate/up one shared global scale (the minimum of theirs).  With False each
     tensor keeps ``448*6/absmax(tensor)``.
+
+    ``kv_scales``: per layer (k_scale, v_scale), each a float (``kv_strategy``
+    "tensor") or one per KV head ("attn_head"): a ``kv_cache_scheme`` (FP8) with
+    these scales, set where llm-compressor's calibration would put them.
+    ``scheme`` None: KV cache scales only, dense weights.
     """
     path = pathlib.Path(path)
     model = tiny_llama(seed, **model_kwargs)
-    config = _quant_config(scheme, ignore)
+    if kv_scales is not None:
+        _detect_cached_attention_in_transformers_5()
+    config = _quant_config(scheme, ignore, kv_strategy if kv_scales is not None else None)
     apply_quantization_config(model, config, show_progress=False)
     with torch.no_grad():
         _calibrate_weights(model, fuse_global_scales)
+        for layer, (k, v) in zip(model.model.layers, kv_scales or ()):
+            attn = layer.self_attn
+            attn.k_scale.copy_(torch.as_tensor(k, dtype=attn.k_scale.dtype).reshape(attn.k_scale.shape))
+            attn.v_scale.copy_(torch.as_tensor(v, dtype=attn.v_scale.dtype).reshape(attn.v_scale.shape))
 
     compressor = ModelCompressor.from_pretrained_model(model)
     compressor.compress_model(model)

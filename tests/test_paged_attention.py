@@ -177,11 +177,31 @@ def test_cost_estimate_matches_copied_pages(window):
 
 # ---- deviceless compile for v6e ----------------------------------------------------------------------
 
-AOT = [(64, 8, 4, None), (128, 8, 4, None), (256, 16, 4, None), (512, 4, 4, None), (128, 8, 4, 256)]
+@pytest.mark.parametrize("fp8,d,kvh,g,window,ps", [(jnp.float8_e4m3fn, 128, 2, 2, 24, 16),
+                                                    (jnp.float8_e5m2, 64, 2, 2, None, 16),
+                                                    (jnp.float8_e4m3fn, 256, 1, 2, None, 32)])
+def test_fp8_cache_matches_jax_reference(fp8, d, kvh, g, window, ps):
+    """An FP8 cache (storage only: the pages are upcast in VMEM) against the oracle on the same fp8 values
+    upcast to float32. q float32, so the tolerance is the float32 one above."""
+    seed = _seed()
+    args, n, info = make_batch(np.random.default_rng(seed), d=d, kvh=kvh, g=g, window=window, ps=ps,
+                               pps=96 // ps)
+    args = (args[0], args[1].astype(fp8), *args[2:])
+    out = np.asarray(paged_attention(*args, scale=d ** -0.5, sliding_window=window, interpret=INTERPRET,
+                                     block_q=8, pages_per_chunk=2))
+    want = np.asarray(reference((args[0], args[1].astype(jnp.float32), *args[2:]), d=d, kvh=kvh,
+                                scale=d ** -0.5, window=window, soft_cap=None))
+    assert np.all(np.isfinite(out[:n])) and np.all(out[n:] == 0), f"seed={seed} {info}"
+    err = np.linalg.norm(out[:n] - want) / np.linalg.norm(want)
+    assert err < 1e-5, f"seed={seed} {info} err={err:.2e}"
 
 
-@pytest.mark.parametrize("d,kvh,g,window", AOT)
-def test_compiles_for_v6e_and_declares_its_bytes(d, kvh, g, window):
+AOT = [(64, 8, 4, None, jnp.bfloat16), (128, 8, 4, None, jnp.bfloat16), (256, 16, 4, None, jnp.bfloat16),
+       (512, 4, 4, None, jnp.bfloat16), (128, 8, 4, 256, jnp.bfloat16), (256, 8, 4, None, jnp.float8_e4m3fn)]
+
+
+@pytest.mark.parametrize("d,kvh,g,window,kv_dtype", AOT)
+def test_compiles_for_v6e_and_declares_its_bytes(d, kvh, g, window, kv_dtype):
     """Mosaic compiles the kernel for a v6e (no TPU needed) and XLA's count of the program's bytes is the
     declared estimate: the program is the kernel plus a few tiny metadata ops (and, for D = 64, a relayout of
     q and out between XLA's entry layout and the kernel's, ~3% here)."""
@@ -190,15 +210,16 @@ def test_compiles_for_v6e_and_declares_its_bytes(d, kvh, g, window):
     t, s, pps, ps, layers = 128, 16, 128, 16, 4
     h = kvh * g
     sds = jax.ShapeDtypeStruct
-    args = (sds((t, h, d), jnp.bfloat16), sds((layers, s * pps + 1, ps, kvh * 2 * d), jnp.bfloat16),
+    args = (sds((t, h, d), jnp.bfloat16), sds((layers, s * pps + 1, ps, kvh * 2 * d), kv_dtype),
             sds((1,), jnp.int32), sds((s,), jnp.int32), sds((s, pps), jnp.int32), sds((s + 1,), jnp.int32),
             sds((1,), jnp.int32))
     compiled, _ = compile_for("v6e", lambda *a: paged_attention(*a, scale=d ** -0.5, sliding_window=window,
                                                                 soft_cap=30.0 if window else None), *args)
     ca = compiled.cost_analysis()
     ca = ca[0] if isinstance(ca, list) else ca
-    blocks = choose_blocks(t, h, d, kvh, ps, pps, 2, 2, CHIPS["v6e"])
-    declared = cost(t, h, d, kvh, s, pps, ps, 2, 2, blocks, window, 30.0 if window else None).bytes_accessed
+    kv_bytes = jnp.dtype(kv_dtype).itemsize
+    blocks = choose_blocks(t, h, d, kvh, ps, pps, 2, kv_bytes, CHIPS["v6e"])
+    declared = cost(t, h, d, kvh, s, pps, ps, 2, kv_bytes, blocks, window, 30.0 if window else None).bytes_accessed
     assert abs(ca["bytes accessed"] - declared) <= 0.05 * declared, (ca["bytes accessed"], declared)
 
 

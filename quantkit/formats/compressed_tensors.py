@@ -298,6 +298,41 @@ def parse_quantization_config(qc: object, where: str = "quantization_config") ->
 
 # ---- tensors on disk per format (FORMATS.md, "Tensors") ---------------------------------------------
 
+# ---- KV cache scales (kv_cache_scheme) ------------------------------------------------------------------
+
+KV_SCALES = ("k_scale", "v_scale")  # tensors of each attention module (`...self_attn.k_scale`), float32
+
+
+def kv_scheme_reason(args: QuantArgs) -> str | None:
+    """Why a kv_cache_scheme cannot be served, or None: FP8 (E4M3, stored = fp8(x / scale)) with static
+    symmetric scales per tensor ([1]) or per KV head ([kv_heads, 1, 1], strategy attn_head)."""
+    if args.type != "float" or args.num_bits != 8:
+        return f"kv_cache_scheme is {args.type} {args.num_bits}-bit: only an FP8 (float, 8-bit) KV cache is supported"
+    if args.dynamic:
+        return "kv_cache_scheme is dynamic: only static (calibrated) k/v scales are supported"
+    if not args.symmetric:
+        return "kv_cache_scheme is asymmetric: only symmetric FP8 KV scales are supported"
+    if args.strategy not in ("tensor", "attn_head"):
+        return f"kv_cache_scheme strategy {args.strategy!r}: only 'tensor' and 'attn_head' are supported"
+    return None
+
+
+def kv_head_scales(values, kv_heads: int, where: str):
+    """A k_scale / v_scale tensor as one float32 per KV head ([kv_heads]): one value ([], [1]) is broadcast,
+    [kv_heads] / [kv_heads, 1, 1] (attn_head) kept. InvalidInput for another shape, NaN/Inf or a scale <= 0."""
+    import numpy as np
+
+    a = np.asarray(values, np.float32)
+    if a.size not in (1, kv_heads) or a.ndim > 3 or any(d != 1 for d in a.shape[1:]):
+        raise InvalidInput(f"{where} has shape {list(a.shape)}; expected [1] (per tensor) or [{kv_heads}, 1, 1] "
+                           f"(per KV head)")
+    if not np.isfinite(a).all():
+        raise InvalidInput(f"{where} contains NaN or Inf")
+    if (a <= 0).any():
+        raise InvalidInput(f"{where} has a scale <= 0 ({float(a.min())})")
+    return np.broadcast_to(a.reshape(-1), (kv_heads,)).copy()
+
+
 def _ceil(a: int, b: int) -> int:
     return -(-a // b)
 

@@ -25,8 +25,10 @@ Design
 - D = 64: a head's [k | v] pair is one 128-lane slab. q is zero-padded to 128 lanes in VMEM (q . [k|v] = q . k)
   and p @ [k|v] leaves p @ v in lanes 64..127; heads are moved between lane halves with `pltpu.roll`.
 - Online softmax in float32 scratch (running max m, sum l, accumulator), probabilities cast to the KV dtype
-  before the PV matmul (as the reference does). Masked scores are selected away (never multiplied), and V rows
-  outside the needed key range are zeroed, so NaN/garbage in unused cache slots or padding q rows cannot leak.
+  before the PV matmul (as the reference does); an fp8 cache (e4m3fn / e5m2: storage only, the caller applies
+  per-layer scales to q and the output) is upcast to q's dtype in VMEM, so both matmuls run in q's dtype.
+  Masked scores are selected away (never multiplied), and V rows outside the needed key range are zeroed, so
+  NaN/garbage in unused cache slots or padding q rows cannot leak.
   Rows past cu_q_lens[num_seqs] come out zero.
 
 File order (ARCHITECTURE.md rule 6): configs -> validation -> tiling -> cost estimate -> pallas_call ->
@@ -52,6 +54,7 @@ ROWS_PER_KV_HEAD = 64  # target G * block_q (see module docstring)
 CHUNK_BYTES = 1 << 20  # target KV bytes per chunk: big DMAs, few loop iterations
 MIN_CHUNK_KEYS, MAX_CHUNK_KEYS = 128, 512  # >= one lane width of scores; bounds wasted masked compute
 HEAD_SIZES = (64, 128, 256, 512)
+FP8 = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))  # KV storage only: pages upcast in VMEM
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -87,7 +90,7 @@ def _check(q_shape, q_dtype, kv_shape, kv_dtype, bt_shape, kv_lens_shape, cu_sha
         raise ValueError(f"page size {ps} must be a multiple of 8")
     if kv_lens_shape != (s,) or cu_shape != (s + 1,):
         raise ValueError(f"kv_lens {kv_lens_shape} / cu_q_lens {cu_shape} do not match {s} sequences")
-    if jnp.dtype(q_dtype) != jnp.dtype(kv_dtype) and jnp.dtype(kv_dtype) != jnp.float32:
+    if jnp.dtype(q_dtype) != jnp.dtype(kv_dtype) and jnp.dtype(kv_dtype) not in (jnp.float32, *FP8):
         raise ValueError(f"q {q_dtype} and kv {kv_dtype} dtypes differ")
     if sliding_window is not None and sliding_window <= 0:
         raise ValueError(f"sliding_window {sliding_window} must be positive")
@@ -262,12 +265,14 @@ def _kernel(layer_ref, kv_lens_ref, bt_ref, cu_ref, ns_ref, lo_ref, hi_ref,  # s
         # Rows outside the copied range hold stale or uninitialized data: zero them so 0 * NaN cannot happen.
         krow = key0 + k_row
         kv_ok = (krow >= sp["key_lo"]) & (krow <= sp["key_hi"])
+        # fp8 pages: upcast to q's dtype here, so that both matmuls (and p) run in q's dtype.
+        cd = qs_ref.dtype if kv_buf.dtype.itemsize == 1 else kv_buf.dtype
         for kg in range(kvh):
             if d >= 128:
-                kk = kv_buf[slot, :, 2 * kg * d:2 * kg * d + d]  # [C*ps, D]
-                vv = jnp.where(kv_ok, kv_buf[slot, :, 2 * kg * d + d:2 * kg * d + 2 * d], 0).astype(kk.dtype)
+                kk = kv_buf[slot, :, 2 * kg * d:2 * kg * d + d].astype(cd)  # [C*ps, D]
+                vv = jnp.where(kv_ok, kv_buf[slot, :, 2 * kg * d + d:2 * kg * d + 2 * d].astype(cd), 0)
             else:  # one slab [k | v]; q's zero upper half drops v from q . [k|v]
-                kk = vv = jnp.where(kv_ok, kv_buf[slot, :, 128 * kg:128 * kg + 128], 0).astype(kv_buf.dtype)
+                kk = vv = jnp.where(kv_ok, kv_buf[slot, :, 128 * kg:128 * kg + 128].astype(cd), 0)
             qg = qs_ref[kg]  # [G*bq, Dp]
             sc = jax.lax.dot_general(qg, kk.astype(qg.dtype), (((1,), (1,)), ((), ())),
                                      preferred_element_type=jnp.float32)  # [G*bq, C*ps]

@@ -7,12 +7,22 @@ import jax
 import jax.numpy as jnp
 
 
-def write_kv(kv: jax.Array, layer, rows: jax.Array, slots: jax.Array) -> jax.Array:
-    """Stores rows [T, kv_heads * 2 * head_dim] (each token's keys and values) into layer `layer` of the
-    stacked pages kv [L, P, page_size, width] at flat slots [T] (page * page_size + offset; padding
-    tokens go to the scratch page 0). A scatter into the scan's carried cache: updated in place."""
+def write_kv(kv: jax.Array, layer, k: jax.Array, v: jax.Array, slots: jax.Array, kv_scale=None,
+             fp8=None) -> jax.Array:
+    """Stores each token's keys and values k, v [T, KVH, D] into layer `layer` of the stacked pages
+    kv [L, P, page_size, KVH * 2 * D] at flat slots [T] (page * page_size + offset; padding tokens go to
+    the scratch page 0). A scatter into the scan's carried cache: updated in place.
+
+    fp8 (a float8 dtype): an FP8 cache; each value is divided by its layer's scale (kv_scale [2, KVH]: k
+    then v, per KV head), clamped to the format's finite range (as compressed-tensors and vLLM saturate)
+    and rounded to fp8; the pages hold those fp8 values (on CPU as float32: XLA:CPU copies the whole cache
+    on every scatter into a float8 array, as into bf16)."""
+    rows = jnp.stack([k, v], axis=2)  # [T, KVH, 2, D]
+    if fp8 is not None:
+        big = float(jnp.finfo(fp8).max)
+        rows = jnp.clip(rows.astype(jnp.float32) / kv_scale.T[None, :, :, None], -big, big).astype(fp8)
     ps = kv.shape[2]
-    return kv.at[layer, slots // ps, slots % ps].set(rows.astype(kv.dtype))
+    return kv.at[layer, slots // ps, slots % ps].set(rows.reshape(rows.shape[0], -1).astype(kv.dtype))
 
 
 def attention(q, kv, layer, kv_lens, block_tables, cu_q_lens, num_seqs, *, scale: float,

@@ -31,7 +31,35 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from quantkit.errors import InvalidInput
 from quantkit.runtime.config import ModelConfig
+
+KV_CACHE_DTYPES = ("auto", "bf16", "fp8", "fp8_e4m3", "fp8_e5m2")  # vLLM's --kv-cache-dtype names
+
+
+def kv_fp8_dtype(name: str, checkpoint_scales: bool):
+    """The float8 dtype of `--kv-cache-dtype name`, or None for a cache in the model's dtype. "auto"
+    follows the checkpoint: FP8 (E4M3) when it has a kv_cache_scheme (and so k/v scales), else bf16."""
+    import ml_dtypes
+
+    if name not in KV_CACHE_DTYPES:
+        raise InvalidInput(f"unknown KV cache dtype {name!r}; choose one of {', '.join(KV_CACHE_DTYPES)}")
+    if name == "auto":
+        name = "fp8" if checkpoint_scales else "bf16"
+    return {"bf16": None, "fp8": ml_dtypes.float8_e4m3fn, "fp8_e4m3": ml_dtypes.float8_e4m3fn,
+            "fp8_e5m2": ml_dtypes.float8_e5m2}[name]
+
+
+def with_kv_scales(params: dict, cfg: ModelConfig, scales: dict | None, make=np.asarray) -> dict:
+    """The weight pytree with each kind's per-layer KV scales added as `kv_scale` [layers, 2, KVH] float32
+    (k then v, per KV head): the checkpoint's (`scales`, per kind) or 1.0, as vLLM does without them.
+    make: turns the numpy array into the leaf (jnp.asarray; plan passes a ShapeDtypeStruct maker)."""
+    layers = {}
+    for kind, stack in params["layers"].items():
+        n = cfg.layer_kinds.count(kind)
+        s = scales[kind] if scales is not None else np.ones((n, 2, cfg.num_kv_heads), np.float32)
+        layers[kind] = {**stack, "kv_scale": make(s)}
+    return {**params, "layers": layers}
 
 
 @dataclass(frozen=True)

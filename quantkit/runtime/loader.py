@@ -16,8 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from quantkit.errors import InvalidInput, Unsupported
-from quantkit.formats.compressed_tensors import (QuantConfig, kernel_layout, kernel_shapes, logical_shape,
-                                                 parse_quantization_config, weight_qtype)
+from quantkit.formats.compressed_tensors import (KV_SCALES, QuantConfig, kernel_layout, kernel_shapes, kv_head_scales,
+                                                 logical_shape, parse_quantization_config, weight_qtype)
 from quantkit.formats.hf import Checkpoint, group_modules
 from quantkit.quant.qtensor import STORAGE, QTensor, make_qtensor
 from quantkit.runtime.config import ModelConfig, from_hf
@@ -111,12 +111,14 @@ def abstract(cfg: ModelConfig, qc: QuantConfig | None, dtype=jnp.bfloat16) -> di
 
 @dataclass
 class LoadedModel:
-    """A model ready to run: its config, its weight pytree (on device) and the HBM the weights take."""
+    """A model ready to run: its config, its weight pytree (on device) and the HBM the weights take;
+    kv_scales: the checkpoint's KV cache scales (kv_cache_scheme), per kind [layers, 2 (k, v), kv_heads]."""
 
     path: Path
     cfg: ModelConfig
     params: dict
     dtype: jnp.dtype
+    kv_scales: dict | None = None
 
     @property
     def weight_bytes(self) -> int:
@@ -248,4 +250,10 @@ def load(path: str | Path, dtype=jnp.bfloat16, check: bool = True) -> LoadedMode
     # each leaf row-major as it is made, the layout the Runner compiles for (sharding.row_major)
     params = jax.tree_util.tree_map(lambda s: place_row_major(leaf(s)), skeleton(cfg),
                                     is_leaf=lambda x: isinstance(x, Slot))
-    return LoadedModel(path, cfg, params, jnp.dtype(dtype))
+    kv_scales = None
+    if qc is not None and qc.kv_cache_scheme is not None:
+        per_layer = [np.stack([kv_head_scales(ckpt.read(f"model.layers.{i}.self_attn.{n}"), cfg.num_kv_heads,
+                                              f"model.layers.{i}.self_attn.{n}") for n in KV_SCALES])
+                     for i in range(cfg.num_layers)]
+        kv_scales = {kind: np.stack([s for s, k in zip(per_layer, cfg.layer_kinds) if k == kind]) for kind in cfg.kinds}
+    return LoadedModel(path, cfg, params, jnp.dtype(dtype), kv_scales)

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from quantkit.quant.qtensor import QTensor
-from quantkit.runtime.cache import CacheLayout, PagePool, cache_layout
+from quantkit.runtime.cache import CacheLayout, PagePool, cache_layout, kv_fp8_dtype, with_kv_scales
 from quantkit.runtime.models import forward_for
 from quantkit.runtime.models.common import logits as project
 from quantkit.runtime.sharding import place_row_major, row_major
@@ -100,19 +100,20 @@ def _slots(batch: dict, ps: int) -> dict:
     return {k: jnp.where(live, tab[seq, pos // ps] * ps + pos % ps, 0) for k, tab in batch["tables"].items()}
 
 
-def step_function(cfg, page_size: int, all_logits: bool = False, mesh=None, unroll: bool = False):
+def step_function(cfg, page_size: int, all_logits: bool = False, mesh=None, unroll: bool = False, kv_fp8=None):
     """step(params, kv, last, batch) -> (outputs, kv, last).
 
     kv: per kind stacked pages; last [max_num_seqs + 1]: the last token sampled per slot. outputs: (token,
     logprob, top ids, top logprobs) per sequence row [S, ...], or with all_logits the float32 logits of
     every token [T, vocab] (eval and tests). mesh: the tensor-parallel mesh, if any; unroll: layers as a
-    Python loop (CPU serving, plan's cost analysis) instead of the scan.
+    Python loop (CPU serving, plan's cost analysis) instead of the scan. kv_fp8: the float8 dtype of an
+    FP8 cache (params then carry each layer's `kv_scale`, cache.with_kv_scales).
     """
     fwd = forward_for(cfg.family)
 
     def step(params, kv, last, batch):
         tokens = jnp.where(batch["prev_slot"] >= 0, last[jnp.maximum(batch["prev_slot"], 0)], batch["tokens"])
-        meta = {**batch, "slots": _slots(batch, page_size), "mesh": mesh, "unroll": unroll}
+        meta = {**batch, "slots": _slots(batch, page_size), "mesh": mesh, "unroll": unroll, "kv_fp8": kv_fp8}
         h, kv = fwd(params, cfg, tokens, kv, meta)
         if all_logits:
             return project(params, h, cfg), kv, last
@@ -170,7 +171,8 @@ class Runner:
     "auto": packed on a TPU, dense elsewhere.
     scan: run the layers as `lax.scan` (the TPU program: compile time independent of depth); None: scan
     except on CPU, where XLA:CPU spends ~0.5 ms per loop iteration (measured: a 2-layer hidden-256 step
-    2.2 ms scanned, 1.2 ms unrolled) and compile time is not the constraint."""
+    2.2 ms scanned, 1.2 ms unrolled) and compile time is not the constraint.
+    kv_cache_dtype: auto | bf16 | fp8 | fp8_e4m3 | fp8_e5m2 (cache.kv_fp8_dtype); `kv_dtype` is the result."""
 
     model: object  # loader.LoadedModel
     max_model_len: int = 2048
@@ -180,6 +182,7 @@ class Runner:
     tp: int = 1
     weights: str = "auto"
     scan: bool | None = None
+    kv_cache_dtype: str = "auto"
     compiled: set = field(default_factory=set)
 
     def __post_init__(self):
@@ -188,12 +191,15 @@ class Runner:
         self.layout = cache_layout(cfg, self.max_model_len, self.max_num_seqs, self.page_size,
                                    self.max_num_batched_tokens)
         self.pool = PagePool(self.layout, self.max_num_seqs)
-        # float32 on CPU: XLA:CPU upcasts a bf16 scatter and so copies the whole cache on every write
-        dtype = jnp.float32 if jax.default_backend() == "cpu" else self.model.dtype
+        fp8 = kv_fp8_dtype(self.kv_cache_dtype, self.model.kv_scales is not None)
+        self.kv_dtype = jnp.dtype(fp8 or self.model.dtype).name
+        # float32 on CPU: XLA:CPU upcasts a bf16 (or fp8) scatter and so copies the whole cache on every write
+        dtype = jnp.float32 if jax.default_backend() == "cpu" else fp8 or self.model.dtype
         self.kv = {k: jnp.zeros(s, dtype) for k, s in self.layout.shapes().items()}
-        self.kv_dtype = jnp.dtype(dtype).name
         self.last = jnp.zeros(self.max_num_seqs + 1, jnp.int32)
         self.params, mesh = self.model.params, None
+        if fp8 is not None:
+            self.params = with_kv_scales(self.params, cfg, self.model.kv_scales, jnp.asarray)
         if self.weights == "dense" or self.weights == "auto" and jax.default_backend() != "tpu":
             from quantkit.runtime.loader import densify
 
@@ -212,8 +218,8 @@ class Runner:
         self.params = place_row_major(self.params)  # the loader placed them so; a sharded copy may not be
         formats = jax.tree_util.tree_map(lambda x: row_major(x.sharding, x.ndim), self.params)
         pinned = dict(in_shardings=(formats, None, None, None), donate_argnums=(1, 2))
-        self._step = jax.jit(step_function(cfg, self.page_size, mesh=mesh, unroll=unroll), **pinned)
-        self._logits = jax.jit(step_function(cfg, self.page_size, True, mesh, unroll), **pinned)
+        self._step = jax.jit(step_function(cfg, self.page_size, mesh=mesh, unroll=unroll, kv_fp8=fp8), **pinned)
+        self._logits = jax.jit(step_function(cfg, self.page_size, True, mesh, unroll, fp8), **pinned)
 
     def bucket(self, n: int) -> int:
         return next(b for b in self.buckets if b >= n) if n <= self.buckets[-1] else -(-n // 8) * 8

@@ -159,9 +159,15 @@ def attention_block(p: dict, x: jax.Array, kv: jax.Array, i, batch: dict, cfg: M
     inv = rope_frequencies(cfg, local=sliding)
     pos = batch["positions"]
     q, k = apply_rope(q, pos, inv), apply_rope(k, pos, inv)
-    kv = write_kv(kv, i, jnp.stack([k, v], axis=2).reshape(t, kvh * 2 * d), batch["slots"][kind])
+    ks = p.get("kv_scale")  # [2, KVH] with an FP8 cache
+    kv = write_kv(kv, i, k, v, batch["slots"][kind], ks, batch.get("kv_fp8"))
+    if ks is not None:  # dequantization folded into q (k's scale) and the output (v's): scalars per KV head
+        head = jnp.arange(h) // (h // kvh)
+        q = (q.astype(jnp.float32) * ks[0, head][:, None]).astype(q.dtype)
     out = attention(q, kv, i, batch["kv_lens"], batch["tables"][kind], batch["cu_q_lens"], batch["num_seqs"],
                     scale=cfg.scale, sliding_window=cfg.sliding_window if sliding else None, mesh=batch.get("mesh"))
+    if ks is not None:
+        out = (out.astype(jnp.float32) * ks[1, head][:, None]).astype(out.dtype)
     return linear(out.reshape(t, h * d), p["o"]), kv
 
 
