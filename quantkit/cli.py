@@ -248,6 +248,7 @@ def generate(
     chat: Annotated[bool, typer.Option("--chat", help="Wrap the prompt in the model's chat template.")] = False,
     stop: Annotated[list[str] | None, typer.Option(help="Stop string (repeatable).")] = None,
     max_model_len: Annotated[int, typer.Option(min=2, help="KV cache length (prompt + output).")] = 2048,
+    kv_cache_dtype: Annotated[KvCacheDtype, typer.Option(help=KV_HELP)] = KvCacheDtype.auto,
 ) -> None:
     """Load PATH with the JAX runtime and stream a completion of PROMPT to stdout.
 
@@ -266,7 +267,8 @@ def generate(
         text = codec.chat([{"role": "user", "content": prompt}]) if chat else prompt
         ids = codec.encode(text, special=not chat)
         stops = tuple(i for i in (*model.cfg.eos_token_ids, codec.token_id("eos_token")) if i is not None)
-        runner = Runner(model, max_model_len=min(max_model_len, model.cfg.max_position_embeddings))
+        runner = Runner(model, max_model_len=min(max_model_len, model.cfg.max_position_embeddings),
+                        kv_cache_dtype=kv_cache_dtype.value)
         def emit(update) -> None:
             sys.stdout.write(update.text)
             sys.stdout.flush()
@@ -276,6 +278,18 @@ def generate(
         sys.stdout.write("\n")
     except (QuantkitError, KeyboardInterrupt, Exception) as e:  # noqa: BLE001 - one line, never a traceback
         raise _fail(e) from None
+
+
+class KvCacheDtype(str, Enum):  # runtime/cache.py KV_CACHE_DTYPES (vLLM's names)
+    auto = "auto"
+    bf16 = "bf16"
+    fp8 = "fp8"
+    fp8_e4m3 = "fp8_e4m3"
+    fp8_e5m2 = "fp8_e5m2"
+
+
+KV_HELP = ("KV cache storage: auto = FP8 (E4M3) with the checkpoint's k/v scales when it has a kv_cache_scheme, "
+           "else the model's dtype; fp8 = fp8_e4m3; without checkpoint scales FP8 uses 1.0.")
 
 
 class TpuTarget(str, Enum):
@@ -297,6 +311,7 @@ def plan(
                                                       show_default=False)] = None,
     group_size: Annotated[int, typer.Option(help="W4A16 group size (-1: channel).")] = 128,
     search: Annotated[bool, typer.Option(help="Also find the largest --max-num-seqs that fits.")] = True,
+    kv_cache_dtype: Annotated[KvCacheDtype, typer.Option(help=KV_HELP)] = KvCacheDtype.auto,
     json_out: Annotated[bool, typer.Option("--json", help="One JSON document on stdout.")] = False,
 ) -> None:
     """Compile the serving steps for a TPU without one (libtpu, deviceless) and report HBM for weights, KV
@@ -315,7 +330,7 @@ def plan(
                 print(msg, file=sys.stderr)
 
         report = run(path, target.value, max_model_len, max_num_seqs, tp,
-                     scheme.value if scheme is not None else None, group_size, search, note)
+                     scheme.value if scheme is not None else None, group_size, search, note, kv_cache_dtype.value)
         _emit(report, json_out, print_plan)
     except (QuantkitError, Exception) as e:  # noqa: BLE001 - one line, never a traceback
         raise _fail(e) from None
@@ -332,13 +347,16 @@ def eval_(
                                                    "Python's argparse module].", show_default=False)] = None,
     max_tokens: Annotated[int, typer.Option(min=2, help="Tokens of the text to use at most.")] = 4096,
     window: Annotated[int, typer.Option(min=2, help="Tokens per independent window (context length).")] = 512,
+    kv_cache_dtype: Annotated[KvCacheDtype, typer.Option(help="The CANDIDATE's KV cache (the reference's is "
+                                                              "auto). " + KV_HELP)] = KvCacheDtype.auto,
     json_out: Annotated[bool, typer.Option("--json", help="One JSON document on stdout.")] = False,
 ) -> None:
     """Quality lost by CANDIDATE against REFERENCE on the same text: KL divergence of the next-token
     distributions (mean, median, 99th percentile, max), both perplexities and top-1 agreement, with
     paired-bootstrap 95% intervals.
 
-    Example:  quantkit eval models/tiny-llama models/tiny-llama-W4A16 --text notes.txt
+    Examples: quantkit eval models/tiny-llama models/tiny-llama-W4A16 --text notes.txt
+              quantkit eval models/tiny-llama models/tiny-llama --kv-cache-dtype fp8_e4m3   (FP8 KV vs bf16)
     """
     try:
         from quantkit.evaluate import evaluate, print_report
@@ -351,7 +369,8 @@ def eval_(
         else:
             content = None
         report = _with_progress("Evaluating windows", lambda p: evaluate(reference, candidate, content, max_tokens,
-                                                                        window, p), counted=True)
+                                                                        window, p, kv_cache_dtype.value),
+                                      counted=True)
         _emit(report, json_out, print_report)
     except (QuantkitError, Exception) as e:  # noqa: BLE001 - one line, never a traceback
         raise _fail(e) from None
@@ -378,6 +397,7 @@ def serve(
     enable_prefix_caching: Annotated[bool, typer.Option(help="Reuse the cached KV pages of earlier prompts a new "
                                                              "prompt starts with (vLLM's automatic prefix "
                                                              "caching).")] = True,
+    kv_cache_dtype: Annotated[KvCacheDtype, typer.Option(help=KV_HELP)] = KvCacheDtype.auto,
 ) -> None:
     """Serve PATH over an OpenAI-compatible HTTP API (completions and chat, streaming, logprobs).
 
@@ -393,7 +413,8 @@ def serve(
 
         code = run(path, host, port, served_model_name=served_model_name, max_model_len=max_model_len,
                    max_num_seqs=max_num_seqs, api_key=api_key, max_num_batched_tokens=max_num_batched_tokens, max_waiting=max_waiting,
-                   grace=grace, enable_prefix_caching=enable_prefix_caching)
+                   grace=grace, enable_prefix_caching=enable_prefix_caching,
+                   kv_cache_dtype=kv_cache_dtype.value)
     except (QuantkitError, Exception) as e:  # noqa: BLE001 - one line, never a traceback
         raise _fail(e) from None
     raise typer.Exit(code)

@@ -66,8 +66,9 @@ def _token_stats(ref_logits: np.ndarray, cand_logits: np.ndarray, targets: np.nd
 
 
 def evaluate(reference: Path, candidate: Path, text: str | None = None, max_tokens: int = 4096,
-             window: int = 512, progress=None) -> dict:
-    """Runs both checkpoints on the same windows of `text` (tokenized with the reference's tokenizer).
+             window: int = 512, progress=None, kv_cache_dtype: str = "auto") -> dict:
+    """Runs both checkpoints on the same windows of `text` (tokenized with the reference's tokenizer);
+    the candidate with a `kv_cache_dtype` cache (runtime/cache.py), the reference with its own default.
 
     Returns the report (CLI.md keys): tokens, ppl_reference, ppl_candidate, kl {mean, median, p99, max,
     ci95}, top1_agreement {value, ci95}, plus the intervals of both perplexities.
@@ -88,7 +89,8 @@ def evaluate(reference: Path, candidate: Path, text: str | None = None, max_toke
     spans = [s for s in spans if len(s) >= 2]
     if not spans:
         raise InvalidInput(f"the text has {len(ids)} tokens; eval needs at least 2")
-    runners = [Runner(m, max_model_len=window, max_num_batched_tokens=window) for m in models]
+    runners = [Runner(m, max_model_len=window, max_num_batched_tokens=window, kv_cache_dtype=kv)
+               for m, kv in zip(models, ("auto", kv_cache_dtype))]
     cols: dict[str, list] = {}
     for done, span in enumerate(spans):
         ref, cand = (r.forward([(0, span, 0)])[0][:-1] for r in runners)

@@ -55,7 +55,8 @@ def _nbytes(leaf, layout, chip) -> int:
 
 
 def plan(path: str | Path, target: str = "v6e", max_model_len: int = 2048, max_num_seqs: int = 16, tp: int = 1,
-         scheme: str | None = None, group_size: int = 128, search: bool = True, progress=None) -> dict:
+         scheme: str | None = None, group_size: int = 128, search: bool = True, progress=None,
+         kv_cache_dtype: str = "auto") -> dict:
     """Compiles the serving steps for `tp` chips of `target` and reports HBM (per chip), VMEM, compile time and
     fit (CLI.md keys).
 
@@ -64,6 +65,8 @@ def plan(path: str | Path, target: str = "v6e", max_model_len: int = 2048, max_n
         scheme: W4A16 / FP8_DYNAMIC / FP8_BLOCK / MXFP4A16 / DENSE; None: the checkpoint's own
             quantization_config (or bf16 without one).
         search: also find the largest max_num_seqs that fits (compiling the steps to confirm it).
+        kv_cache_dtype: as serve's (runtime/cache.py kv_fp8_dtype): an FP8 cache is compiled with its
+            per-layer scales among the weights.
     """
     import importlib.util
 
@@ -78,7 +81,8 @@ def plan(path: str | Path, target: str = "v6e", max_model_len: int = 2048, max_n
     from quantkit.quant.qtensor import QTensor
     from quantkit.runtime.aot import compile_for, target_mesh, topology_name
     from quantkit.runtime.config import from_hf
-    from quantkit.runtime.cache import cache_layout
+    from quantkit.formats.compressed_tensors import kv_scheme_reason
+    from quantkit.runtime.cache import cache_layout, kv_fp8_dtype, with_kv_scales
     from quantkit.runtime.loader import abstract
     from quantkit.runtime.step import empty_batch, step_function, token_buckets
 
@@ -89,6 +93,9 @@ def plan(path: str | Path, target: str = "v6e", max_model_len: int = 2048, max_n
         qc = None if scheme == "DENSE" else parse_quantization_config(writable_config(scheme, group_size, ["lm_head"]))
     else:
         qc = parse_quantization_config(raw["quantization_config"]) if "quantization_config" in raw else None
+    kv_scheme = qc.kv_cache_scheme if qc is not None else None
+    fp8 = kv_fp8_dtype(kv_cache_dtype, kv_scheme is not None and kv_scheme_reason(kv_scheme) is None)
+    kv_dtype = jnp.dtype(fp8 or jnp.bfloat16)
     mesh, kv_sharding = None, None
     if tp > 1:  # weights and KV cache placed on the topology's mesh as the runtime places them
         from quantkit.runtime.sharding import cache_sharding, shard_params
@@ -98,6 +105,8 @@ def plan(path: str | Path, target: str = "v6e", max_model_len: int = 2048, max_n
 
     def weights_of(c):
         p = abstract(c, qc)
+        if fp8 is not None:
+            p = with_kv_scales(p, c, None, lambda a: jax.ShapeDtypeStruct(a.shape, jnp.float32))
         if mesh is None:
             return p
         return shard_params(p, c, mesh, put=lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s))
@@ -111,7 +120,7 @@ def plan(path: str | Path, target: str = "v6e", max_model_len: int = 2048, max_n
     def cache(n: int, c=cfg) -> dict:
         """As the Runner's: per kind stacked pages for n sequences."""
         shapes = cache_layout(c, max_model_len, n, PAGE_SIZE, budget).shapes()
-        return {k: jax.ShapeDtypeStruct(s, jnp.bfloat16, sharding=kv_sharding) for k, s in shapes.items()}
+        return {k: jax.ShapeDtypeStruct(s, kv_dtype, sharding=kv_sharding) for k, s in shapes.items()}
 
     def weight_bytes() -> int:
         return sum(_nbytes(x, lay, chip) for x, lay in zip(param_leaves, layouts["params"]))
@@ -130,7 +139,7 @@ def plan(path: str | Path, target: str = "v6e", max_model_len: int = 2048, max_n
         """Compiles the step of config c (weights: its abstract pytree) at t tokens for n sequences."""
         batch = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
                                        empty_batch(t, min(t, n), cache_layout(c, max_model_len, n, PAGE_SIZE, budget), n))
-        return compile_for(target, step_function(c, PAGE_SIZE, mesh=mesh, unroll=unroll), weights, cache(n, c),
+        return compile_for(target, step_function(c, PAGE_SIZE, mesh=mesh, unroll=unroll, kv_fp8=fp8), weights, cache(n, c),
                            jax.ShapeDtypeStruct((n + 1,), jnp.int32), batch, donate=(1, 2), pinned=(0,), tp=tp)
 
     def decode_cost(n: int) -> dict:
@@ -224,7 +233,7 @@ def plan(path: str | Path, target: str = "v6e", max_model_len: int = 2048, max_n
     step_bytes = weights + kv
     return {
         "path": str(path), "target": target, "scheme": scheme or ("checkpoint" if qc else "DENSE"),
-        "max_model_len": max_model_len, "max_num_seqs": max_num_seqs, "tp": tp,
+        "max_model_len": max_model_len, "max_num_seqs": max_num_seqs, "tp": tp, "kv_cache_dtype": kv_dtype.name,
         "topology": topology_name(target, tp), "fits": bool(fits),
         "hbm_bytes": {"weights": weights, "kv_cache": kv, "temporaries": temp,
                       "total": weights + kv + temp, "capacity": chip.hbm_bytes},
@@ -271,7 +280,7 @@ def print_plan(r: dict, out=sys.stdout) -> None:
     h = r["hbm_bytes"]
     chips = f"{r['tp']} chips ({r['topology']}), HBM per chip" if r["tp"] > 1 else r["topology"]
     print(f"{r['path']} on {r['target']}: {r['scheme']}, {r['max_num_seqs']} sequences of {r['max_model_len']} tokens, "
-          f"{chips}", file=out)
+          f"{r['kv_cache_dtype']} KV cache, {chips}", file=out)
     for k in ("weights", "kv_cache", "temporaries", "total", "capacity"):
         print(f"  {k:<12}{h[k] / gib:9.2f} GiB", file=out)
     print(f"  compile     {r['compile_seconds']:9.1f} s on this CPU (decode and budget buckets of the step, "

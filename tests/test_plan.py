@@ -162,6 +162,19 @@ def test_tensor_parallel_plan_on_a_2x2_slice(tmp_path):
     assert {k["path"] for k in r["kernels"]} == {"gmm_v2"} and r["dequantized_weight_buffers"] == []
 
 
+def test_fp8_kv_cache_halves_the_kv_bytes(tmp_path):
+    """--kv-cache-dtype compiles the step with an FP8 cache (and its per-layer scales): 2 layers x 33 pages x
+    16 tokens x 4 KV heads x (k, v) x 128 x 1 byte, half the bf16 cache, in the compiled layout."""
+    from quantkit.plan import plan
+
+    (tmp_path / "config.json").write_text(json.dumps(SMALL))
+    r = {kv: plan(tmp_path / "config.json", "v6e", 128, 4, scheme="W4A16", group_size=32, search=False,
+                  kv_cache_dtype=kv) for kv in ("auto", "fp8_e5m2")}
+    assert r["auto"]["kv_cache_dtype"] == "bfloat16" and r["fp8_e5m2"]["kv_cache_dtype"] == "float8_e5m2"
+    assert r["fp8_e5m2"]["hbm_bytes"]["kv_cache"] == 2 * 33 * 16 * 4 * 2 * 128 == r["auto"]["hbm_bytes"]["kv_cache"] // 2
+    assert r["fp8_e5m2"]["fits"]
+
+
 def test_tensor_parallel_plan_refuses_what_it_cannot_place(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({**SMALL, "num_attention_heads": 12, "head_dim": 64}))
     cmd = [sys.executable, "-m", "quantkit.cli", "plan", str(tmp_path / "config.json"), "--scheme", "W4A16"]

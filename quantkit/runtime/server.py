@@ -136,8 +136,8 @@ class Params:
 class Server:
     def __init__(self, path: Path, served_model_name: str | None = None, max_model_len: int | None = None,
                  max_num_seqs: int = 16, api_key: str | None = None, max_num_batched_tokens: int = 512,
-                 max_waiting: int = 256, enable_prefix_caching: bool = True):
-        self.prefix_caching = enable_prefix_caching
+                 max_waiting: int = 256, enable_prefix_caching: bool = True, kv_cache_dtype: str = "auto"):
+        self.prefix_caching, self.kv_cache_dtype = enable_prefix_caching, kv_cache_dtype
         self.path, self.name = Path(path), served_model_name or Path(path).name
         self.max_model_len, self.max_num_seqs, self.api_key = max_model_len, max_num_seqs, api_key
         self.max_num_batched_tokens, self.max_waiting = max_num_batched_tokens, max_waiting
@@ -169,7 +169,8 @@ class Server:
             model = load(self.path)
             limit = min(self.max_model_len or 2048, model.cfg.max_position_embeddings)
             engine = Engine(Runner(model, max_model_len=limit, max_num_seqs=self.max_num_seqs,
-                                   max_num_batched_tokens=self.max_num_batched_tokens),
+                                   max_num_batched_tokens=self.max_num_batched_tokens,
+                                   kv_cache_dtype=self.kv_cache_dtype),
                             decode=self.codec.decode, max_waiting=self.max_waiting,
                             prefix_caching=self.prefix_caching)
             self.stop_ids = frozenset(i for i in (*model.cfg.eos_token_ids, self.codec.token_id("eos_token"))
@@ -182,9 +183,9 @@ class Server:
             engine.warmup(progress)
             threading.Thread(target=engine.run, args=(self.stop,), name="engine", daemon=True).start()
             self.engine, self.status = engine, "ready"
-            log.warning("ready in %.1f s: %s, max_model_len %d, max_num_seqs %d, prefix caching %s, %d step "
-                        "programs compiled", time.monotonic() - t0, self.name, limit, self.max_num_seqs,
-                        "on" if self.prefix_caching else "off", len(engine.shapes()))
+            log.warning("ready in %.1f s: %s, max_model_len %d, max_num_seqs %d, KV cache %s, prefix caching %s, "
+                        "%d step programs compiled", time.monotonic() - t0, self.name, limit, self.max_num_seqs,
+                        engine.runner.kv_dtype, "on" if self.prefix_caching else "off", len(engine.shapes()))
         except Exception as e:  # noqa: BLE001 - reported as one line, the process then exits 1
             self.failed = f"{type(e).__name__}: {e}" if not isinstance(e, InvalidInput) else str(e)
             self.status = "failed"
