@@ -65,14 +65,15 @@ def main() -> None:
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--max-num-seqs", type=int, default=16)
     ap.add_argument("--only", nargs="*", help="rows to run, as NAME:SCHEME:TP (e.g. Gemma-3-27B:bf16:4)")
+    ap.add_argument("--kv-cache-dtype", nargs="+", default=["auto"], help="each row with each of these KV caches")
     args = ap.parse_args()
     gib = 1 << 30
-    lines = ["| model | weights | chips | fits at 16 | weights GiB | KV GiB (16 × 2048) | temporaries GiB | largest "
+    lines = ["| model | weights | KV cache | chips | fits at 16 | weights GiB | KV GiB (16 × 2048) | temporaries GiB | largest "
              "concurrency at 2048 | plan s (wall, this CPU) | compile s (all programs) | slowest compile s | "
              "decode step: XLA bytes accessed / floor | decode step, roofline estimate |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     results = []
-    for name, cfg, scheme, group, tp in ROWS:
+    for (name, cfg, scheme, group, tp), kv in ((row, kv) for row in ROWS for kv in args.kv_cache_dtype):
         label = f"{scheme}g{group}" if scheme == "W4A16" else "bf16"
         if args.only and f"{name}:{label}:{tp}" not in args.only:
             continue
@@ -81,11 +82,11 @@ def main() -> None:
             t0 = time.perf_counter()
             COMPILES.clear()
             r = plan(Path(d) / "config.json", "v6e", args.max_model_len, args.max_num_seqs, tp=tp, scheme=scheme,
-                     group_size=group)
+                     group_size=group, kv_cache_dtype=kv)
             wall = time.perf_counter() - t0
         h, est, cost = r["hbm_bytes"], r["decode_step_estimate"], r["decode_step_cost"]
         results.append({"model": name, "group": group, "wall_seconds": wall, "compiles": list(COMPILES), **r})
-        lines.append(f"| {name} | {label} | {r['topology']} | {'yes' if r['fits'] else 'no'} | "
+        lines.append(f"| {name} | {label} | {r['kv_cache_dtype']} | {r['topology']} | {'yes' if r['fits'] else 'no'} | "
                      f"{h['weights'] / gib:.2f} | "
                      f"{h['kv_cache'] / gib:.2f} | {h['temporaries'] / gib:.2f} | {r['max_num_seqs_that_fit']} | "
                      f"{wall:.0f} | {sum(COMPILES):.0f} | {max(COMPILES):.0f} | {cost['bytes_accessed'] / 1e9:.2f} GB / "

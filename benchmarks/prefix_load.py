@@ -21,7 +21,6 @@ import json
 import os
 import platform
 import shutil
-import socket
 import sys
 import tempfile
 import time
@@ -79,42 +78,11 @@ def prefix_counters(base: str, server: str) -> tuple[float, float]:
     return vals[want[0]], vals[want[1]]
 
 
-async def one(client: httpx.AsyncClient, url: str, model: str, prompt: str, max_tokens: int, out: list) -> None:
-    """serve_load.one with this run's max_tokens (it reads its module's OUT_TOKENS at call time)."""
-    serve_load.OUT_TOKENS = max_tokens
-    await serve_load.one(client, url, model, prompt, out)
-
-
-def pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))] * 1e3 if xs else float("nan")
-
-
-async def load(base: str, model: str, texts: list[str], concurrency: int, max_tokens: int) -> dict:
-    out: list = []
-    queue = list(texts)
-    transport = httpx.AsyncHTTPTransport(socket_options=[(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)],
-                                         limits=httpx.Limits(max_connections=concurrency + 4))
-    async with httpx.AsyncClient(timeout=600, transport=transport) as client:
-        async def worker():
-            while queue:
-                await one(client, f"{base}/v1/completions", model, queue.pop(0), max_tokens, out)
-
-        t0 = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
-        wall = time.perf_counter() - t0
-    ok = [o for o in out if o[0] == "ok"]
-    ttft, tpot = [o[1] for o in ok], [o[2] for o in ok]
-    return {"requests": len(texts), "errors": len(out) - len(ok), "wall_s": wall, "tokens": sum(o[3] for o in ok),
-            "tok_s": sum(o[3] for o in ok) / wall, "ttft_p50_ms": pct(ttft, 0.5), "ttft_p99_ms": pct(ttft, 0.99),
-            "tpot_p50_ms": pct(tpot, 0.5)}
-
-
 def measure(base: str, server: str, model: str, texts: list[str], warm: str, args) -> dict:
-    asyncio.run(load(base, model, [warm], 1, args.out_tokens))  # no system prompt: the prefix cache stays cold
+    asyncio.run(serve_load.load(base, model, 1, [warm], args.out_tokens))  # no system prompt: the prefix cache stays cold
     time.sleep(1)  # let the server's counters settle (vLLM records stats after it streams the last chunk)
     q0, h0 = prefix_counters(base, server)
-    r = asyncio.run(load(base, model, texts, args.concurrency, args.out_tokens))
+    r = asyncio.run(serve_load.load(base, model, args.concurrency, texts, args.out_tokens))
     time.sleep(1)
     q1, h1 = prefix_counters(base, server)
     r["prefix_query_tokens"], r["prefix_hit_tokens"] = q1 - q0, h1 - h0

@@ -22,12 +22,14 @@ sys.path.insert(0, str(ROOT / "scripts"))
 from quantkit.convert import convert  # noqa: E402
 from quantkit.evaluate import evaluate  # noqa: E402
 
-VARIANTS = [  # label, scheme, group size, observer
-    ("W4A16 g32 min-max", "W4A16", 32, "minmax"), ("W4A16 g32 mse", "W4A16", 32, "mse"),
-    ("W4A16 g128 min-max", "W4A16", 128, "minmax"), ("W4A16 g128 mse", "W4A16", 128, "mse"),
-    ("W4A16 channel min-max", "W4A16", -1, "minmax"), ("W4A16 channel mse", "W4A16", -1, "mse"),
-    ("FP8_DYNAMIC", "FP8_DYNAMIC", 128, "minmax"), ("MXFP4A16", "MXFP4A16", 32, "minmax"),
-    ("MXFP4A16 mse", "MXFP4A16", 32, "mse"),
+VARIANTS = [  # label, scheme (None: the bf16 weights), group size, observer, the candidate's KV cache
+    ("W4A16 g32 min-max", "W4A16", 32, "minmax", "auto"), ("W4A16 g32 mse", "W4A16", 32, "mse", "auto"),
+    ("W4A16 g128 min-max", "W4A16", 128, "minmax", "auto"), ("W4A16 g128 mse", "W4A16", 128, "mse", "auto"),
+    ("W4A16 channel min-max", "W4A16", -1, "minmax", "auto"), ("W4A16 channel mse", "W4A16", -1, "mse", "auto"),
+    ("FP8_DYNAMIC", "FP8_DYNAMIC", 128, "minmax", "auto"), ("MXFP4A16", "MXFP4A16", 32, "minmax", "auto"),
+    ("MXFP4A16 mse", "MXFP4A16", 32, "mse", "auto"),
+    ("bf16 weights, FP8 E4M3 KV (scale 1)", None, 0, "", "fp8_e4m3"),
+    ("bf16 weights, FP8 E5M2 KV (scale 1)", None, 0, "", "fp8_e5m2"),
 ]
 
 
@@ -38,14 +40,19 @@ def main() -> None:
     ap.add_argument("--model", default=str(ROOT / "assets/tiny-llama"))
     ap.add_argument("--max-tokens", type=int, default=16384)
     ap.add_argument("--dir", default=None)
+    ap.add_argument("--only", nargs="*", help="labels of the rows to run")
     args = ap.parse_args()
     work = Path(args.dir or tempfile.mkdtemp(prefix="qk-quality-"))
     text = "\n".join(f.read_text(encoding="utf-8", errors="replace") for f in heldout_files())
     rows = []
-    for label, scheme, group, observer in VARIANTS:
-        dst = work / label.replace(" ", "_")
-        convert(args.model, dst, scheme, group, observer=observer, force=True)
-        r = evaluate(Path(args.model), dst, text, max_tokens=args.max_tokens)
+    for label, scheme, group, observer, kv in VARIANTS:
+        if args.only and label not in args.only:
+            continue
+        dst = Path(args.model)
+        if scheme is not None:
+            dst = work / label.replace(" ", "_")
+            convert(args.model, dst, scheme, group, observer=observer, force=True)
+        r = evaluate(Path(args.model), dst, text, max_tokens=args.max_tokens, kv_cache_dtype=kv)
         rows.append({"label": label, **r})
         print(f"{label}: ppl {r['ppl_candidate']:.3f} (bf16 {r['ppl_reference']:.3f}), mean KLD "
               f"{r['kl']['mean']:.5f}, same top-1 {100 * r['top1_agreement']['value']:.2f}%", flush=True)

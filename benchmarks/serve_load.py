@@ -90,8 +90,9 @@ class Proc:
         self.log.close()
 
 
-async def one(client: httpx.AsyncClient, url: str, model: str, prompt: str, out: list) -> None:
-    body = {"model": model, "prompt": prompt, "max_tokens": OUT_TOKENS, "temperature": 0, "stream": True,
+async def one(client: httpx.AsyncClient, url: str, model: str, prompt: str, out: list, max_tokens: int = OUT_TOKENS
+              ) -> None:
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}}
     t0 = time.perf_counter()
     first = last = None
@@ -115,8 +116,8 @@ async def one(client: httpx.AsyncClient, url: str, model: str, prompt: str, out:
         out.append(("error", type(e).__name__))
 
 
-async def load(base: str, model: str, concurrency: int, requests: int) -> dict:
-    texts = prompts(requests)
+async def load(base: str, model: str, concurrency: int, texts: list[str], max_tokens: int = OUT_TOKENS) -> dict:
+    """The prompts `texts` sent by `concurrency` clients, in order; latency and throughput figures."""
     out: list = []
     queue = list(texts)
     # TCP_NODELAY: without it httpx's separate header and body writes meet the server's delayed ACK and
@@ -126,7 +127,7 @@ async def load(base: str, model: str, concurrency: int, requests: int) -> dict:
     async with httpx.AsyncClient(timeout=600, transport=transport) as client:
         async def worker():
             while queue:
-                await one(client, f"{base}/v1/completions", model, queue.pop(), out)
+                await one(client, f"{base}/v1/completions", model, queue.pop(0), out, max_tokens)
 
         t0 = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
@@ -138,17 +139,17 @@ async def load(base: str, model: str, concurrency: int, requests: int) -> dict:
         return xs[min(len(xs) - 1, int(q * len(xs)))] * 1e3 if xs else float("nan")
 
     ttft, tpot = [o[1] for o in ok], [o[2] for o in ok]
-    return {"concurrency": concurrency, "requests": requests, "errors": len(out) - len(ok),
+    return {"concurrency": concurrency, "requests": len(texts), "errors": len(out) - len(ok), "wall_s": wall,
             "tokens": sum(o[3] for o in ok), "tok_s": sum(o[3] for o in ok) / wall,
             "ttft_p50_ms": pct(ttft, 0.5), "ttft_p99_ms": pct(ttft, 0.99),
             "tpot_p50_ms": pct(tpot, 0.5), "tpot_p99_ms": pct(tpot, 0.99)}
 
 
 def measure(base: str, model: str, runs: int) -> list[dict]:
-    asyncio.run(load(base, model, 4, 8))  # warm-up traffic (also lets vLLM settle)
+    asyncio.run(load(base, model, 4, prompts(8)))  # warm-up traffic (also lets vLLM settle)
     rows = []
     for conc, n in ((1, 12), (16, 64)):
-        results = [asyncio.run(load(base, model, conc, n)) for _ in range(runs)]
+        results = [asyncio.run(load(base, model, conc, prompts(n))) for _ in range(runs)]
         best = sorted(results, key=lambda r: r["tok_s"])[len(results) // 2]  # the median run
         best["tok_s_runs"] = [round(r["tok_s"]) for r in results]
         rows.append(best)

@@ -121,6 +121,10 @@ def _print_report(r: dict) -> None:
     out.print(f"{r['num_tensors']} tensors in {r['num_files']} file(s), {_human_size(r['bytes_on_disk'])} on disk; "
               f"weights need {_human_size(r['hbm_bytes_weights'])}{cap} on {r['target']}; "
               f"{bpw} bits per {'quantized' if r['format'] else 'linear'} weight", highlight=False)
+    kv = r.get("kv_cache_scheme")
+    if kv:
+        out.print(f"KV cache scheme: {kv['type']}{kv['num_bits']} {kv['strategy']} scales (serve's --kv-cache-dtype "
+                  "auto runs an FP8 E4M3 cache with them)", highlight=False)
     verdict = {0: "[green]servable[/]", 1: "[red]invalid[/]", 3: "[yellow]not servable[/]"}[r["exit_code"]]
     out.print(f"verdict: {verdict}")
 
@@ -235,6 +239,18 @@ def convert(
     _emit(report, json_out, _print_convert)
 
 
+class KvCacheDtype(str, Enum):  # runtime/cache.py KV_CACHE_DTYPES (vLLM's names)
+    auto = "auto"
+    bf16 = "bf16"
+    fp8 = "fp8"
+    fp8_e4m3 = "fp8_e4m3"
+    fp8_e5m2 = "fp8_e5m2"
+
+
+KV_HELP = ("KV cache storage: auto = FP8 (E4M3) with the checkpoint's k/v scales when it has a kv_cache_scheme, "
+           "else the model's dtype; fp8 = fp8_e4m3; without checkpoint scales FP8 uses 1.0.")
+
+
 @app.command()
 def generate(
     path: Annotated[Path, typer.Argument(help="Checkpoint directory (dense or compressed-tensors).",
@@ -278,18 +294,6 @@ def generate(
         sys.stdout.write("\n")
     except (QuantkitError, KeyboardInterrupt, Exception) as e:  # noqa: BLE001 - one line, never a traceback
         raise _fail(e) from None
-
-
-class KvCacheDtype(str, Enum):  # runtime/cache.py KV_CACHE_DTYPES (vLLM's names)
-    auto = "auto"
-    bf16 = "bf16"
-    fp8 = "fp8"
-    fp8_e4m3 = "fp8_e4m3"
-    fp8_e5m2 = "fp8_e5m2"
-
-
-KV_HELP = ("KV cache storage: auto = FP8 (E4M3) with the checkpoint's k/v scales when it has a kv_cache_scheme, "
-           "else the model's dtype; fp8 = fp8_e4m3; without checkpoint scales FP8 uses 1.0.")
 
 
 class TpuTarget(str, Enum):

@@ -13,6 +13,9 @@ Checkpoints with a `kv_cache_scheme` are made by the compressed-tensors library 
 """
 
 import json
+import os
+import subprocess
+import sys
 
 import jax.numpy as jnp
 import numpy as np
@@ -113,6 +116,9 @@ def test_w4a16_checkpoint_with_kv_scheme_loads_its_scales(tmp_path):
     assert Runner(model, max_model_len=64, page_size=8, kv_cache_dtype="bf16").kv_dtype == "bfloat16"
     with pytest.raises(InvalidInput, match="unknown KV cache dtype 'fp4'"):
         Runner(model, max_model_len=64, page_size=8, kv_cache_dtype="fp4")
+    shown = subprocess.run([sys.executable, "-m", "quantkit.cli", "inspect", str(path), "--target", "cpu"],
+                           capture_output=True, text=True, env={**os.environ, "COLUMNS": "200"})
+    assert shown.returncode == 0 and "KV cache scheme: float8 tensor scales" in shown.stdout, shown.stdout
 
 
 def _tamper(path, tensor, value):
