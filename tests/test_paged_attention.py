@@ -243,6 +243,19 @@ def test_cpu_path_matches_jax_reference(d, kvh, g, window, soft_cap):
     assert err < 1e-5, f"seed={seed} {info} err={err:.2e}"
 
 
+@pytest.mark.parametrize("q_lens", [[40, 1, 1], [11, 5, 2, 40], [1, 1, 1]])
+def test_cpu_path_computes_every_block_it_needs(q_lens):
+    """The CPU path computes only the first two query blocks when they hold every prompt chunk (one chunk
+    of 33-64 rows here), else all: each case against the oracle."""
+    from quantkit.kernels.xla import paged_attention_xla
+
+    seed = _seed()
+    args, n, info = make_batch(np.random.default_rng(seed), d=64, kvh=2, g=2, t=64, q_lens=q_lens, pps=8)
+    out = np.asarray(paged_attention_xla(*args, scale=0.125))
+    want = np.asarray(reference(args, d=64, kvh=2, scale=0.125, window=None, soft_cap=None))
+    assert np.all(out[n:] == 0) and np.linalg.norm(out[:n] - want) / np.linalg.norm(want) < 1e-5, f"seed={seed}"
+
+
 def test_kernel_in_interpret_mode_equals_cpu_path():
     """The two attention paths of the runtime agree (float32, tolerance as against the oracle)."""
     from quantkit.kernels.xla import paged_attention_xla

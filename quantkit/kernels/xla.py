@@ -113,7 +113,8 @@ def paged_attention_xla(q, kv, layer, kv_lens, block_tables, cu_q_lens, num_seqs
 
     Decode rows (one query of a sequence) are computed together, one row per sequence; the rows of
     sequences with several queries (prompt chunks) in blocks of `block` rows of one sequence each, all
-    blocks together (T // block + S of them: a chunk's last block may be partial).
+    blocks together (at most T // block + S of them: a chunk's last block may be partial; when the first
+    two hold them all, only those are computed).
     """
     t, h, d = q.shape
     s = block_tables.shape[0]
@@ -140,10 +141,17 @@ def paged_attention_xla(q, kv, layer, kv_lens, block_tables, cu_q_lens, num_seqs
     rows = jnp.where(valid, start[seq] + offset, t).T  # [nb, r]
     qpos = jnp.where(valid, kv_lens[seq] - q_len[seq] + offset, -1).T
 
-    def chunks(out):
-        o = _attend_chunks(jnp.pad(q, ((0, 1), (0, 0), (0, 0)))[rows], qpos, block_tables[seq], kv, layer,
-                           kv_lens[seq], **kw)
-        return out.at[rows.reshape(-1)].set(o.reshape(-1, h, d))
+    def first(k):  # attention of the first k blocks (the rest are padding)
+        def run(out):
+            o = _attend_chunks(jnp.pad(q, ((0, 1), (0, 0), (0, 0)))[rows[:k]], qpos[:k], block_tables[seq[:k]], kv,
+                               layer, kv_lens[seq[:k]], **kw)
+            return out.at[rows[:k].reshape(-1)].set(o.reshape(-1, h, d))
+        return run
 
-    out = jax.lax.cond(ends[-1] > 0, chunks, lambda out: out, out)  # decode-only steps skip the setup
+    # blocks computed: none (decode-only steps skip the setup), the first 2 (one chunk of up to 2 * block
+    # tokens: the usual newcomer) or all nb; padding blocks cost as much as real ones (T = 64: 10 blocks, a
+    # 57-token chunk over 1,500 cached tokens 34 -> 12 ms on CPU). More sizes compile longer at start-up.
+    sizes = [0, 2, nb] if nb > 2 else [0, nb]
+    out = jax.lax.switch(jnp.searchsorted(jnp.asarray(sizes), ends[-1]),
+                         [lambda out: out] + [first(k) for k in sizes[1:]], out)
     return out[:t].astype(q.dtype)
