@@ -195,14 +195,15 @@ def plan(path: str | Path, target: str = "v6e", max_model_len: int = 2048, max_n
     fits, temp, seconds, message, found = fits_at(max_num_seqs)
     cost = decode_cost(max_num_seqs)
     weights, best = weight_bytes(), None
+    # KV grows by `per_seq` bytes a sequence (marginal, taken at max_num_seqs: a tiny sliding-window pool is
+    # clamped to the full one's size), on top of `fixed` bytes whatever n (scratch pages, the pages of one
+    # step's prompt chunks)
+    per_seq = kv_bytes(max_num_seqs + 1) - kv_bytes(max_num_seqs)
+    fixed = kv_bytes(max_num_seqs) - max_num_seqs * per_seq
     if search:
-        # KV grows by `per_seq` bytes a sequence: guess the largest n from the temporaries of the last compile
-        # and confirm it by compiling; temporaries grow with n, so a miss guesses again from its own (lower),
-        # or, when the compiler refused outright, halves the distance to the largest n known to fit
-        # (marginal, taken at max_num_seqs: a tiny sliding-window pool is clamped to the full one's size), on
-        # top of `fixed` bytes whatever n (scratch pages, the pages of one step's prompt chunks)
-        per_seq = kv_bytes(max_num_seqs + 1) - kv_bytes(max_num_seqs)
-        fixed = kv_bytes(max_num_seqs) - max_num_seqs * per_seq
+        # guess the largest n from the temporaries of the last compile and confirm it by compiling;
+        # temporaries grow with n, so a miss guesses again from its own (lower), or, when the compiler
+        # refused outright, halves the distance to the largest n known to fit
         lo, hi = (max_num_seqs, None) if fits else (0, max_num_seqs)
         guess = (chip.hbm_bytes - weights - temp - fixed) // per_seq
         while (n := guess if hi is None else min(guess, hi - 1)) > lo:
@@ -228,6 +229,15 @@ def plan(path: str | Path, target: str = "v6e", max_model_len: int = 2048, max_n
                             "vmem_bytes": tiles.vmem_bytes if tiles else 0,
                             "tiles": {"tm": tiles.tm, "tk": tiles.tk, "tn": tiles.tn} if tiles else None})
     kv = kv_bytes(max_num_seqs)
+    # the other KV dtypes, scaled from this one's compiled layout (1 or 2 bytes a value), with this compile's
+    # temporaries: estimates, where this dtype's figures were compiled
+    by_dtype = {}
+    for name, size in (("bf16", 2), ("fp8", 1)):
+        f = size / kv_dtype.itemsize
+        this = (size == 1) == (fp8 is not None)
+        n = best if this else (chip.hbm_bytes - weights - temp - fixed * f) // (per_seq * f) if search else None
+        by_dtype[name] = {"kv_cache": int(kv * f), "max_num_seqs_that_fit": None if n is None else int(n),
+                          "compiled": this}
     # a decode step at full context reads every weight and every cached token once (each chip its share, in
     # parallel; the all-reduces of a tensor-parallel step are left out)
     step_bytes = weights + kv
@@ -237,7 +247,7 @@ def plan(path: str | Path, target: str = "v6e", max_model_len: int = 2048, max_n
         "topology": topology_name(target, tp), "fits": bool(fits),
         "hbm_bytes": {"weights": weights, "kv_cache": kv, "temporaries": temp,
                       "total": weights + kv + temp, "capacity": chip.hbm_bytes},
-        "max_num_seqs_that_fit": best, "compile_seconds": round(seconds, 2), "compiler_message": message,
+        "max_num_seqs_that_fit": best, "kv_cache_by_dtype": by_dtype, "compile_seconds": round(seconds, 2), "compiler_message": message,
         "dequantized_weight_buffers": sorted(set(found)),
         "kernels": kernels,
         "decode_step_estimate": {"kind": "roofline estimate, not a measurement", "bytes": step_bytes,
@@ -300,5 +310,9 @@ def print_plan(r: dict, out=sys.stdout) -> None:
     if r["max_num_seqs_that_fit"] is not None:
         print(f"  largest max_num_seqs that fits at {r['max_model_len']} tokens: {r['max_num_seqs_that_fit']}",
               file=out)
+    for name, d in r["kv_cache_by_dtype"].items():
+        n = f", largest max_num_seqs {d['max_num_seqs_that_fit']}" if d["max_num_seqs_that_fit"] is not None else ""
+        print(f"  KV cache {name:<5}{d['kv_cache'] / gib:9.2f} GiB{n}" + ("" if d["compiled"] else
+              " (estimate: scaled from the compiled cache; plan with --kv-cache-dtype to compile it)"), file=out)
     verdict = "fits" if r["fits"] else "does NOT fit"
     print(f"verdict: {verdict}" + (f" ({r['compiler_message']})" if r["compiler_message"] else ""), file=out)

@@ -231,6 +231,30 @@ def test_prefix_caching_reuses_shared_pages_and_outputs_match(model):
     assert engine.pages_used == 0 and engine.pool.cached_pages > 0
 
 
+@pytest.mark.parametrize("budget", [512, 16])
+def test_prefix_caching_with_staggered_overlapping_requests(model, budget):
+    """Requests sharing prefixes of 8-27 tokens arrive every other step while others still prefill and
+    decode (with a 16-token budget, prompts go in chunks beside others' decodes): pages named in one step
+    are shared in the next, and every output equals the request alone, with prefix caching and without."""
+    rng = np.random.default_rng(8)
+    base = rng.integers(3, 128, 27).tolist()
+    prompts = [base[:k] + rng.integers(3, 128, int(rng.integers(1, 12))).tolist() for k in (27, 8, 20, 27, 16, 24)]
+    outs = {}
+    for caching in (True, False):
+        engine = Engine(Runner(model, max_model_len=128, max_num_seqs=4, page_size=8, max_num_batched_tokens=budget),
+                        prefix_caching=caching)
+        reqs = []
+        for p in prompts:
+            reqs.append(engine.submit(Request(p, 5)))
+            engine.step()
+            engine.step()
+        while engine.busy():
+            engine.step()
+        outs[caching] = [r.out for r in reqs]
+        assert (engine.prefix_hits > 0) == caching and engine.pages_used == 0
+    assert outs[True] == outs[False] == [_reference(model, p, 5) for p in prompts]
+
+
 def test_prefix_caching_off_recomputes_everything(model):
     rng = np.random.default_rng(4)
     p = rng.integers(3, 128, 30).tolist()

@@ -95,6 +95,8 @@ def test_gemma3_27b_w4a16_g32_on_v6e(tmp_path):
     # the largest concurrency is the last one whose KV still fits beside the weights and temporaries
     n = r["max_num_seqs_that_fit"]
     assert n >= 16 and h["weights"] + _kv_bytes(n + 1) + h["temporaries"] > h["capacity"]
+    # an FP8 cache would hold at least twice as many (estimated from this compile; compiled: 51)
+    assert r["kv_cache_by_dtype"]["fp8"]["max_num_seqs_that_fit"] >= 2 * n
 
 
 @pytest.mark.slow
@@ -173,6 +175,11 @@ def test_fp8_kv_cache_halves_the_kv_bytes(tmp_path):
     assert r["auto"]["kv_cache_dtype"] == "bfloat16" and r["fp8_e5m2"]["kv_cache_dtype"] == "float8_e5m2"
     assert r["fp8_e5m2"]["hbm_bytes"]["kv_cache"] == 2 * 33 * 16 * 4 * 2 * 128 == r["auto"]["hbm_bytes"]["kv_cache"] // 2
     assert r["fp8_e5m2"]["fits"]
+    # each plan also estimates the other KV dtype from its own compile
+    assert r["auto"]["kv_cache_by_dtype"]["fp8"] == {"kv_cache": r["fp8_e5m2"]["hbm_bytes"]["kv_cache"],
+                                                     "max_num_seqs_that_fit": None, "compiled": False}
+    assert r["fp8_e5m2"]["kv_cache_by_dtype"]["bf16"]["kv_cache"] == r["auto"]["hbm_bytes"]["kv_cache"]
+    assert r["auto"]["kv_cache_by_dtype"]["bf16"]["compiled"] and r["fp8_e5m2"]["kv_cache_by_dtype"]["fp8"]["compiled"]
 
 
 def test_tensor_parallel_plan_refuses_what_it_cannot_place(tmp_path):
