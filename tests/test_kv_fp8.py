@@ -84,7 +84,7 @@ def test_checkpoint_kv_scales_match_transformers_with_rounded_kv(tmp_path, strat
     report = inspect_checkpoint(path, "cpu")
     assert report["servable"] and report["kv_cache_scheme"]["strategy"] == strategy
     dtype, got = _runtime_logits(path)  # auto: the checkpoint's scheme means FP8 E4M3 with its scales
-    per_head = [tuple(np.broadcast_to(np.float32(x), (2,)) for x in s) for s in scales]
+    per_head = [tuple(np.broadcast_to(np.float32(x), (2,)).copy() for x in s) for s in scales]
     want = _oracle_logits(per_head, FP8["e4m3"])
     assert dtype == "float8_e4m3fn"
     assert _rel(got, want) < 2e-3, _rel(got, want)
