@@ -150,7 +150,7 @@ def paged_attention_xla(q, kv, layer, kv_lens, block_tables, cu_q_lens, num_seqs
 
     # blocks computed: none (decode-only steps skip the setup), the first 2 (one chunk of up to 2 * block
     # tokens: the usual newcomer) or all nb; padding blocks cost as much as real ones (T = 64: 10 blocks, a
-    # 57-token chunk over 1,500 cached tokens 34 -> 12 ms on CPU). More sizes compile longer at start-up.
+    # 57-token chunk over 1,504 cached tokens 43 -> 16 ms on CPU: benchmarks/cpu_step.py). More sizes compile longer at start-up.
     sizes = [0, 2, nb] if nb > 2 else [0, nb]
     out = jax.lax.switch(jnp.searchsorted(jnp.asarray(sizes), ends[-1]),
                          [lambda out: out] + [first(k) for k in sizes[1:]], out)
