@@ -3,7 +3,7 @@
 compile seconds (all programs, and the slowest single one) and the wall time of the whole plan (search
 included), XLA's bytes accessed by the compiled decode step against its floor (weights + KV read once), and
 the decode step's roofline time (an estimate, not a measurement). Configs are the models' published
-config.json values.
+config.json values (Gemma 4: the multimodal config.json files in benchmarks/configs/, read as they are).
 
 Usage: .venv/bin/python benchmarks/plan_table.py [--max-model-len 2048] [--max-num-seqs 16] [--only NAME:SCHEME:TP]
 """
@@ -54,10 +54,16 @@ QWEN3_30B_A3B = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_
                  "num_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": True,
                  "max_position_embeddings": 40960, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
                  "tie_word_embeddings": False}
+CONFIGS = Path(__file__).resolve().parent / "configs"  # published multimodal config.json files (README there)
+GEMMA4_31B = json.loads((CONFIGS / "gemma-4-31B-it.json").read_text())
+GEMMA4_26B_A4B = json.loads((CONFIGS / "gemma-4-26B-A4B-it.json").read_text())
 ROWS = [  # name, config, scheme, group size, chips
     ("Llama-3-8B", LLAMA3_8B, "W4A16", 128, 1), ("Gemma-3-27B", GEMMA3_27B, "W4A16", 128, 1),
     ("Gemma-3-27B", GEMMA3_27B, "W4A16", 32, 1), ("Qwen3-30B-A3B", QWEN3_30B_A3B, "W4A16", 128, 1),
-    ("Gemma-3-27B", GEMMA3_27B, "DENSE", 0, 4)]
+    ("Gemma-3-27B", GEMMA3_27B, "DENSE", 0, 4),
+    ("Gemma-4-31B", GEMMA4_31B, "W4A16", 128, 1), ("Gemma-4-31B", GEMMA4_31B, "W4A16", 32, 1),
+    # the experts' 704 inputs are not a multiple of 128: g32 (704 = 22 x 32)
+    ("Gemma-4-26B-A4B", GEMMA4_26B_A4B, "W4A16", 32, 1), ("Gemma-4-31B", GEMMA4_31B, "DENSE", 0, 4)]
 
 
 def main() -> None:

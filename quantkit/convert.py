@@ -33,7 +33,8 @@ from quantkit.formats.compressed_tensors import (
     Scheme, can_dequantize, dequantize, logical_shape, match_name, parse_quantization_config, stored_layout, writable_config,
 )
 from quantkit.formats.hf import (
-    INDEX_NAME, Checkpoint, classify_module, default_exclusion, group_modules, vision_root,
+    INDEX_NAME, PACKED_EXPERT_ARCHITECTURES, PACKED_EXPERTS, Checkpoint, classify_module, default_exclusion,
+    group_modules, packed_experts, vision_root,
 )
 from quantkit.formats.safetensors_io import DTYPES, FLOAT_DTYPES
 from quantkit.inspect import inspect_checkpoint
@@ -66,6 +67,7 @@ class Job:
     outputs: dict[str, tuple[str, tuple]] = field(default_factory=dict)  # out tensor -> (dtype, shape)
     scheme: Scheme | None = None  # dequantize: the source scheme
     bytes_in: int = 0
+    row0: int = 0  # quantize: the weight's first row in its source tensor seen as 2-D (packed experts)
 
     def nbytes_out(self) -> int:
         return sum(_nbytes(d, s) for d, s in self.outputs.values())
@@ -109,6 +111,13 @@ def plan(ckpt: Checkpoint, scheme: str, group_size: int, ignore: list[str],
             jobs += [Job("copy", n, {"tensor": n}, ckpt.tensors[n].shape, ckpt.tensors[n].dtype)
                      for p, n in pnames.items() if p not in ("input_scale", "k_scale", "v_scale", "q_scale")]
             continue
+        packed = params.get("tensor")
+        if (packed is not None and ckpt.architecture in PACKED_EXPERT_ARCHITECTURES and len(packed.shape) == 3
+                and module.rpartition(".")[2] in PACKED_EXPERTS and packed.dtype in FLOAT_DTYPES
+                and not _matches(module, ignore)):  # split into per-expert Linears, as llm-compressor does
+            jobs += [_quantize_job(name, pnames["tensor"], shape, packed.dtype, scheme, group_size, row0)
+                     for name, row0, shape in packed_experts(module, packed.shape)]
+            continue
         w = params.get("weight")
         quantize = cls == "Linear" and w is not None and len(w.shape) == 2 and w.dtype in FLOAT_DTYPES
         if quantize:
@@ -127,25 +136,31 @@ def plan(ckpt: Checkpoint, scheme: str, group_size: int, ignore: list[str],
         for p, n in pnames.items():
             info = ckpt.tensors[n]
             if p == "weight" and quantize:
-                out, inp = info.shape
-                g = 32 if scheme == "MXFP4A16" else group_size
-                if g > 0 and inp % g:
-                    raise InvalidInput(f"{n}: in_features {inp} is not divisible by group size {g}; "
-                                       + ("MXFP4 needs a multiple of 32" if scheme == "MXFP4A16" else _divisor_hint(inp)))
-                layout = stored_layout(scheme, group_size, (out, inp), info.dtype)
-                jobs.append(Job("quantize", module, {"weight": n}, info.shape, info.dtype,
-                                {f"{module}.{q}": v for q, v in layout.items()}))
+                jobs.append(_quantize_job(module, n, info.shape, info.dtype, scheme, group_size))
             else:
                 jobs.append(Job("copy", n, {"tensor": n}, info.shape, info.dtype))
     for j in jobs:
         if j.action == "copy":
             j.outputs = {j.name: (j.dtype, j.shape)}
-        j.bytes_in = sum(ckpt.tensors[n].nbytes for n in j.src.values())
+        j.bytes_in = _nbytes(j.dtype, j.shape) if j.action == "quantize" else \
+            sum(ckpt.tensors[n].nbytes for n in j.src.values())
     if scheme != "DENSE" and not any(j.action == "quantize" for j in jobs):
         raise InvalidInput(f"{ckpt.root}: no Linear weight to quantize (all excluded or ignored)")
     if not quantize_lm_head and "lm_head" not in ignored:
         ignored.append("lm_head")  # tied embeddings: no tensor, but loaders still build an lm_head Linear
     return jobs, list(dict.fromkeys(ignored))
+
+
+def _quantize_job(module: str, src: str, shape: tuple, dtype: str, scheme: str, group_size: int, row0: int = 0) -> Job:
+    """Quantizes weight [out, in] of Linear `module`, rows row0.. of tensor `src` (seen as 2-D)."""
+    out, inp = shape
+    g = 32 if scheme == "MXFP4A16" else group_size
+    if g > 0 and inp % g:
+        raise InvalidInput(f"{src}: in_features {inp} is not divisible by group size {g}; "
+                           + ("MXFP4 needs a multiple of 32" if scheme == "MXFP4A16" else _divisor_hint(inp)))
+    layout = stored_layout(scheme, group_size, (out, inp), dtype)
+    return Job("quantize", module, {"weight": src}, (out, inp), dtype, {f"{module}.{q}": v for q, v in layout.items()},
+               row0=row0)
 
 
 def _dequantize_job(ckpt: Checkpoint, module: str, sch: Scheme, pnames: dict, params: dict) -> Job:
@@ -310,7 +325,7 @@ def run_job(job: Job, ckpt: Checkpoint, writer: _Writer, scheme: str, group_size
         mod = job.name
         scale_dtype = DTYPES[job.dtype][1]
         for r0 in range(0, out, step):
-            rows = ckpt.read_rows(job.src["weight"], r0, r0 + step)
+            rows = ckpt.read_rows(job.src["weight"], job.row0 + r0, job.row0 + min(out, r0 + step), flat=True)
             with np.errstate(invalid="ignore"):  # NaN weights are reported just below
                 r = quantize_rows(rows, spec, observer)
             if not math.isfinite(r.ref2):

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from quantkit.errors import InvalidInput, QuantkitError
+from quantkit.errors import InvalidInput, QuantkitError, Unsupported
 from quantkit.formats import packing
 from quantkit.formats.compressed_tensors import (
     KV_SCALES, QuantConfig, Scheme, check_module_tensors, kv_head_scales, kv_scheme_reason, parse_quantization_config,
@@ -44,6 +44,15 @@ def _config_problems(ckpt: Checkpoint, qc: QuantConfig | None, raw: dict | None)
         if arch not in ARCHITECTURES:
             out.append(_problem("unsupported", where, f"architecture {arch!r} is not supported by the runtime; "
                                 f"supported: {', '.join(ARCHITECTURES)}"))
+        else:
+            from quantkit.runtime.config import from_hf
+
+            try:
+                from_hf(ckpt.config)
+            except Unsupported as e:  # a variant of a known architecture the runtime refuses, with its reason
+                out.append(_problem("unsupported", where, str(e)))
+            except (KeyError, TypeError, ValueError) as e:
+                out.append(_problem("error", where, f"config.json does not describe a {arch}: {type(e).__name__} {e}"))
     if raw is not None and qc is None:
         method = raw.get("quant_method")
         out.append(_problem("unsupported", where, f"quant_method {method!r} is not compressed-tensors; quantkit reads "
@@ -80,14 +89,14 @@ def _kv_scale_problems(ckpt: Checkpoint) -> list[dict]:
     except (QuantkitError, KeyError, TypeError, ValueError):
         return []  # the architecture problem is reported on its own
     out = []
-    for i in range(cfg.num_layers):
+    for i, kind in enumerate(cfg.layer_kinds):
         for name in KV_SCALES:
-            tensor = f"model.layers.{i}.self_attn.{name}"
+            tensor = f"{cfg.prefix}layers.{i}.self_attn.{name}"
             if tensor not in ckpt.tensors:
                 out.append(_problem("error", tensor, f"kv_cache_scheme is set but {tensor} is missing"))
                 continue
             try:
-                kv_head_scales(ckpt.read(tensor), cfg.num_kv_heads, tensor)
+                kv_head_scales(ckpt.read(tensor), cfg.kv_shape(kind)[0], tensor)
             except InvalidInput as e:
                 out.append(_problem("error", tensor, str(e)))
     return out

@@ -96,12 +96,11 @@ def plan(path: str | Path, target: str = "v6e", max_model_len: int = 2048, max_n
     kv_scheme = qc.kv_cache_scheme if qc is not None else None
     fp8 = kv_fp8_dtype(kv_cache_dtype, kv_scheme is not None and kv_scheme_reason(kv_scheme) is None)
     kv_dtype = jnp.dtype(fp8 or jnp.bfloat16)
-    mesh, kv_sharding = None, None
+    mesh = None
     if tp > 1:  # weights and KV cache placed on the topology's mesh as the runtime places them
         from quantkit.runtime.sharding import cache_sharding, shard_params
 
         mesh = target_mesh(target, tp)
-        kv_sharding = cache_sharding(cfg, mesh)
 
     def weights_of(c):
         p = abstract(c, qc)
@@ -120,7 +119,8 @@ def plan(path: str | Path, target: str = "v6e", max_model_len: int = 2048, max_n
     def cache(n: int, c=cfg) -> dict:
         """As the Runner's: per kind stacked pages for n sequences."""
         shapes = cache_layout(c, max_model_len, n, PAGE_SIZE, budget).shapes()
-        return {k: jax.ShapeDtypeStruct(s, kv_dtype, sharding=kv_sharding) for k, s in shapes.items()}
+        return {k: jax.ShapeDtypeStruct(s, kv_dtype, sharding=None if mesh is None else cache_sharding(c, mesh, k))
+                for k, s in shapes.items()}
 
     def weight_bytes() -> int:
         return sum(_nbytes(x, lay, chip) for x, lay in zip(param_leaves, layouts["params"]))

@@ -400,6 +400,7 @@ def make_checkpoint(
     fuse_global_scales: bool = True,
     kv_scales=None,
     kv_strategy: str = "tensor",
+    model: torch.nn.Module | None = None,
     **model_kwargs,
 ) -> pathlib.Path:
     """Build ``tiny_llama(seed, **model_kwargs)``, quantize every Linear except
@@ -419,9 +420,10 @@ def make_checkpoint(
     "tensor") or one per KV head ("attn_head"): a ``kv_cache_scheme`` (FP8) with
     these scales, set where llm-compressor's calibration would put them.
     ``scheme`` None: KV cache scales only, dense weights.
+    ``model``: quantize this (bf16, eval) model instead of ``tiny_llama``.
     """
     path = pathlib.Path(path)
-    model = tiny_llama(seed, **model_kwargs)
+    model = model if model is not None else tiny_llama(seed, **model_kwargs)
     if kv_scales is not None:
         _detect_cached_attention_in_transformers_5()
     config = _quant_config(scheme, ignore, kv_strategy if kv_scales is not None else None)

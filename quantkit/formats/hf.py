@@ -142,9 +142,9 @@ class Checkpoint:
         """Maps tensor `name` (see SafetensorsFile.read)."""
         return self.file_of(name).read(name)
 
-    def read_rows(self, name: str, start: int, stop: int) -> np.ndarray:
+    def read_rows(self, name: str, start: int, stop: int, flat: bool = False) -> np.ndarray:
         """Copies rows [start, stop) of tensor `name` (see SafetensorsFile.read_rows)."""
-        return self.file_of(name).read_rows(name, start, stop)
+        return self.file_of(name).read_rows(name, start, stop, flat)
 
 
 # ---- modules and what kind of layer each is -------------------------------------------------------
@@ -200,7 +200,23 @@ def classify_module(name: str, params: dict) -> tuple[str, str | None]:
 
 
 _VISION = re.compile(r"(^|\.)(vision_tower|vision_model|visual|vision|image_encoder|image_newline|"
-                     r"multi_modal_projector|mm_projector|audio_tower|audio_model)(\.|$)")
+                     r"multi_modal_projector|mm_projector|audio_tower|audio_model|embed_vision|embed_audio)(\.|$)")
+
+# Checkpoints that keep a layer's experts in 3-D tensors [experts, out, in] (transformers' Gemma 4), by
+# architecture: tensor name -> the per-expert Linears it holds, in order along its out axis. llm-compressor
+# writes them as Linears `experts.{e}.{name}` (gate first: the first half of gate_up_proj).
+PACKED_EXPERTS = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
+PACKED_EXPERT_ARCHITECTURES = frozenset({"Gemma4ForCausalLM", "Gemma4ForConditionalGeneration"})
+
+
+def packed_experts(module: str, shape: tuple[int, ...]) -> list[tuple[str, int, tuple[int, int]]]:
+    """The per-expert Linears packed in 3-D tensor `module` (`...experts.gate_up_proj` [E, 2I, H]):
+    (Linear name, first row in the tensor seen as [E * out, in], (out, in)) per expert and part."""
+    root, _, last = module.rpartition(".")
+    parts = PACKED_EXPERTS[last]
+    e, out, inp = shape
+    n = out // len(parts)
+    return [(f"{root}.{x}.{name}", x * out + j * n, (n, inp)) for x in range(e) for j, name in enumerate(parts)]
 
 
 def vision_root(name: str) -> str | None:
@@ -218,7 +234,7 @@ def default_exclusion(name: str) -> str | None:
     last = name.rsplit(".", 1)[-1]
     if last == "lm_head":
         return "lm_head"
-    if last in ("gate", "router", "shared_expert_gate"):
+    if last in ("gate", "router", "shared_expert_gate") or name.endswith(".router.proj"):  # Gemma 4: router.proj
         return "MoE router"
     if _VISION.search(name):
         return "vision/audio tower"

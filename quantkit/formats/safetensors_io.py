@@ -9,6 +9,7 @@ the tensors must cover exactly (contiguous, in bounds, no overlap, no hole), as 
 from __future__ import annotations
 
 import json
+import math
 import mmap
 import os
 import struct
@@ -227,12 +228,15 @@ class SafetensorsFile:
         arr = np.frombuffer(self._mmap, np_dtype, info.numel, info.start)
         return arr.reshape(info.shape)
 
-    def read_rows(self, name: str, start: int, stop: int) -> np.ndarray:
+    def read_rows(self, name: str, start: int, stop: int, flat: bool = False) -> np.ndarray:
         """Copies rows [start, stop) of tensor `name` (elements for 1-D) with pread: unlike read(),
-        it leaves no mapped pages behind, so streaming a whole model keeps resident memory flat."""
+        it leaves no mapped pages behind, so streaming a whole model keeps resident memory flat.
+        flat: rows of the tensor seen as 2-D [all leading dims, last dim] (one expert's part of a 3-D
+        expert tensor is a run of such rows)."""
         info = self.tensors[name]
         bits, np_dtype = DTYPES[info.dtype]
-        rows = info.shape[0] if info.shape else 1
+        shape = (math.prod(info.shape[:-1]), info.shape[-1]) if flat and len(info.shape) > 2 else info.shape
+        rows = shape[0] if shape else 1
         row_bytes = info.nbytes // rows if rows else 0
         stop = min(stop, rows)
         n = (stop - start) * row_bytes
@@ -250,7 +254,7 @@ class SafetensorsFile:
             done += got
         if bits % 8:
             return np.frombuffer(buf, np.uint8)
-        return np.frombuffer(buf, np_dtype).reshape(stop - start, *info.shape[1:]) if info.shape else \
+        return np.frombuffer(buf, np_dtype).reshape(stop - start, *shape[1:]) if shape else \
             np.frombuffer(buf, np_dtype).reshape(())
 
     def close(self) -> None:

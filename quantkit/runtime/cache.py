@@ -2,7 +2,7 @@
 One description of shapes (`CacheLayout`) serves the engine and `plan`.
 
 Per kind ("full", "sliding"; config.layer_kinds) the pages of all its layers are one array
-[layers, pages, page_size, kv_heads * 2 * head_dim]: per token, KV head h's key then its value (jax's
+[layers, pages, page_size, kv_heads * 2 * head_dim] (each kind its own heads and head size: Gemma 4): per token, KV head h's key then its value (jax's
 interleaved K/V layout with the last two dims merged, so a page is one contiguous [page_size, width] slab
 for the kernel's DMA, and heads split evenly over a tensor-parallel mesh). Page 0 is scratch: padding
 tokens write there and no live table entry points to it.
@@ -26,6 +26,7 @@ full layers' pages 0..m-1 and the sliding layers' pages a query at position m * 
 from __future__ import annotations
 
 import hashlib
+import math
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -57,7 +58,7 @@ def with_kv_scales(params: dict, cfg: ModelConfig, scales: dict | None, make=np.
     layers = {}
     for kind, stack in params["layers"].items():
         n = cfg.layer_kinds.count(kind)
-        s = scales[kind] if scales is not None else np.ones((n, 2, cfg.num_kv_heads), np.float32)
+        s = scales[kind] if scales is not None else np.ones((n, 2, cfg.kv_shape(kind)[0]), np.float32)
         layers[kind] = {**stack, "kv_scale": make(s)}
     return {**params, "layers": layers}
 
@@ -68,12 +69,12 @@ class CacheLayout:
     pages_per_seq: int  # logical pages of a sequence at max_model_len (the block-table width)
     pages: dict  # kind -> pages in its pool, scratch page included
     layers: dict  # kind -> layers
-    width: int  # kv_heads * 2 * head_dim
+    widths: dict  # kind -> kv_heads * 2 * head_dim of its layers
     window: int | None  # sliding window of the "sliding" kind
 
     def shapes(self) -> dict:
         """kind -> shape of its stacked pages."""
-        return {k: (self.layers[k], self.pages[k], self.page_size, self.width) for k in self.layers}
+        return {k: (self.layers[k], self.pages[k], self.page_size, self.widths[k]) for k in self.layers}
 
 
 def cache_layout(cfg: ModelConfig, max_model_len: int, max_num_seqs: int, page_size: int = 16,
@@ -86,8 +87,8 @@ def cache_layout(cfg: ModelConfig, max_model_len: int, max_num_seqs: int, page_s
     window = cfg.sliding_window if "sliding" in layers else None
     if window is not None:
         pages["sliding"] = min(pages["full"], 1 + max_num_seqs * (-(-window // ps) + 2) + -(-max_num_batched_tokens // ps))
-    return CacheLayout(ps, per_seq, {k: pages[k] for k in layers}, layers,
-                       cfg.num_kv_heads * 2 * cfg.head_dim, window)
+    widths = {k: 2 * math.prod(cfg.kv_shape(k)) for k in layers}
+    return CacheLayout(ps, per_seq, {k: pages[k] for k in layers}, layers, widths, window)
 
 
 def page_hashes(tokens, page_size: int, parent: bytes, start: int = 0) -> list[bytes]:

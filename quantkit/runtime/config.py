@@ -14,7 +14,10 @@ ARCHITECTURES = {  # config.json "architectures"[0] -> family
     "Qwen3ForCausalLM": "qwen3",
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "Gemma3ForCausalLM": "gemma3",
+    "Gemma4ForCausalLM": "gemma4",
+    "Gemma4ForConditionalGeneration": "gemma4",  # the text decoder under model.language_model.
 }
+PREFIX = {"Gemma4ForConditionalGeneration": "model.language_model."}  # where the decoder's modules live
 
 
 @dataclass(frozen=True)
@@ -49,10 +52,28 @@ class ModelConfig:
     embed_scale: float = 1.0
     final_logit_softcap: float | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # Gemma 4: full layers have their own head size and KV head count, and with k_eq_v no v_proj (V is the
+    # k_proj output); "proportional" RoPE on their first rope_partial of the dims; V RMS-normed without a
+    # weight; norms scale by w (norm_offset 0); each layer's output times its layer_scalar; MoE layers run
+    # the dense MLP beside the routed experts (moe_dense)
+    full_head_dim: int = 0  # 0: head_dim
+    full_kv_heads: int = 0  # 0: num_kv_heads
+    k_eq_v: bool = False
+    rope_partial: float = 1.0
+    v_norm: bool = False
+    norm_offset: float = 0.0
+    moe_dense: bool = False
+    prefix: str = "model."  # checkpoint name prefix of the decoder (embed_tokens, layers, norm)
 
     @property
     def scale(self) -> float:
         return self.query_scale or 1.0 / math.sqrt(self.head_dim)
+
+    def kv_shape(self, kind: str) -> tuple[int, int]:
+        """(KV heads, head size) of the attention layers of `kind`."""
+        if kind == "full":
+            return self.full_kv_heads or self.num_kv_heads, self.full_head_dim or self.head_dim
+        return self.num_kv_heads, self.head_dim
 
     def is_sliding(self, layer: int) -> bool:
         return bool(self.sliding_window) and bool(self.sliding_layers) and self.sliding_layers[layer]
@@ -73,13 +94,14 @@ def _rope(d: dict, where: str) -> tuple[float, tuple | None]:
     """(theta, scaling) from one rope description (rope_parameters or rope_theta + rope_scaling)."""
     kind = d.get("rope_type", d.get("type", "default"))
     theta = float(d.get("rope_theta", 10000.0))
-    if kind == "default":
+    if kind == "default" or kind == "proportional" and d.get("factor", 1.0) == 1.0:  # partial: see from_hf
         return theta, None
     if kind == "llama3":
         return theta, (d["factor"], d["low_freq_factor"], d["high_freq_factor"], d["original_max_position_embeddings"])
     if kind == "linear":
         return theta, (d["factor"],)
-    raise Unsupported(f"{where}: rope type {kind!r} is not supported (default, linear, llama3 are)")
+    raise Unsupported(f"{where}: rope type {kind!r} is not supported (default, linear, llama3, unscaled "
+                      "proportional are)")
 
 
 def from_hf(cfg: dict, eos: tuple[int, ...] = ()) -> ModelConfig:
@@ -89,11 +111,15 @@ def from_hf(cfg: dict, eos: tuple[int, ...] = ()) -> ModelConfig:
     if family is None:
         raise Unsupported(f"architecture {arch!r} is not supported by the runtime; supported: "
                           f"{', '.join(ARCHITECTURES)}")
-    if family == "gemma3" and "text_config" in cfg:
-        cfg = {**cfg, **cfg["text_config"]}
+    if "text_config" in cfg:  # a multimodal config: the decoder's fields are in text_config (the top
+        # level's end-of-sequence ids, e.g. Gemma 4's end-of-turn 106, are the ones generation uses)
+        cfg = {**cfg, **cfg["text_config"], "eos_token_id": cfg.get("eos_token_id", cfg["text_config"].get("eos_token_id"))}
     heads = cfg["num_attention_heads"]
     hidden = cfg["hidden_size"]
     rp = cfg.get("rope_parameters")
+    if family == "gemma4" and not rp:  # transformers' defaults
+        rp = {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+              "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1e6}}
     if isinstance(rp, dict) and "full_attention" in rp:  # per layer type (transformers 5, Gemma 3)
         glob, local = rp["full_attention"], rp.get("sliding_attention", {})
     elif isinstance(rp, dict):
@@ -103,8 +129,8 @@ def from_hf(cfg: dict, eos: tuple[int, ...] = ()) -> ModelConfig:
         local = {"rope_theta": cfg.get("rope_local_base_freq", 10000.0)}
     theta, rope_scaling = _rope(glob, arch)
     local_theta, local_scaling = _rope({"rope_theta": 10000.0, **local}, arch)
-    if local_scaling is not None:
-        raise Unsupported(f"{arch}: scaled rope on sliding-window layers is not supported")
+    if local_scaling is not None or local.get("partial_rotary_factor", 1.0) != 1.0:
+        raise Unsupported(f"{arch}: scaled or partial rope on sliding-window layers is not supported")
     eos_cfg = cfg.get("eos_token_id")
     eos = eos or tuple(eos_cfg if isinstance(eos_cfg, list) else [eos_cfg] if eos_cfg is not None else [])
     common = dict(
@@ -115,7 +141,8 @@ def from_hf(cfg: dict, eos: tuple[int, ...] = ()) -> ModelConfig:
         max_position_embeddings=cfg.get("max_position_embeddings", 4096), rope_theta=theta,
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", family == "gemma3")),
         attention_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
-        rope_scaling=rope_scaling, qk_norm=family in ("qwen3", "qwen3_moe", "gemma3"), eos_token_ids=eos,
+        rope_scaling=rope_scaling, qk_norm=family in ("qwen3", "qwen3_moe", "gemma3", "gemma4"), eos_token_ids=eos,
+        prefix=PREFIX.get(arch, "model."),
     )
     if family == "qwen3_moe":
         common.update(num_experts=cfg.get("num_experts") or cfg["num_local_experts"], top_k=cfg["num_experts_per_tok"],
@@ -123,7 +150,7 @@ def from_hf(cfg: dict, eos: tuple[int, ...] = ()) -> ModelConfig:
                       norm_topk_prob=bool(cfg.get("norm_topk_prob", True)))
         if cfg.get("mlp_only_layers") or cfg.get("decoder_sparse_step", 1) != 1:
             raise Unsupported("Qwen3-MoE with dense (mlp_only) layers is not supported yet")
-    if family == "gemma3":
+    if family in ("gemma3", "gemma4"):
         types = cfg.get("layer_types")
         if types:
             sliding = tuple(t == "sliding_attention" for t in types)
@@ -135,4 +162,38 @@ def from_hf(cfg: dict, eos: tuple[int, ...] = ()) -> ModelConfig:
                       embed_scale=math.sqrt(hidden), final_logit_softcap=cfg.get("final_logit_softcapping"))
         if cfg.get("attn_logit_softcapping"):
             raise Unsupported("attention logit soft-capping (Gemma 2) is not supported")
+    if family == "gemma3":
+        common.update(norm_offset=1.0)
+    if family == "gemma4":
+        common.update(_gemma4(cfg, common, glob))
     return ModelConfig(**common)
+
+
+def _gemma4(cfg: dict, common: dict, full_rope: dict) -> dict:
+    """Gemma 4's fields (transformers models/gemma4): what differs from Gemma 3, and what is refused."""
+    refuse = [(cfg.get("hidden_size_per_layer_input"), "per-layer input embeddings (Gemma 4 E2B/E4B)"),
+              (cfg.get("num_kv_shared_layers"), "KV sharing across layers (Gemma 4 E2B/E4B)"),
+              (cfg.get("use_bidirectional_attention") == "all", "bidirectional attention"),
+              (cfg.get("attention_bias"), "attention biases"),
+              (cfg.get("hidden_activation", "gelu_pytorch_tanh") != "gelu_pytorch_tanh",
+               f"hidden_activation {cfg.get('hidden_activation')!r}")]
+    for bad, what in refuse:
+        if bad:
+            raise Unsupported(f"Gemma 4 with {what} is not supported (the 31B dense and 26B-A4B MoE models are)")
+    # full layers' geometry: the published config's global_* fields, or transformers' per_layer_config
+    override = [v for k, v in (cfg.get("per_layer_config") or {}).items()
+                if isinstance(v, dict) and common["sliding_layers"] and not common["sliding_layers"][int(k)]]
+    if any(o != override[0] for o in override):
+        raise Unsupported("Gemma 4 full-attention layers of different shapes are not supported")
+    over = override[0] if override else {}
+    k_eq_v = bool(cfg.get("attention_k_eq_v", False))
+    kv_heads = over.get("num_key_value_heads", cfg.get("num_global_key_value_heads") if k_eq_v else None)
+    out = dict(query_scale=1.0, norm_offset=0.0, v_norm=True, k_eq_v=k_eq_v,
+               full_head_dim=over.get("head_dim", cfg.get("global_head_dim", 512)), full_kv_heads=kv_heads or 0,
+               rope_partial=float(full_rope.get("partial_rotary_factor", 1.0))
+               if full_rope.get("rope_type") == "proportional" else 1.0)
+    if cfg.get("enable_moe_block"):
+        out.update(num_experts=cfg["num_experts"], top_k=cfg["top_k_experts"],
+                   moe_intermediate_size=cfg.get("moe_intermediate_size") or cfg["expert_intermediate_size"],
+                   moe_dense=True)
+    return out

@@ -18,7 +18,7 @@ import numpy as np
 from quantkit.errors import InvalidInput, Unsupported
 from quantkit.formats.compressed_tensors import (KV_SCALES, QuantConfig, kernel_layout, kernel_shapes, kv_head_scales,
                                                  logical_shape, parse_quantization_config, weight_qtype)
-from quantkit.formats.hf import Checkpoint, group_modules
+from quantkit.formats.hf import PACKED_EXPERTS, Checkpoint, group_modules
 from quantkit.quant.qtensor import STORAGE, QTensor, make_qtensor
 from quantkit.runtime.config import ModelConfig, from_hf
 from quantkit.runtime.sharding import place_row_major
@@ -29,12 +29,13 @@ NORMS = {  # family -> pytree key -> module under model.layers.{i}
     "llama": {"attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm"},
     "qwen3": {"attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm",
               "q_norm": "self_attn.q_norm", "k_norm": "self_attn.k_norm"},
-    "qwen3_moe": {"attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm",
-                  "q_norm": "self_attn.q_norm", "k_norm": "self_attn.k_norm"},
     "gemma3": {"attn_norm": "input_layernorm", "post_attn_norm": "post_attention_layernorm",
                "mlp_norm": "pre_feedforward_layernorm", "post_mlp_norm": "post_feedforward_layernorm",
                "q_norm": "self_attn.q_norm", "k_norm": "self_attn.k_norm"},
 }
+NORMS["qwen3_moe"], NORMS["gemma4"] = NORMS["qwen3"], NORMS["gemma3"]
+GEMMA4_MOE_NORMS = {"post_mlp_norm_1": "post_feedforward_layernorm_1", "pre_mlp_norm_2": "pre_feedforward_layernorm_2",
+                    "post_mlp_norm_2": "post_feedforward_layernorm_2"}
 
 
 @dataclass(frozen=True)
@@ -43,43 +44,64 @@ class Slot:
 
     kinds: "linear" [in, out] (QTensor [1, in, out] when quantized), "experts" [experts, in, out] (modules: one
     per expert), "embed" [vocab, hidden], "bias" [out], "norm" [d] (float32), "router" [hidden, experts]
-    (float32), and "stack": the same leaf of every layer of a kind (module: their Slots), stacked along a
-    new leading axis (QTensors along their group axis: [layers * groups, in, out]).
+    (float32), "tensor" (a bare parameter, float32: Gemma 4's layer_scalar, router scales) and "stack": the
+    same leaf of every layer of a kind (module: their Slots), stacked along a new leading axis (QTensors
+    along their group axis: [layers * groups, in, out]).
+    packed (experts only): where a bf16 checkpoint keeps all experts in one 3-D tensor instead (Gemma 4:
+    `experts.gate_up_proj` [experts, 2 * inter, hidden]): (tensor module, chunk, chunks along axis 1).
     """
 
     kind: str
     module: str | tuple[str, ...]
     shape: tuple[int, ...]
+    packed: tuple[str, int, int] | None = None
+
+
+def _experts(pre: str, e: int, h: int, m: int, packed: bool) -> dict:
+    """(gate, up, down) expert Slots: per-expert Linears `{pre}{x}.gate_proj` (llm-compressor's and quantkit
+    convert's layout), or with `packed` a bf16 checkpoint's 3-D tensors (formats/hf.py PACKED_EXPERTS)."""
+    out = {}
+    for key, shape in (("gate", (h, m)), ("up", (h, m)), ("down", (m, h))):
+        proj = f"{key}_proj"
+        src = next((pre + t, parts.index(proj), len(parts)) for t, parts in PACKED_EXPERTS.items() if proj in parts)
+        out[key] = Slot("experts", tuple(f"{pre}{x}.{proj}" for x in range(e)), (e, *shape), src if packed else None)
+    return out
 
 
 def skeleton(cfg: ModelConfig) -> dict:
     """The weight pytree of `cfg` with a Slot at every leaf: what `load` fills and `abstract` describes."""
-    h, hd, e = cfg.hidden_size, cfg.head_dim, cfg.num_experts
-    dims = {"q": (h, cfg.num_heads * hd), "k": (h, cfg.num_kv_heads * hd), "v": (h, cfg.num_kv_heads * hd),
-            "o": (cfg.num_heads * hd, h), "gate": (h, cfg.intermediate_size), "up": (h, cfg.intermediate_size),
-            "down": (cfg.intermediate_size, h)}
+    h, e, m = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
     layers = []
-    for i in range(cfg.num_layers):
-        pre = f"model.layers.{i}."
-        layer = {key: Slot("linear", pre + mod, dims[key]) for key, mod in LINEARS.items()}
+    for i, kind in enumerate(cfg.layer_kinds):
+        kvh, hd = cfg.kv_shape(kind)
+        dims = {"q": (h, cfg.num_heads * hd), "k": (h, kvh * hd), "v": (h, kvh * hd), "o": (cfg.num_heads * hd, h),
+                "gate": (h, cfg.intermediate_size), "up": (h, cfg.intermediate_size), "down": (cfg.intermediate_size, h)}
+        pre = f"{cfg.prefix}layers.{i}."
+        linears = {k: v for k, v in LINEARS.items() if not (k == "v" and cfg.k_eq_v and kind == "full")}
+        layer = {key: Slot("linear", pre + mod, dims[key]) for key, mod in linears.items()}
         if cfg.attention_bias:
-            layer |= {f"{key}_bias": Slot("bias", pre + mod, dims[key][1:]) for key, mod in LINEARS.items() if key != "o"}
+            layer |= {f"{key}_bias": Slot("bias", pre + mod, dims[key][1:]) for key, mod in linears.items() if key != "o"}
+        norms = NORMS[cfg.family] | (GEMMA4_MOE_NORMS if cfg.moe_dense else {})
         layer |= {key: Slot("norm", pre + mod, (hd,) if key in ("q_norm", "k_norm") else (h,))
-                  for key, mod in NORMS[cfg.family].items()}
+                  for key, mod in norms.items()}
         if cfg.family == "qwen3_moe":
-            m = cfg.moe_intermediate_size
             layer["router"] = Slot("router", pre + "mlp.gate", (h, e))
-            for key, proj, shape in (("gate", "gate_proj", (h, m)), ("up", "up_proj", (h, m)),
-                                     ("down", "down_proj", (m, h))):
-                layer[key] = Slot("experts", tuple(f"{pre}mlp.experts.{x}.{proj}" for x in range(e)), (e, *shape))
+            layer |= _experts(pre + "mlp.experts.", e, h, m, False)
         else:
             layer |= {key: Slot("linear", pre + mod, dims[key]) for key, mod in MLP.items()}
+        if cfg.family == "gemma4":
+            layer["layer_scalar"] = Slot("tensor", pre + "layer_scalar", (1,))
+        if cfg.moe_dense:
+            layer |= {"router": Slot("router", pre + "router.proj", (h, e)),
+                      "router_scale": Slot("tensor", pre + "router.scale", (h,)),
+                      "expert_scale": Slot("tensor", pre + "router.per_expert_scale", (e,))}
+            layer |= {f"experts_{k}": v for k, v in _experts(pre + "experts.", e, h, m, True).items()}
         layers.append(layer)
     stacks = {kind: {key: Slot("stack", tuple(layers[i][key] for i in ids), (len(ids), *layers[ids[0]][key].shape))
                      for key in layers[ids[0]]}
               for kind in cfg.kinds for ids in [[i for i, k in enumerate(cfg.layer_kinds) if k == kind]]}
-    params = {"embed": Slot("embed", "model.embed_tokens", (cfg.vocab_size, h)), "layers": stacks,
-              "final_norm": Slot("norm", "model.norm", (h,))}
+    params = {"embed": Slot("embed", cfg.prefix + "embed_tokens", (cfg.vocab_size, h)), "layers": stacks,
+              "final_norm": Slot("norm", cfg.prefix + "norm", (h,))}
     if not cfg.tie_word_embeddings:
         params["lm_head"] = Slot("linear", "lm_head", (h, cfg.vocab_size))
     return params
@@ -99,7 +121,7 @@ def abstract(cfg: ModelConfig, qc: QuantConfig | None, dtype=jnp.bfloat16) -> di
         scheme = qc.scheme_for(s.module[0] if s.kind == "experts" else s.module, "Linear") if qc else None
         quantized = s.kind in ("linear", "experts") and weight_qtype(scheme) != "dense"
         if not quantized:
-            return jax.ShapeDtypeStruct(s.shape, jnp.float32 if s.kind in ("norm", "router") else dtype)
+            return jax.ShapeDtypeStruct(s.shape, jnp.float32 if s.kind in ("norm", "router", "tensor") else dtype)
         *g, k, n = s.shape
         scales, sdtype, qtype, group = kernel_shapes(scheme, (n, k))
         g = g[0] if g else 1
@@ -164,8 +186,14 @@ class _Reader:
         values, scales, qtype, group = layout
         return make_qtensor(values[None], scales[None], qtype, group)
 
-    def experts(self, modules: list[str]):
-        """Stacked expert weights: QTensor [experts, in, out], or dense [experts, in, out]."""
+    def experts(self, modules: list[str], packed: tuple[str, int, int] | None = None):
+        """Stacked expert weights: QTensor [experts, in, out], or dense [experts, in, out] (from `packed`, the
+        3-D tensor [experts, chunks * out, in] of a bf16 checkpoint without per-expert modules)."""
+        if packed is not None and modules[0] not in self.modules:
+            module, chunk, chunks = packed
+            t = np.asarray(self.ckpt.read(self.params(module)["tensor"]))
+            n = t.shape[1] // chunks
+            return jnp.asarray(t[:, chunk * n:(chunk + 1) * n].astype(np.float32).transpose(0, 2, 1), self.dtype)
         layouts = [self._layout(m) for m in modules]
         if all(la is None for la in layouts):
             return jnp.stack([self.linear(m) for m in modules])
@@ -240,7 +268,9 @@ def load(path: str | Path, dtype=jnp.bfloat16, check: bool = True) -> LoadedMode
         if s.kind == "linear":
             return r.linear(s.module)
         if s.kind == "experts":
-            return r.experts(list(s.module))
+            return r.experts(list(s.module), s.packed)
+        if s.kind == "tensor":
+            return r.array(s.module, "tensor", jnp.float32)
         if s.kind == "bias":
             return r.array(s.module, "bias")
         if s.kind == "router":
@@ -252,8 +282,8 @@ def load(path: str | Path, dtype=jnp.bfloat16, check: bool = True) -> LoadedMode
                                     is_leaf=lambda x: isinstance(x, Slot))
     kv_scales = None
     if qc is not None and qc.kv_cache_scheme is not None:
-        per_layer = [np.stack([kv_head_scales(ckpt.read(f"model.layers.{i}.self_attn.{n}"), cfg.num_kv_heads,
-                                              f"model.layers.{i}.self_attn.{n}") for n in KV_SCALES])
-                     for i in range(cfg.num_layers)]
+        per_layer = [np.stack([kv_head_scales(ckpt.read(name), cfg.kv_shape(kind)[0], name)
+                               for n in KV_SCALES for name in [f"{cfg.prefix}layers.{i}.self_attn.{n}"]])
+                     for i, kind in enumerate(cfg.layer_kinds)]
         kv_scales = {kind: np.stack([s for s, k in zip(per_layer, cfg.layer_kinds) if k == kind]) for kind in cfg.kinds}
     return LoadedModel(path, cfg, params, jnp.dtype(dtype), kv_scales)

@@ -72,9 +72,8 @@ def shard_params(params: dict, cfg: ModelConfig, mesh: Mesh, put=jax.device_put)
     tp = mesh.shape[AXIS]
     if cfg.num_heads % tp:
         raise InvalidInput(f"{cfg.num_heads} attention heads do not split over {tp} devices")
-    kv_split = cfg.num_kv_heads % tp == 0
-
-    def place(key: str, w):
+    def place(key: str, w, kind: str = "full"):
+        kv_split = cfg.kv_shape(kind)[0] % tp == 0
         split = "" if key in ("k", "v", "k_bias", "v_bias") and not kv_split else \
             "n" if key in COLUMN else "k" if key in ROW else ""
         if not isinstance(w, QTensor):
@@ -88,12 +87,13 @@ def shard_params(params: dict, cfg: ModelConfig, mesh: Mesh, put=jax.device_put)
                        put(w.scales, NamedSharding(mesh, _spec(scale_split, 3))), w.qtype, w.group, mesh, split)
 
     out = {k: place(k, v) for k, v in params.items() if k != "layers"}
-    out["layers"] = {kind: {key: place(key, w) for key, w in stack.items()} for kind, stack in params["layers"].items()}
+    out["layers"] = {kind: {key: place(key, w, kind) for key, w in stack.items()}
+                     for kind, stack in params["layers"].items()}
     return out
 
 
-def cache_sharding(cfg: ModelConfig, mesh: Mesh) -> NamedSharding:
-    """Stacked KV pages [layers, pages, page_size, kv_heads * 2 * head_dim]: heads split when they divide
-    the mesh (each head's keys and values are adjacent, so a split of the last axis is a split of heads)."""
+def cache_sharding(cfg: ModelConfig, mesh: Mesh, kind: str) -> NamedSharding:
+    """Stacked KV pages of a kind [layers, pages, page_size, kv_heads * 2 * head_dim]: heads split when they
+    divide the mesh (each head's keys and values are adjacent, so a split of the last axis is a split of heads)."""
     tp = mesh.shape[AXIS]
-    return NamedSharding(mesh, P(None, None, None, AXIS) if cfg.num_kv_heads % tp == 0 else P())
+    return NamedSharding(mesh, P(None, None, None, AXIS) if cfg.kv_shape(kind)[0] % tp == 0 else P())

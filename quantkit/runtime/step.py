@@ -209,7 +209,7 @@ class Runner:
 
             mesh = make_mesh(self.tp)
             self.params = shard_params(self.params, cfg, mesh)
-            self.kv = {k: jax.device_put(v, cache_sharding(cfg, mesh)) for k, v in self.kv.items()}
+            self.kv = {k: jax.device_put(v, cache_sharding(cfg, mesh, k)) for k, v in self.kv.items()}
         unroll = not self.scan if self.scan is not None else jax.default_backend() == "cpu"
         if unroll:  # per-layer arrays: a slice of a stacked weight would be copied before every dot on CPU
             self.params = {**self.params, "layers": {

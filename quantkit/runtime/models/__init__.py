@@ -12,8 +12,8 @@ def forward_for(family: str):
         from quantkit.runtime.models import qwen3_moe
 
         return qwen3_moe.forward
-    if family == "gemma3":
-        from quantkit.runtime.models import gemma3
+    if family in ("gemma3", "gemma4"):
+        from quantkit.runtime.models import gemma
 
-        return gemma3.forward
+        return gemma.forward
     raise KeyError(family)

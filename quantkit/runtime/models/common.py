@@ -103,20 +103,54 @@ def linear(x: jax.Array, w, bias: jax.Array | None = None) -> jax.Array:
     return y.reshape(*lead, y.shape[-1])
 
 
-def rms_norm(x: jax.Array, w: jax.Array, eps: float, offset: float = 0.0) -> jax.Array:
-    """RMSNorm in float32; Gemma scales by (1 + w), hence `offset`."""
+def grouped(x: jax.Array, w, sizes: jax.Array) -> jax.Array:
+    """x [rows, in] sorted by expert, w one layer's experts [experts, in, out] (an At view of the stacked
+    QTensor, or dense) -> [rows, out]."""
+    if isinstance(w, At):
+        from quantkit.runtime.ops import grouped_matmul
+
+        return grouped_matmul(x, w.w, sizes, w.index * w.groups)
+    return jax.lax.ragged_dot(x, w.astype(x.dtype), sizes, preferred_element_type=jnp.float32).astype(x.dtype)
+
+
+def routed_experts(x: jax.Array, weights: jax.Array, experts: jax.Array, w: tuple, num_experts: int,
+                   act: Callable) -> jax.Array:
+    """Sum over each token's chosen experts of weight * down(act(gate(x), up(x))).
+
+    x [T, hidden]; weights, experts [T, k] (float32, int); w: one layer's (gate, up, down) experts. The
+    T * k rows are sorted by expert and run through the grouped matmul, one group per expert."""
+    k = experts.shape[-1]
+    flat = experts.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    token = order // k
+    sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
+    xs = x[token]  # [T * k, hidden], grouped by expert
+    h = act(grouped(xs, w[0], sizes), grouped(xs, w[1], sizes))
+    y = grouped(h, w[2], sizes).astype(jnp.float32) * weights.reshape(-1)[order][:, None]
+    return jnp.zeros(x.shape, jnp.float32).at[token].add(y).astype(x.dtype)
+
+
+def rms_norm(x: jax.Array, w: jax.Array | None, eps: float, offset: float = 0.0) -> jax.Array:
+    """RMSNorm in float32; Gemma 3 scales by (1 + w), hence `offset`; w None: no scale (Gemma 4's v norm)."""
     xf = x.astype(jnp.float32)
     y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-    return (y * (offset + w.astype(jnp.float32))).astype(x.dtype)
+    return (y if w is None else y * (offset + w.astype(jnp.float32))).astype(x.dtype)
 
 
-def rope_frequencies(cfg: ModelConfig, local: bool = False) -> jax.Array:
-    """Inverse frequencies [head_dim / 2]: global layers use rope_theta with the configured scaling
-    (Llama 3 long-context, or linear), sliding-window layers rope_local_theta unscaled (Gemma 3)."""
-    d = cfg.head_dim
+def rope_frequencies(cfg: ModelConfig, kind: str = "full") -> jax.Array:
+    """Inverse frequencies [head_dim / 2] of the layers of `kind`: full layers use rope_theta with the
+    configured scaling (Llama 3 long-context, or linear), or Gemma 4's "proportional" RoPE (the first
+    rope_partial of the dims rotate, at frequencies over the whole head size; the rest get 0: unrotated);
+    sliding-window layers rope_local_theta unscaled (Gemma 3 and 4)."""
+    local = kind == "sliding"
+    d = cfg.kv_shape(kind)[1]
     theta = cfg.rope_local_theta if local else cfg.rope_theta
     inv = 1.0 / (theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
-    if local or cfg.rope_scaling is None:
+    if local:
+        return inv
+    if cfg.rope_partial < 1.0:
+        inv = jnp.where(jnp.arange(d // 2) < int(cfg.rope_partial * d // 2), inv, 0.0)
+    if cfg.rope_scaling is None:
         return inv
     if len(cfg.rope_scaling) == 1:
         return inv / cfg.rope_scaling[0]
@@ -140,23 +174,27 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.A
     return (xf * cos + rotated * sin).astype(x.dtype)
 
 
-def attention_block(p: dict, x: jax.Array, kv: jax.Array, i, batch: dict, cfg: ModelConfig, kind: str,
-                    norm_offset: float = 0.0) -> tuple[jax.Array, jax.Array]:
-    """q/k/v projections (+ optional q/k norms), RoPE, cache write, paged attention, output projection.
+def attention_block(p: dict, x: jax.Array, kv: jax.Array, i, batch: dict, cfg: ModelConfig, kind: str
+                    ) -> tuple[jax.Array, jax.Array]:
+    """q/k/v projections (+ optional q/k norms, Gemma 4's weightless v norm; no v projection in a k_eq_v
+    layer: V is the raw k projection), RoPE, cache write, paged attention, output projection.
 
     x [T, hidden]; kv: this kind's stacked cache, layer i written and read; returns (out [T, hidden], kv)."""
     from quantkit.runtime.attention import attention, write_kv
 
     t = x.shape[0]
-    h, kvh, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    h, (kvh, d) = cfg.num_heads, cfg.kv_shape(kind)
+    eps, offset = cfg.rms_norm_eps, cfg.norm_offset
     q = linear(x, p["q"], p.get("q_bias")).reshape(t, h, d)
     k = linear(x, p["k"], p.get("k_bias")).reshape(t, kvh, d)
-    v = linear(x, p["v"], p.get("v_bias")).reshape(t, kvh, d)
+    v = linear(x, p["v"], p.get("v_bias")).reshape(t, kvh, d) if "v" in p else k
     if cfg.qk_norm:
-        q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps, norm_offset)
-        k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps, norm_offset)
+        q = rms_norm(q, p["q_norm"], eps, offset)
+        k = rms_norm(k, p["k_norm"], eps, offset)
+    if cfg.v_norm:
+        v = rms_norm(v, None, eps)
     sliding = kind == "sliding"
-    inv = rope_frequencies(cfg, local=sliding)
+    inv = rope_frequencies(cfg, kind)
     pos = batch["positions"]
     q, k = apply_rope(q, pos, inv), apply_rope(k, pos, inv)
     ks = p.get("kv_scale")  # [2, KVH] with an FP8 cache
