@@ -20,7 +20,7 @@ from quantkit.formats.compressed_tensors import (
 from quantkit.formats.hf import Checkpoint, classify_module, group_modules
 from quantkit.formats.safetensors_io import DTYPES, FLOAT_DTYPES
 from quantkit.kernels.dispatch import weight_path
-from quantkit.kernels.tiling import CHIPS, Chip, hbm_bytes
+from quantkit.kernels.tiling import CHIPS, LANES, Chip, hbm_bytes
 
 TARGETS = tuple(CHIPS)
 LAYER_KINDS = ("linear", "moe_experts")
@@ -100,6 +100,18 @@ def _kv_scale_problems(ckpt: Checkpoint) -> list[dict]:
             except InvalidInput as e:
                 out.append(_problem("error", tensor, str(e)))
     return out
+
+
+def _served_shape(module: str, shape: tuple[int, ...] | None) -> tuple[int, ...] | None:
+    """The [..., out, in] the runtime serves: an MLP's or expert's intermediate width (gate/up out, down in)
+    rounded up to 128 lanes, as the loader pads it (runtime/loader.py lane_widths)."""
+    last = module.rsplit(".", 1)[-1]
+    if shape is None or len(shape) < 2 or last not in ("gate_proj", "up_proj", "down_proj"):
+        return shape
+    axis = -1 if last == "down_proj" else -2
+    padded = list(shape)
+    padded[axis] = -(-shape[axis] // LANES) * LANES
+    return tuple(padded)
 
 
 def _device_bytes(qtype: str, params: dict, shape: tuple[int, ...] | None, chip: Chip) -> int:
@@ -218,7 +230,7 @@ def inspect_checkpoint(path: str | Path, target: str = "v6e", deep: bool = False
         elif "weight" not in params and "weight_packed" not in params:
             verdict_path, reason = None, ""  # e.g. a module holding only k_scale/v_scale
         else:
-            v = weight_path(scheme, shape, chip)
+            v = weight_path(scheme, _served_shape(module, shape), chip)
             verdict_path, reason = v.path, v.reason
         servable = not errors and (verdict_path is not None or ("weight" not in params and "weight_packed" not in params))
         if verdict_path is None and reason:

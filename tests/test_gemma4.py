@@ -38,10 +38,12 @@ def test_checkpoints_quantized_by_the_library_match_transformers(scheme, tmp_pat
 def _multimodal_moe():
     """Every expert routed (top-k = all 8): the expert mix stays a smooth function of the weights, so that
     quantization (ours in float32, the library's in bf16) cannot flip a near-tie in the top-k choice, which
-    moves a token's output by far more than the 1e-2 tolerance."""
+    moves a token's output by far more than the 1e-2 tolerance. Dense MLP 224 and experts 64 wide: both
+    zero-padded to 128-lane multiples on load (loader.lane_widths), as the 26B-A4B's 2112 and 704 are."""
     vision = T.Gemma4VisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
                                   num_key_value_heads=2, head_dim=16)
-    cfg = T.Gemma4Config(text_config=gemma4_config(moe=True, top_k_experts=8), vision_config=vision, audio_config=None)
+    text = gemma4_config(moe=True, top_k_experts=8, intermediate_size=224)
+    cfg = T.Gemma4Config(text_config=text, vision_config=vision, audio_config=None)
     torch.manual_seed(0)
     return _perturbed(T.Gemma4ForConditionalGeneration(cfg)).eval()
 
@@ -55,7 +57,8 @@ def _linearized(model):
         mods = torch.nn.ModuleList()
         for _ in range(n):
             m = torch.nn.Module()
-            m.gate_proj, m.up_proj = torch.nn.Linear(h, two_i // 2, bias=False), torch.nn.Linear(h, two_i // 2, bias=False)
+            m.gate_proj = torch.nn.Linear(h, two_i // 2, bias=False)
+            m.up_proj = torch.nn.Linear(h, two_i // 2, bias=False)
             m.down_proj = torch.nn.Linear(two_i // 2, h, bias=False)
             mods.append(m)
         layer.experts = mods
@@ -82,8 +85,15 @@ def test_convert_splits_packed_experts_of_a_multimodal_checkpoint(tmp_path):
     assert report["quantized_tensors"] == len(ours) == cfg.num_hidden_layers * (6 + 3 * cfg.num_experts) + sliding
     fresh = _linearized(_multimodal_moe())
     apply_quantization_config(fresh, QuantizationConfig.model_validate(qc))
-    marked = {n for n, m in fresh.named_modules() if isinstance(m, torch.nn.Linear) and hasattr(m, "quantization_scheme")}
+    marked = {n for n, m in fresh.named_modules()
+              if isinstance(m, torch.nn.Linear) and hasattr(m, "quantization_scheme")}
     assert marked == ours and any(".experts.7.down_proj" in n for n in ours)
+    r = inspect_checkpoint(tmp_path / "w4", "v6e")
+    paths = {layer["name"]: layer["path"] for layer in r["layers"]}
+    assert r["servable"] and r["architecture"] == "Gemma4ForConditionalGeneration"
+    # 64 inputs: served padded to 128 lanes (the loader's lane_widths), so on the kernel path
+    assert paths["model.language_model.layers.0.experts.7.down_proj"] == "gmm_v2"
+    assert paths["model.language_model.layers.0.router.proj"] == "dense"
     with torch.no_grad():  # transformers reads the multimodal checkpoint (its own quantizer, its own names)
         logits = T.Gemma4ForConditionalGeneration.from_pretrained(tmp_path / "w4", dtype=torch.bfloat16)(
             input_ids=torch.arange(3, 11)[None]).logits
@@ -117,7 +127,9 @@ def test_runtime_reads_packed_bf16_experts_of_a_multimodal_checkpoint(tmp_path):
     src = _multimodal_moe()
     src.save_pretrained(tmp_path / "m")
     m = _greedy_parity(tmp_path / "m", src, jnp.float32, 1e-4)
-    assert m.params["layers"]["sliding"]["experts_gate"].shape == (5, 8, 128, 64)
+    # 5 sliding layers x 8 experts [hidden 128, intermediate 64 zero-padded to 128 lanes (loader.lane_widths)]
+    assert m.params["layers"]["sliding"]["experts_gate"].shape == (5, 8, 128, 128)
+    assert m.params["layers"]["full"]["down"].shape == (2, 256, 128)  # the dense MLP: 224 -> 256
 
 
 @pytest.mark.parametrize("field,value,reason", [

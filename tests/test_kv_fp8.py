@@ -34,11 +34,12 @@ PROMPT = list(np.random.default_rng(0).integers(3, 256, 40))
 FP8 = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 
 
-def _oracle_logits(scales, fp8):
+def _oracle_logits(scales, fp8, model=None):
     """transformers logits of PROMPT with K/V rounded to `fp8` under per-layer scales [(k [KVH], v [KVH])]
-    (None: no rounding)."""
+    (None: no rounding); `model`: this float32 model instead of the tiny Llama."""
     from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
     def rounded(module, query, key, value, *args, **kwargs):  # key, value [B, KVH, S, D]
         if scales is not None:
@@ -49,7 +50,10 @@ def _oracle_logits(scales, fp8):
         return sdpa_attention_forward(module, query, key, value, *args, **kwargs)
 
     AttentionInterface.register("qk_fp8_oracle", rounded)
-    model = ct_oracle.tiny_llama(0, **MODEL)
+    # a custom attention name gets no mask from transformers unless one is registered for it: without
+    # this, sliding-window layers (Gemma 4) would attend to every earlier token
+    AttentionMaskInterface.register("qk_fp8_oracle", sdpa_mask)
+    model = model or ct_oracle.tiny_llama(0, **MODEL)
     model.set_attn_implementation("qk_fp8_oracle")
     with torch.no_grad():
         return model(torch.tensor([PROMPT])).logits[0].numpy()
@@ -103,6 +107,23 @@ def test_fp8_without_checkpoint_scales_uses_one(tmp_path, name, fmt):
     assert _rel(got, want) < 2e-3, _rel(got, want)
     assert _rel(want, _oracle_logits(None, None)) > 1e-2
     assert _runtime_logits(path)[0] == "float32"  # auto without a kv_cache_scheme: the model's dtype
+
+
+def test_gemma4_fp8_cache_with_kinds_of_their_own_heads(tmp_path):
+    """Gemma 4: sliding layers' pages hold 2 KV heads of 32, full layers' one K = V head of 64 (each with
+    its own scales, [layers, 2, kv_heads] per kind): E5M2 with scale 1 against the rounded oracle."""
+    import transformers as T
+
+    from test_runtime import _perturbed, gemma4_config
+
+    torch.manual_seed(0)
+    model = _perturbed(T.Gemma4ForCausalLM(gemma4_config())).eval()
+    model.save_pretrained(tmp_path / "g4")
+    dtype, got = _runtime_logits(tmp_path / "g4", "fp8_e5m2")
+    heads = [2 if t == "sliding_attention" else 1 for t in model.config.layer_types]
+    want = _oracle_logits([(np.ones(n), np.ones(n)) for n in heads], FP8["e5m2"], model)
+    assert dtype == "float8_e5m2" and _rel(got, want) < 2e-3, _rel(got, want)
+    assert _rel(want, _oracle_logits(None, None, model)) > 1e-2
 
 
 def test_w4a16_checkpoint_with_kv_scheme_loads_its_scales(tmp_path):

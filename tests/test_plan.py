@@ -9,6 +9,7 @@ bf16 2.82e9 B; norms ~5 MB. The plan must agree within 2% (TPU tiles pad some ar
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import jax
 import pytest
@@ -43,7 +44,8 @@ def _describe(tree):
 
 @pytest.mark.parametrize("family,scheme,group", [("llama", None, 0), ("llama", "W4A16", 32),
                                                  ("gemma3", "W4A16", -1), ("qwen3_moe", "W4A16", 32),
-                                                 ("qwen3", "MXFP4A16", 32), ("llama", "FP8_BLOCK", 0)])
+                                                 ("qwen3", "MXFP4A16", 32), ("llama", "FP8_BLOCK", 0),
+                                                 ("gemma4", "W4A16", 32), ("gemma4_moe", "W4A16", 32)])
 def test_abstract_weights_equal_the_loaded_ones(family, scheme, group, tmp_path):
     torch.manual_seed(0)
     _family(family).to(torch.bfloat16).save_pretrained(tmp_path / "dense")  # convert keeps bf16 scales
@@ -56,8 +58,8 @@ def test_abstract_weights_equal_the_loaded_ones(family, scheme, group, tmp_path)
     assert _describe(abstract(model.cfg, parse_quantization_config(raw) if raw else None)) == _describe(model.params)
 
 
-def _plan(tmp_path, *flags):
-    (tmp_path / "config.json").write_text(json.dumps(GEMMA_27B))
+def _plan(tmp_path, *flags, config=None):
+    (tmp_path / "config.json").write_text(config.read_text() if config else json.dumps(GEMMA_27B))
     p = subprocess.run([sys.executable, "-m", "quantkit.cli", "plan", str(tmp_path / "config.json"), "--target",
                         "v6e", "--max-model-len", "2048", "--json", *flags], capture_output=True, text=True,
                        timeout=1200, env={"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"})
@@ -104,6 +106,32 @@ def test_gemma3_27b_bf16_does_not_fit(tmp_path):
     code, r = _plan(tmp_path, "--scheme", "DENSE", "--max-num-seqs", "16", "--no-search")
     assert code == 4 and not r["fits"] and r["hbm_bytes"]["weights"] > 50 * 10**9 > r["hbm_bytes"]["capacity"]
     assert r["kernels"] == []
+
+
+GEMMA4_31B = Path(__file__).resolve().parents[1] / "benchmarks" / "configs" / "gemma-4-31B-it.json"
+
+
+@pytest.mark.slow
+def test_gemma4_31b_published_multimodal_config_fits_a_v6e_with_fp8_kv(tmp_path):
+    """`plan` on the published Gemma4ForConditionalGeneration config.json as it is (nested text_config):
+    W4A16 g32 with an FP8 KV cache fits one v6e at 16 x 2048, with the cache laid out per layer kind.
+
+    Analytical bytes (text_config: hidden 5376, MLP 21504, 60 layers of which 10 full, 32 heads; sliding
+    layers 16 KV heads x 256, full layers 4 KV heads x 512 with K = V (no v_proj), vocab 262144 tied):
+    linear weights 50 x 5376 x (8192 + 4096 + 4096 + 8192 + 3 x 21504) + 10 x 5376 x (16384 + 2048 + 16384
+    + 3 x 21504) -> int4 + g32 bf16 scales; the embedding bf16. KV at 1 byte a value: 16-token pages of
+    the kind's width; full layers 128 pages a sequence, the sliding pool 64 + 2 a sequence + 32 for one
+    step's chunks, + scratch."""
+    code, r = _plan(tmp_path, "--scheme", "W4A16", "--group-size", "32", "--max-num-seqs", "16", "--no-search",
+                    "--kv-cache-dtype", "fp8", config=GEMMA4_31B)
+    assert code == 0 and r["fits"] and r["kv_cache_dtype"] == "float8_e4m3fn"
+    linear = 50 * 5376 * (8192 + 4096 + 4096 + 8192 + 3 * 21504) + 10 * 5376 * (16384 + 2048 + 16384 + 3 * 21504)
+    analytical = linear // 2 + linear // 32 * 2 + 262144 * 5376 * 2
+    h = r["hbm_bytes"]
+    assert abs(h["weights"] - analytical) < 0.02 * analytical
+    kv = 16 * (50 * 16 * 2 * 256 * (1 + 16 * 66 + 32) + 10 * 4 * 2 * 512 * (1 + 16 * 128))
+    assert h["kv_cache"] == kv and h["total"] <= h["capacity"]
+    assert {k["path"] for k in r["kernels"]} == {"gmm_v2"}
 
 
 def test_plan_without_libtpu_says_how_to_install_it(tmp_path, monkeypatch):

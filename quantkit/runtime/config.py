@@ -113,7 +113,8 @@ def from_hf(cfg: dict, eos: tuple[int, ...] = ()) -> ModelConfig:
                           f"{', '.join(ARCHITECTURES)}")
     if "text_config" in cfg:  # a multimodal config: the decoder's fields are in text_config (the top
         # level's end-of-sequence ids, e.g. Gemma 4's end-of-turn 106, are the ones generation uses)
-        cfg = {**cfg, **cfg["text_config"], "eos_token_id": cfg.get("eos_token_id", cfg["text_config"].get("eos_token_id"))}
+        text = cfg["text_config"]
+        cfg = {**cfg, **text, "eos_token_id": cfg.get("eos_token_id", text.get("eos_token_id"))}
     heads = cfg["num_attention_heads"]
     hidden = cfg["hidden_size"]
     rp = cfg.get("rope_parameters")

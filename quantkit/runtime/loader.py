@@ -19,6 +19,7 @@ from quantkit.errors import InvalidInput, Unsupported
 from quantkit.formats.compressed_tensors import (KV_SCALES, QuantConfig, kernel_layout, kernel_shapes, kv_head_scales,
                                                  logical_shape, parse_quantization_config, weight_qtype)
 from quantkit.formats.hf import PACKED_EXPERTS, Checkpoint, group_modules
+from quantkit.kernels.tiling import LANES
 from quantkit.quant.qtensor import STORAGE, QTensor, make_qtensor
 from quantkit.runtime.config import ModelConfig, from_hf
 from quantkit.runtime.sharding import place_row_major
@@ -68,19 +69,22 @@ def _experts(pre: str, e: int, h: int, m: int, packed: bool) -> dict:
     return out
 
 
-def skeleton(cfg: ModelConfig) -> dict:
-    """The weight pytree of `cfg` with a Slot at every leaf: what `load` fills and `abstract` describes."""
-    h, e, m = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
+def skeleton(cfg: ModelConfig, widths: tuple[int, int] = (0, 0)) -> dict:
+    """The weight pytree of `cfg` with a Slot at every leaf: what `load` fills and `abstract` describes;
+    `widths`: the (dense MLP, experts) intermediate widths (0: as configured; see `lane_widths`)."""
+    h, e, m = cfg.hidden_size, cfg.num_experts, widths[1] or cfg.moe_intermediate_size
     layers = []
     for i, kind in enumerate(cfg.layer_kinds):
         kvh, hd = cfg.kv_shape(kind)
+        inter = widths[0] or cfg.intermediate_size
         dims = {"q": (h, cfg.num_heads * hd), "k": (h, kvh * hd), "v": (h, kvh * hd), "o": (cfg.num_heads * hd, h),
-                "gate": (h, cfg.intermediate_size), "up": (h, cfg.intermediate_size), "down": (cfg.intermediate_size, h)}
+                "gate": (h, inter), "up": (h, inter), "down": (inter, h)}
         pre = f"{cfg.prefix}layers.{i}."
         linears = {k: v for k, v in LINEARS.items() if not (k == "v" and cfg.k_eq_v and kind == "full")}
         layer = {key: Slot("linear", pre + mod, dims[key]) for key, mod in linears.items()}
         if cfg.attention_bias:
-            layer |= {f"{key}_bias": Slot("bias", pre + mod, dims[key][1:]) for key, mod in linears.items() if key != "o"}
+            layer |= {f"{key}_bias": Slot("bias", pre + mod, dims[key][1:])
+                      for key, mod in linears.items() if key != "o"}
         norms = NORMS[cfg.family] | (GEMMA4_MOE_NORMS if cfg.moe_dense else {})
         layer |= {key: Slot("norm", pre + mod, (hd,) if key in ("q_norm", "k_norm") else (h,))
                   for key, mod in norms.items()}
@@ -107,6 +111,30 @@ def skeleton(cfg: ModelConfig) -> dict:
     return params
 
 
+def lane_widths(cfg: ModelConfig, qc: QuantConfig | None) -> tuple[int, int]:
+    """(dense MLP, experts) intermediate widths on device: each rounded up to 128 lanes, since gmm_v2 serves
+    only [k, n] in multiples of 128 and anything else falls back to dequantizing the weight in HBM every
+    step (Gemma-4-26B-A4B: MLP 2112 -> 2176, experts 704 -> 768; unpadded, its compiled decode step read
+    16x the weights). The padding is zero weights: act(0) * 0 = 0 into zero rows of down_proj, so every
+    output is exactly unchanged. Not padded where the down projection's scale groups do not tile the
+    padded width."""
+    stack = skeleton(cfg)["layers"][cfg.layer_kinds[0]]
+
+    def width(m: int, key: str) -> int:
+        padded = -(-m // LANES) * LANES
+        if padded == m or key not in stack:
+            return m
+        down = stack[key].module[0]  # layer 0's Slot
+        scheme = qc.scheme_for(down.module[0] if down.kind == "experts" else down.module, "Linear") if qc else None
+        if weight_qtype(scheme) == "dense":
+            return padded
+        return padded if padded % kernel_shapes(scheme, (cfg.hidden_size, padded))[3] == 0 else m
+
+    if cfg.family == "qwen3_moe":  # its MLP is the experts
+        return 0, width(cfg.moe_intermediate_size, "down")
+    return width(cfg.intermediate_size, "down"), width(cfg.moe_intermediate_size, "experts_down")
+
+
 def abstract(cfg: ModelConfig, qc: QuantConfig | None, dtype=jnp.bfloat16) -> dict:
     """The weight pytree of `cfg` quantized as `qc` says, as jax.ShapeDtypeStruct leaves (no data): the
     argument `plan` compiles with. Scales are assumed bfloat16 (what `quantkit convert` writes)."""
@@ -128,7 +156,8 @@ def abstract(cfg: ModelConfig, qc: QuantConfig | None, dtype=jnp.bfloat16) -> di
         return QTensor(jax.ShapeDtypeStruct((g, k, n), STORAGE[qtype]),
                        jax.ShapeDtypeStruct((g, *scales), jnp.dtype(sdtype)), qtype, group)
 
-    return jax.tree_util.tree_map(leaf, skeleton(cfg), is_leaf=lambda x: isinstance(x, Slot))
+    return jax.tree_util.tree_map(leaf, skeleton(cfg, lane_widths(cfg, qc)),
+                                  is_leaf=lambda x: isinstance(x, Slot))
 
 
 @dataclass
@@ -177,30 +206,52 @@ class _Reader:
             scales = scales.astype(np.float32)
         return values, scales, qtype, group
 
-    def linear(self, module: str):
-        """A Linear's weight: QTensor [1, in, out] if quantized, else dense [in, out]."""
+    def linear(self, module: str, shape: tuple[int, int]):
+        """A Linear's weight, zero-padded to `shape` [in, out]: QTensor [1, in, out] if quantized, else dense."""
         layout = self._layout(module)
         if layout is None:
-            return jnp.asarray(np.asarray(self.ckpt.read(self.params(module)["weight"])).astype(np.float32).T,
-                               self.dtype)
+            w = np.asarray(self.ckpt.read(self.params(module)["weight"])).astype(np.float32).T
+            return jnp.asarray(_pad(w, shape), self.dtype)
         values, scales, qtype, group = layout
-        return make_qtensor(values[None], scales[None], qtype, group)
+        return _padded_qtensor(values[None], scales[None], qtype, group, shape)
 
-    def experts(self, modules: list[str], packed: tuple[str, int, int] | None = None):
-        """Stacked expert weights: QTensor [experts, in, out], or dense [experts, in, out] (from `packed`, the
-        3-D tensor [experts, chunks * out, in] of a bf16 checkpoint without per-expert modules)."""
+    def experts(self, modules: list[str], packed: tuple[str, int, int] | None, shape: tuple[int, int, int]):
+        """Stacked expert weights, QTensor or dense [experts, in, out], zero-padded to `shape`; from `packed`,
+        the 3-D tensor [experts, chunks * out, in] of a bf16 checkpoint without per-expert modules, when
+        those are absent."""
         if packed is not None and modules[0] not in self.modules:
             module, chunk, chunks = packed
             t = np.asarray(self.ckpt.read(self.params(module)["tensor"]))
-            n = t.shape[1] // chunks
-            return jnp.asarray(t[:, chunk * n:(chunk + 1) * n].astype(np.float32).transpose(0, 2, 1), self.dtype)
+            m = t.shape[1] // chunks
+            return jnp.asarray(_pad(t[:, chunk * m:(chunk + 1) * m].astype(np.float32).transpose(0, 2, 1), shape),
+                               self.dtype)
         layouts = [self._layout(m) for m in modules]
         if all(la is None for la in layouts):
-            return jnp.stack([self.linear(m) for m in modules])
+            return jnp.stack([self.linear(m, shape[1:]) for m in modules])
         if any(la is None for la in layouts) or len({(la[2], la[3]) for la in layouts}) != 1:
             raise Unsupported(f"experts {modules[0]}..: mixed quantization across experts is not supported")
-        return make_qtensor(np.stack([la[0] for la in layouts]), np.stack([la[1] for la in layouts]),
-                            layouts[0][2], layouts[0][3])
+        return _padded_qtensor(np.stack([la[0] for la in layouts]), np.stack([la[1] for la in layouts]),
+                               *layouts[0][2:], shape[1:])
+
+
+def _pad(w: np.ndarray, shape: tuple[int, ...], value=0) -> np.ndarray:
+    """w [..., k, n] padded at the end of its last two dims to shape's last two with `value`."""
+    if tuple(w.shape[-2:]) == tuple(shape[-2:]):
+        return w
+    if w.shape[-2] > shape[-2] or w.shape[-1] > shape[-1]:
+        raise InvalidInput(f"a weight [in, out] = {list(w.shape[-2:])} is larger than config.json describes "
+                           f"({list(shape[-2:])})")
+    return np.pad(w, [(0, 0)] * (w.ndim - 2) + [(0, shape[-2] - w.shape[-2]), (0, shape[-1] - w.shape[-1])],
+                  constant_values=value)
+
+
+def _padded_qtensor(values, scales, qtype: str, group: int, shape: tuple[int, int]) -> QTensor:
+    """A QTensor of values [g, k, n] and scales [g, k // group, n] zero-padded to [g, *shape] (lane_widths):
+    zero values (whatever their scale) add nothing; the new scales are 1 (E8M0 127)."""
+    k, n = shape
+    group = k if group == values.shape[1] else group  # channel scales span the padded rows too
+    one = 127 if scales.dtype == np.uint8 else 1
+    return make_qtensor(_pad(values, shape), _pad(scales, (k // group, n), one), qtype, group)
 
 
 def densify(params: dict, dtype) -> dict:
@@ -266,9 +317,9 @@ def load(path: str | Path, dtype=jnp.bfloat16, check: bool = True) -> LoadedMode
                                parts[0].qtype, parts[0].group)
             return jnp.stack(parts)
         if s.kind == "linear":
-            return r.linear(s.module)
+            return r.linear(s.module, s.shape)
         if s.kind == "experts":
-            return r.experts(list(s.module), s.packed)
+            return r.experts(list(s.module), s.packed, s.shape)
         if s.kind == "tensor":
             return r.array(s.module, "tensor", jnp.float32)
         if s.kind == "bias":
@@ -278,7 +329,7 @@ def load(path: str | Path, dtype=jnp.bfloat16, check: bool = True) -> LoadedMode
         return r.array(s.module, dtype=jnp.float32 if s.kind == "norm" else None)
 
     # each leaf row-major as it is made, the layout the Runner compiles for (sharding.row_major)
-    params = jax.tree_util.tree_map(lambda s: place_row_major(leaf(s)), skeleton(cfg),
+    params = jax.tree_util.tree_map(lambda s: place_row_major(leaf(s)), skeleton(cfg, lane_widths(cfg, qc)),
                                     is_leaf=lambda x: isinstance(x, Slot))
     kv_scales = None
     if qc is not None and qc.kv_cache_scheme is not None:
