@@ -20,7 +20,7 @@ from quantkit.formats.compressed_tensors import (
 from quantkit.formats.hf import Checkpoint, classify_module, group_modules
 from quantkit.formats.safetensors_io import DTYPES, FLOAT_DTYPES
 from quantkit.kernels.dispatch import weight_path
-from quantkit.kernels.tiling import CHIPS, LANES, Chip, hbm_bytes
+from quantkit.kernels.tiling import CHIPS, LANES, Chip, hbm_bytes, round_up
 
 TARGETS = tuple(CHIPS)
 LAYER_KINDS = ("linear", "moe_experts")
@@ -110,7 +110,7 @@ def _served_shape(module: str, shape: tuple[int, ...] | None) -> tuple[int, ...]
         return shape
     axis = -1 if last == "down_proj" else -2
     padded = list(shape)
-    padded[axis] = -(-shape[axis] // LANES) * LANES
+    padded[axis] = round_up(shape[axis], LANES)
     return tuple(padded)
 
 

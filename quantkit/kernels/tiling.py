@@ -35,7 +35,7 @@ CHIPS: dict[str, Chip] = {
 LANES = 128
 
 
-def _round_up(x: int, m: int) -> int:
+def round_up(x: int, m: int) -> int:
     return -(-x // m) * m
 
 
@@ -48,9 +48,9 @@ def hbm_bytes(shape: tuple[int, ...], bits: int, chip: Chip) -> int:
     """
     dims = list(shape) or [1]
     if chip.tpu:
-        dims[-1] = _round_up(dims[-1], LANES)
+        dims[-1] = round_up(dims[-1], LANES)
         if len(dims) >= 2:
-            dims[-2] = _round_up(dims[-2], 8 * 32 // bits)
+            dims[-2] = round_up(dims[-2], 8 * 32 // bits)
     n = 1
     for d in dims:
         n *= d
@@ -90,7 +90,7 @@ def vmem_estimate(tm: int, tk: int, tn: int, k: int, group: int, qtype: str, sca
     lhs = 2 * tm * (k if lhs_resident else tk) * 2
     rhs = 2 * tk * tn * weight_bits(qtype) // 8
     rows = tk // group if group < tk else max(1, k // group)
-    scales = 2 * _round_up(rows, 8) * tn * scale_bytes
+    scales = 2 * round_up(rows, 8) * tn * scale_bytes
     out = 2 * tm * tn * 2
     acc = tm * tn * 4
     tmp = tk * tn * (4 + 4 + 2)  # decoded f32, scaled f32, bf16 operand
@@ -134,7 +134,7 @@ def choose_tiles(m: int, k: int, n: int, g: int, qtype: str, group: int, scale_b
     # of groups that straddle tiles; take the m tile with the lowest roofline time on this chip.
     best = None
     for tm in (8, 16, 32, 64, 128, 256, 512):
-        if tm > _round_up(m, 8) and tm != 8:
+        if tm > round_up(m, 8) and tm != 8:
             break
         tiles = _choose_kn(tm, m, k, n, g, qtype, group, scale_bytes, chip, limit)
         if tiles is None:

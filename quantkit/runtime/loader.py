@@ -19,7 +19,7 @@ from quantkit.errors import InvalidInput, Unsupported
 from quantkit.formats.compressed_tensors import (KV_SCALES, QuantConfig, kernel_layout, kernel_shapes, kv_head_scales,
                                                  logical_shape, parse_quantization_config, weight_qtype)
 from quantkit.formats.hf import PACKED_EXPERTS, Checkpoint, group_modules
-from quantkit.kernels.tiling import LANES
+from quantkit.kernels.tiling import LANES, round_up
 from quantkit.quant.qtensor import STORAGE, QTensor, make_qtensor
 from quantkit.runtime.config import ModelConfig, from_hf
 from quantkit.runtime.sharding import place_row_major
@@ -121,7 +121,7 @@ def lane_widths(cfg: ModelConfig, qc: QuantConfig | None) -> tuple[int, int]:
     stack = skeleton(cfg)["layers"][cfg.layer_kinds[0]]
 
     def width(m: int, key: str) -> int:
-        padded = -(-m // LANES) * LANES
+        padded = round_up(m, LANES)
         if padded == m or key not in stack:
             return m
         down = stack[key].module[0]  # layer 0's Slot
