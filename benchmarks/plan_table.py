@@ -5,7 +5,12 @@ included), XLA's bytes accessed by the compiled decode step against its floor (w
 the decode step's roofline time (an estimate, not a measurement). Configs are the models' published
 config.json values (Gemma 4: the multimodal config.json files in benchmarks/configs/, read as they are).
 
+Rows on several chips also go into a second table: expert bytes per chip, the expert kernel's path, and the
+buffers the compiled decode step all-reduces or gathers across chips beside the floor (plan's
+decode_step_collectives).
+
 Usage: .venv/bin/python benchmarks/plan_table.py [--max-model-len 2048] [--max-num-seqs 16] [--only NAME:SCHEME:TP]
+       (expert parallel rows: NAME:W4A16g128:EP:TP)
 """
 
 from __future__ import annotations
@@ -57,13 +62,15 @@ QWEN3_30B_A3B = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_
 CONFIGS = Path(__file__).resolve().parent / "configs"  # published multimodal config.json files (README there)
 GEMMA4_31B = json.loads((CONFIGS / "gemma-4-31B-it.json").read_text())
 GEMMA4_26B_A4B = json.loads((CONFIGS / "gemma-4-26B-A4B-it.json").read_text())
-ROWS = [  # name, config, scheme, group size, chips
+ROWS = [  # name, config, scheme, group size, chips (, expert parallel)
     ("Llama-3-8B", LLAMA3_8B, "W4A16", 128, 1), ("Gemma-3-27B", GEMMA3_27B, "W4A16", 128, 1),
     ("Gemma-3-27B", GEMMA3_27B, "W4A16", 32, 1), ("Qwen3-30B-A3B", QWEN3_30B_A3B, "W4A16", 128, 1),
     ("Gemma-3-27B", GEMMA3_27B, "DENSE", 0, 4),
     ("Gemma-4-31B", GEMMA4_31B, "W4A16", 128, 1), ("Gemma-4-31B", GEMMA4_31B, "W4A16", 32, 1),
     # the experts' 704 inputs are not a multiple of 128: g32 (704 = 22 x 32)
-    ("Gemma-4-26B-A4B", GEMMA4_26B_A4B, "W4A16", 32, 1), ("Gemma-4-31B", GEMMA4_31B, "DENSE", 0, 4)]
+    ("Gemma-4-26B-A4B", GEMMA4_26B_A4B, "W4A16", 32, 1), ("Gemma-4-31B", GEMMA4_31B, "DENSE", 0, 4),
+    # several chips for an MoE: each expert split over the 4 chips, or experts split whole (expert parallel)
+    ("Qwen3-30B-A3B", QWEN3_30B_A3B, "W4A16", 128, 4), ("Qwen3-30B-A3B", QWEN3_30B_A3B, "W4A16", 128, 4, True)]
 
 
 def main() -> None:
@@ -78,17 +85,21 @@ def main() -> None:
              "concurrency at 2048 | plan s (wall, this CPU) | compile s (all programs) | slowest compile s | "
              "decode step: XLA bytes accessed / floor | decode step, roofline estimate |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    par = ["| model | weights | chips | experts | experts GiB per chip | weights GiB per chip | largest concurrency "
+           "at 2048 | expert kernel | collectives per decode step (16 tokens), MiB | floor, MiB |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
     results = []
-    for (name, cfg, scheme, group, tp), kv in ((row, kv) for row in ROWS for kv in args.kv_cache_dtype):
-        label = f"{scheme}g{group}" if scheme == "W4A16" else "bf16"
-        if args.only and f"{name}:{label}:{tp}" not in args.only:
+    for (name, cfg, scheme, group, tp, *ep), kv in ((row, kv) for row in ROWS for kv in args.kv_cache_dtype):
+        ep = bool(ep and ep[0])
+        label = (f"{scheme}g{group}" if scheme == "W4A16" else "bf16") + (" EP" if ep else "")
+        if args.only and f"{name}:{label.replace(' ', ':')}:{tp}" not in args.only:
             continue
         with tempfile.TemporaryDirectory() as d:
             (Path(d) / "config.json").write_text(json.dumps(cfg))
             t0 = time.perf_counter()
             COMPILES.clear()
             r = plan(Path(d) / "config.json", "v6e", args.max_model_len, args.max_num_seqs, tp=tp, scheme=scheme,
-                     group_size=group, kv_cache_dtype=kv)
+                     group_size=group, kv_cache_dtype=kv, ep=ep)
             wall = time.perf_counter() - t0
         h, est, cost = r["hbm_bytes"], r["decode_step_estimate"], r["decode_step_cost"]
         results.append({"model": name, "group": group, "wall_seconds": wall, "compiles": list(COMPILES), **r})
@@ -99,7 +110,19 @@ def main() -> None:
                      f"{cost['floor_bytes'] / 1e9:.2f} GB = {cost['ratio_to_floor']:.2f}× | {est['seconds'] * 1e3:.1f} ms → ~{est['output_tokens_per_s']:.0f} "
                      f"tok/s at 16 |")
         print(lines[-1], flush=True)
+        if tp > 1:
+            c = r["decode_step_collectives"]
+            experts = [k for k in r["kernels"] if "gate" in k["name"] or "down" in k["name"]] if cfg.get(
+                "num_experts") else []
+            kinds = ", ".join(f"{op} {b / 2**20:.2f}" for op, b in sorted(c["bytes"].items()))
+            paths = "; ".join(f"{k['shape']} {k['path'].split(' ')[0]}" for k in experts) or "—"
+            par.append(f"| {name} | {label.split()[0]} | {r['topology']} | {'whole, expert parallel' if ep else 'split'} | "
+                       f"{h['of_weights_experts'] / gib:.2f} | {h['weights'] / gib:.2f} | {r['max_num_seqs_that_fit']} | "
+                       f"{paths} | "
+                       f"{c['total'] / 2**20:.2f} ({kinds}) | {c['floor_bytes'] / 2**20:.2f} |")
+            print(par[-1], flush=True)
     print("\n".join(lines))
+    print("\n".join(par))
     Path(tempfile.gettempdir(), "qk-plan-table.json").write_text(json.dumps(results, indent=1))
 
 

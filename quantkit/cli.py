@@ -247,6 +247,43 @@ class KvCacheDtype(str, Enum):  # runtime/cache.py KV_CACHE_DTYPES (vLLM's names
     fp8_e5m2 = "fp8_e5m2"
 
 
+TpOption = Annotated[int, typer.Option("--tp", "--tensor-parallel-size", min=1,
+                                      help="Devices to split the model over (tensor parallel; vLLM's "
+                                           "--tensor-parallel-size). Heads, MLP widths and experts must divide it.")]
+EpOption = Annotated[bool, typer.Option("--enable-expert-parallel",
+                                        help="With --tp: MoE experts split whole over the devices (each runs its "
+                                             "own experts; one all-reduce combines) instead of each expert split "
+                                             "over all of them.")]
+CoordinatorOption = Annotated[str | None, typer.Option(
+    help="Join a multi-process run (jax.distributed): HOST:PORT of process 0 (with --num-processes and "
+         "--process-id), or 'auto' on a TPU slice. Start the same command on every host; process 0 prints the "
+         "output or serves HTTP.", show_default=False)]
+NumProcessesOption = Annotated[int | None, typer.Option(min=1, help="Processes in the run.", show_default=False)]
+ProcessIdOption = Annotated[int | None, typer.Option(min=0, help="This process's index (0 schedules).",
+                                                      show_default=False)]
+
+
+def _stdout_for_output_only() -> None:
+    """In a multi-process run, libraries (gloo) write status lines to file descriptor 1: point it at stderr
+    and keep the real stdout for the command's output alone."""
+    import os
+
+    sys.stdout.flush()
+    out = os.dup(1)
+    os.dup2(2, 1)
+    sys.stdout = os.fdopen(out, "w")
+
+
+def _devices(mesh) -> str:
+    """Where the weights went, for the start-up line."""
+    if mesh is None:
+        return jax_backend()
+    import jax
+
+    procs = f" in {jax.process_count()} processes" if jax.process_count() > 1 else ""
+    return f"{mesh.devices.size} {jax_backend()} devices{procs}"
+
+
 KV_HELP = ("KV cache storage: auto = FP8 (E4M3) with the checkpoint's k/v scales when it has a kv_cache_scheme, "
            "else the model's dtype; fp8 = fp8_e4m3; without checkpoint scales FP8 uses 1.0.")
 
@@ -265,32 +302,53 @@ def generate(
     stop: Annotated[list[str] | None, typer.Option(help="Stop string (repeatable).")] = None,
     max_model_len: Annotated[int, typer.Option(min=2, help="KV cache length (prompt + output).")] = 2048,
     kv_cache_dtype: Annotated[KvCacheDtype, typer.Option(help=KV_HELP)] = KvCacheDtype.auto,
+    tp: TpOption = 1,
+    enable_expert_parallel: EpOption = False,
+    coordinator_address: CoordinatorOption = None,
+    num_processes: NumProcessesOption = None,
+    process_id: ProcessIdOption = None,
 ) -> None:
     """Load PATH with the JAX runtime and stream a completion of PROMPT to stdout.
 
-    Example:  quantkit generate ./Llama-3.2-1B-Instruct-W4A16 --prompt "Why is the sky blue?" --chat
+    Examples: quantkit generate ./Llama-3.2-1B-Instruct-W4A16 --prompt "Why is the sky blue?" --chat
+              quantkit generate ./Qwen3-30B-A3B-W4A16 --prompt "Hi" --tp 4 --enable-expert-parallel
     """
     try:
+        import jax
+
         from quantkit.runtime.engine import Runner, Sampling, enable_compilation_cache, generate as run
         from quantkit.runtime.loader import load
+        from quantkit.runtime.sharding import start
         from quantkit.runtime.tokenizer import TextCodec
 
         codec = TextCodec(path)
         enable_compilation_cache()
-        model = load(path)
-        print(f"loaded {model.cfg.family} ({model.cfg.num_layers} layers): weights take "
-              f"{_human_size(model.weight_bytes)} on {jax_backend()}", file=sys.stderr)
+        if coordinator_address is not None:
+            _stdout_for_output_only()
+        mesh = start(tp, coordinator_address, num_processes, process_id)
+        model = load(path, mesh=mesh, ep=enable_expert_parallel)
+        leader = jax.process_index() == 0
+        if leader:
+            print(f"loaded {model.cfg.family} ({model.cfg.num_layers} layers): weights take "
+                  f"{_human_size(model.weight_bytes)} on {_devices(mesh)}", file=sys.stderr)
         text = codec.chat([{"role": "user", "content": prompt}]) if chat else prompt
         ids = codec.encode(text, special=not chat)
         stops = tuple(i for i in (*model.cfg.eos_token_ids, codec.token_id("eos_token")) if i is not None)
         runner = Runner(model, max_model_len=min(max_model_len, model.cfg.max_position_embeddings),
                         kv_cache_dtype=kv_cache_dtype.value)
+        if not leader:  # the first process schedules; this one runs each step it broadcasts
+            runner.follow()
+            return
+
         def emit(update) -> None:
             sys.stdout.write(update.text)
             sys.stdout.flush()
 
-        run(runner, ids, max_tokens, Sampling(temperature, top_k, top_p, seed), stop_ids=stops,
-            stop_strings=tuple(stop or ()), decode=codec.decode, on_update=emit)
+        try:
+            run(runner, ids, max_tokens, Sampling(temperature, top_k, top_p, seed), stop_ids=stops,
+                stop_strings=tuple(stop or ()), decode=codec.decode, on_update=emit)
+        finally:
+            runner.stop()
         sys.stdout.write("\n")
     except (QuantkitError, KeyboardInterrupt, Exception) as e:  # noqa: BLE001 - one line, never a traceback
         raise _fail(e) from None
@@ -316,6 +374,7 @@ def plan(
     group_size: Annotated[int, typer.Option(help="W4A16 group size (-1: channel).")] = 128,
     search: Annotated[bool, typer.Option(help="Also find the largest --max-num-seqs that fits.")] = True,
     kv_cache_dtype: Annotated[KvCacheDtype, typer.Option(help=KV_HELP)] = KvCacheDtype.auto,
+    enable_expert_parallel: EpOption = False,
     json_out: Annotated[bool, typer.Option("--json", help="One JSON document on stdout.")] = False,
 ) -> None:
     """Compile the serving steps for a TPU without one (libtpu, deviceless) and report HBM for weights, KV
@@ -323,6 +382,7 @@ def plan(
 
     Examples:  quantkit plan ./gemma-3-27b-it/config.json --scheme W4A16 --group-size 32
                quantkit plan ./gemma-3-27b-it --scheme DENSE --tp 4 --json
+               quantkit plan ./Qwen3-30B-A3B/config.json --scheme W4A16 --tp 4 --enable-expert-parallel
     """
     if tp not in (1, 2, 4, 8):
         raise typer.BadParameter(f"{tp} chips: plans cover 1, 2, 4 or 8", param_hint="--tp")
@@ -334,7 +394,8 @@ def plan(
                 print(msg, file=sys.stderr)
 
         report = run(path, target.value, max_model_len, max_num_seqs, tp,
-                     scheme.value if scheme is not None else None, group_size, search, note, kv_cache_dtype.value)
+                     scheme.value if scheme is not None else None, group_size, search, note, kv_cache_dtype.value,
+                     enable_expert_parallel)
         _emit(report, json_out, print_plan)
     except (QuantkitError, Exception) as e:  # noqa: BLE001 - one line, never a traceback
         raise _fail(e) from None
@@ -353,6 +414,8 @@ def eval_(
     window: Annotated[int, typer.Option(min=2, help="Tokens per independent window (context length).")] = 512,
     kv_cache_dtype: Annotated[KvCacheDtype, typer.Option(help="The CANDIDATE's KV cache (the reference's is "
                                                               "auto). " + KV_HELP)] = KvCacheDtype.auto,
+    tp: TpOption = 1,
+    enable_expert_parallel: EpOption = False,
     json_out: Annotated[bool, typer.Option("--json", help="One JSON document on stdout.")] = False,
 ) -> None:
     """Quality lost by CANDIDATE against REFERENCE on the same text: KL divergence of the next-token
@@ -373,7 +436,8 @@ def eval_(
         else:
             content = None
         report = _with_progress("Evaluating windows", lambda p: evaluate(reference, candidate, content, max_tokens,
-                                                                        window, p, kv_cache_dtype.value),
+                                                                        window, p, kv_cache_dtype.value,
+                                                                        tp, enable_expert_parallel),
                                       counted=True)
         _emit(report, json_out, print_report)
     except (QuantkitError, Exception) as e:  # noqa: BLE001 - one line, never a traceback
@@ -402,13 +466,19 @@ def serve(
                                                              "prompt starts with (vLLM's automatic prefix "
                                                              "caching).")] = True,
     kv_cache_dtype: Annotated[KvCacheDtype, typer.Option(help=KV_HELP)] = KvCacheDtype.auto,
+    tp: TpOption = 1,
+    enable_expert_parallel: EpOption = False,
+    coordinator_address: CoordinatorOption = None,
+    num_processes: NumProcessesOption = None,
+    process_id: ProcessIdOption = None,
 ) -> None:
     """Serve PATH over an OpenAI-compatible HTTP API (completions and chat, streaming, logprobs).
 
     /health answers at once; /ready turns 200 after the weights are loaded and every shape is compiled
     (a restart with the same model and flags reuses the compilation cache). SIGTERM drains and exits 0.
 
-    Example:  quantkit serve models/tiny-llama-W4A16 --port 8000
+    Examples: quantkit serve models/tiny-llama-W4A16 --port 8000
+              quantkit serve ./gemma-3-27b-it --tp 4      (one v6e:2x2 host)
               curl localhost:8000/v1/completions -H 'Content-Type: application/json'
                    -d '{"model": "tiny-llama-W4A16", "prompt": "Hello", "max_tokens": 16}'
     """
@@ -418,7 +488,8 @@ def serve(
         code = run(path, host, port, served_model_name=served_model_name, max_model_len=max_model_len,
                    max_num_seqs=max_num_seqs, api_key=api_key, max_num_batched_tokens=max_num_batched_tokens, max_waiting=max_waiting,
                    grace=grace, enable_prefix_caching=enable_prefix_caching,
-                   kv_cache_dtype=kv_cache_dtype.value)
+                   kv_cache_dtype=kv_cache_dtype.value, tp=tp, ep=enable_expert_parallel,
+                   distributed=(coordinator_address, num_processes, process_id))
     except (QuantkitError, Exception) as e:  # noqa: BLE001 - one line, never a traceback
         raise _fail(e) from None
     raise typer.Exit(code)

@@ -66,9 +66,10 @@ def _token_stats(ref_logits: np.ndarray, cand_logits: np.ndarray, targets: np.nd
 
 
 def evaluate(reference: Path, candidate: Path, text: str | None = None, max_tokens: int = 4096,
-             window: int = 512, progress=None, kv_cache_dtype: str = "auto") -> dict:
+             window: int = 512, progress=None, kv_cache_dtype: str = "auto", tp: int = 1, ep: bool = False) -> dict:
     """Runs both checkpoints on the same windows of `text` (tokenized with the reference's tokenizer);
-    the candidate with a `kv_cache_dtype` cache (runtime/cache.py), the reference with its own default.
+    the candidate with a `kv_cache_dtype` cache (runtime/cache.py), the reference with its own default;
+    both over `tp` devices (`ep`: experts split whole; runtime/sharding.py).
 
     Returns the report (CLI.md keys): tokens, ppl_reference, ppl_candidate, kl {mean, median, p99, max,
     ci95}, top1_agreement {value, ci95}, plus the intervals of both perplexities.
@@ -77,10 +78,12 @@ def evaluate(reference: Path, candidate: Path, text: str | None = None, max_toke
 
     from quantkit.runtime.engine import Runner
     from quantkit.runtime.loader import load
+    from quantkit.runtime.sharding import start
     from quantkit.runtime.tokenizer import TextCodec
 
     ids = TextCodec(reference).encode(default_text() if text is None else text)[:max_tokens]
-    models = [load(reference, dtype=jnp.float32), load(candidate, dtype=jnp.float32)]
+    mesh = start(tp)
+    models = [load(p, dtype=jnp.float32, mesh=mesh, ep=ep) for p in (reference, candidate)]
     if models[0].cfg.vocab_size != models[1].cfg.vocab_size:
         raise InvalidInput(f"vocabularies differ: {models[0].cfg.vocab_size} vs {models[1].cfg.vocab_size} "
                            "tokens; compare checkpoints of the same model")

@@ -56,7 +56,7 @@ def _nbytes(leaf, layout, chip) -> int:
 
 def plan(path: str | Path, target: str = "v6e", max_model_len: int = 2048, max_num_seqs: int = 16, tp: int = 1,
          scheme: str | None = None, group_size: int = 128, search: bool = True, progress=None,
-         kv_cache_dtype: str = "auto") -> dict:
+         kv_cache_dtype: str = "auto", ep: bool = False) -> dict:
     """Compiles the serving steps for `tp` chips of `target` and reports HBM (per chip), VMEM, compile time and
     fit (CLI.md keys).
 
@@ -67,6 +67,7 @@ def plan(path: str | Path, target: str = "v6e", max_model_len: int = 2048, max_n
         search: also find the largest max_num_seqs that fits (compiling the steps to confirm it).
         kv_cache_dtype: as serve's (runtime/cache.py kv_fp8_dtype): an FP8 cache is compiled with its
             per-layer scales among the weights.
+        ep: with tp > 1, MoE experts split whole over the chips (expert parallelism, runtime/sharding.py).
     """
     import importlib.util
 
@@ -84,6 +85,7 @@ def plan(path: str | Path, target: str = "v6e", max_model_len: int = 2048, max_n
     from quantkit.formats.compressed_tensors import kv_scheme_reason
     from quantkit.runtime.cache import cache_layout, kv_fp8_dtype, with_kv_scales
     from quantkit.runtime.loader import abstract
+    from quantkit.runtime.sharding import is_expert
     from quantkit.runtime.step import empty_batch, step_function, token_buckets
 
     path, chip = Path(path), CHIPS[target]
@@ -108,10 +110,12 @@ def plan(path: str | Path, target: str = "v6e", max_model_len: int = 2048, max_n
             p = with_kv_scales(p, c, None, lambda a: jax.ShapeDtypeStruct(a.shape, jnp.float32))
         if mesh is None:
             return p
-        return shard_params(p, c, mesh, put=lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s))
+        return shard_params(p, c, mesh, put=lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), ep=ep)
 
     params = weights_of(cfg)
-    param_leaves = jax.tree_util.tree_leaves(params)
+    flat = jax.tree_util.tree_flatten_with_path(params)[0]
+    param_leaves = [x for _, x in flat]
+    experts = [path[0].key == "layers" and is_expert(cfg, path[2].key) for path, _ in flat]
     layouts = {"params": [None] * len(param_leaves), "cache": None}  # from the first compiled decode step
     budget = min(BUDGET, max_model_len)
     buckets = token_buckets(budget)
@@ -122,8 +126,9 @@ def plan(path: str | Path, target: str = "v6e", max_model_len: int = 2048, max_n
         return {k: jax.ShapeDtypeStruct(s, kv_dtype, sharding=None if mesh is None else cache_sharding(c, mesh, k))
                 for k, s in shapes.items()}
 
-    def weight_bytes() -> int:
-        return sum(_nbytes(x, lay, chip) for x, lay in zip(param_leaves, layouts["params"]))
+    def weight_bytes(only_experts: bool = False) -> int:
+        return sum(_nbytes(x, lay, chip) for x, lay, e in zip(param_leaves, layouts["params"], experts)
+                   if e or not only_experts)
 
     def kv_bytes(n: int) -> int:
         leaves = jax.tree_util.tree_leaves(cache(n))
@@ -152,13 +157,17 @@ def plan(path: str | Path, target: str = "v6e", max_model_len: int = 2048, max_n
 
         def measure(k: tuple[str, ...]) -> dict:
             c = dataclasses.replace(cfg, num_layers=len(k), sliding_layers=tuple(x == "sliding" for x in k))
-            ca = compile_program(c, weights_of(c), t, n, unroll=True)[0].cost_analysis()
+            compiled = compile_program(c, weights_of(c), t, n, unroll=True)[0]
+            ca = compiled.cost_analysis()
             ca = (ca[0] if isinstance(ca, (list, tuple)) else ca) or {}
-            return {"bytes_accessed": ca.get("bytes accessed", 0.0), "flops": ca.get("flops", 0.0)}
+            return {"bytes_accessed": ca.get("bytes accessed", 0.0), "flops": ca.get("flops", 0.0),
+                    **{f"collective:{op}": b for op, b in _collectives(compiled.as_text()).items()}}
 
         base = measure(kinds[:1])
-        per = {k: {m: v - base[m] for m, v in measure(kinds[:1] + (k,)).items()} for k in cfg.kinds}
-        return {m: int(base[m] - per[kinds[0]][m] + sum(kinds.count(k) * per[k][m] for k in per)) for m in base}
+        per = {k: {m: v - base.get(m, 0) for m, v in measure(kinds[:1] + (k,)).items()} for k in cfg.kinds}
+        metrics = set(base).union(*per.values())
+        return {m: int(base.get(m, 0) - per[kinds[0]].get(m, 0) + sum(kinds.count(k) * per[k].get(m, 0) for k in per))
+                for m in metrics}
 
     def compile_step(t: int, n: int):
         """Compiles the step at t tokens for n sequences: (temporary bytes, seconds, compiler message,
@@ -241,12 +250,15 @@ def plan(path: str | Path, target: str = "v6e", max_model_len: int = 2048, max_n
     # a decode step at full context reads every weight and every cached token once (each chip its share, in
     # parallel; the all-reduces of a tensor-parallel step are left out)
     step_bytes = weights + kv
+    collectives = {k.split(":")[1]: v for k, v in cost.items() if k.startswith("collective:")}
+    cost = {k: v for k, v in cost.items() if not k.startswith("collective:")}
     return {
         "path": str(path), "target": target, "scheme": scheme or ("checkpoint" if qc else "DENSE"),
         "max_model_len": max_model_len, "max_num_seqs": max_num_seqs, "tp": tp, "kv_cache_dtype": kv_dtype.name,
         "topology": topology_name(target, tp), "fits": bool(fits),
         "hbm_bytes": {"weights": weights, "kv_cache": kv, "temporaries": temp,
-                      "total": weights + kv + temp, "capacity": chip.hbm_bytes},
+                      "total": weights + kv + temp, "capacity": chip.hbm_bytes, "of_weights_experts": weight_bytes(True)},
+        "expert_parallel": bool(ep and tp > 1),
         "max_num_seqs_that_fit": best, "kv_cache_by_dtype": by_dtype, "compile_seconds": round(seconds, 2), "compiler_message": message,
         "dequantized_weight_buffers": sorted(set(found)),
         "kernels": kernels,
@@ -257,7 +269,37 @@ def plan(path: str | Path, target: str = "v6e", max_model_len: int = 2048, max_n
         "decode_step_cost": {**cost, "floor_bytes": step_bytes,
                              "ratio_to_floor": round(cost.get("bytes_accessed", 0) / step_bytes, 3)},
         "step_programs": len(buckets),
+        # the buffers the compiled decode step reduces or gathers across chips (bytes per chip, per op kind),
+        # beside the least a tensor-parallel step with replicated activations needs: one all-reduce of the
+        # [tokens, hidden] activations after each layer's attention and one after its MLP / experts, one
+        # for the vocabulary-split embedding, and the [sequences, vocab] float32 logits gathered for sampling
+        "decode_step_collectives": None if tp == 1 else {
+            "bytes": collectives, "total": sum(collectives.values()),
+            "floor_bytes": _collective_floor(cfg, next(b for b in buckets if b >= min(max_num_seqs, budget)),
+                                             max_num_seqs)},
     }
+
+
+def _collective_floor(cfg, t: int, s: int) -> int:
+    """Bytes a decode step of t tokens (s sequences) must all-reduce or gather at least; see plan's report."""
+    return (2 * cfg.num_layers + 1) * t * cfg.hidden_size * 2 + s * cfg.vocab_size * 4
+
+
+def _collectives(hlo: str) -> dict:
+    """Bytes of the results of each kind of cross-chip collective in a compiled program's HLO text (an
+    async pair counted once, by its -start op; a tuple result by its last element, the gathered buffer)."""
+    import re
+
+    sizes = {"f32": 4, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "s8": 1, "u8": 1, "pred": 1, "f8e4m3fn": 1}
+    out: dict = {}
+    for result, op in re.findall(r"= (\(?[^=]*?\)?) (all-reduce|all-gather|reduce-scatter|all-to-all|"
+                                 r"collective-permute)(?:-start)?\(", hlo):
+        shapes = re.findall(r"(\w+)\[([0-9,]*)\]", result)
+        if shapes:
+            dtype, dims = shapes[-1]
+            n = math.prod(int(d) for d in dims.split(",") if d) * sizes.get(dtype, 4)
+            out[op] = out.get(op, 0) + n
+    return out
 
 
 def _dequantized(compiled, shapes: set) -> list[str]:
@@ -289,10 +331,17 @@ def print_plan(r: dict, out=sys.stdout) -> None:
     gib = 1 << 30
     h = r["hbm_bytes"]
     chips = f"{r['tp']} chips ({r['topology']}), HBM per chip" if r["tp"] > 1 else r["topology"]
+    chips += ", experts split whole (expert parallel)" if r["expert_parallel"] else ""
     print(f"{r['path']} on {r['target']}: {r['scheme']}, {r['max_num_seqs']} sequences of {r['max_model_len']} tokens, "
           f"{r['kv_cache_dtype']} KV cache, {chips}", file=out)
     for k in ("weights", "kv_cache", "temporaries", "total", "capacity"):
         print(f"  {k:<12}{h[k] / gib:9.2f} GiB", file=out)
+        if k == "weights" and h["of_weights_experts"]:
+            print(f"   (experts {h['of_weights_experts'] / gib:8.2f} GiB)", file=out)
+    if (c := r["decode_step_collectives"]) is not None:
+        kinds = ", ".join(f"{op} {b / (1 << 20):.2f}" for op, b in sorted(c["bytes"].items())) or "none"
+        print(f"  collectives {c['total'] / (1 << 20):9.2f} MiB a decode step ({kinds} MiB; floor "
+              f"{c['floor_bytes'] / (1 << 20):.2f} MiB)", file=out)
     print(f"  compile     {r['compile_seconds']:9.1f} s on this CPU (decode and budget buckets of the step, "
           "deviceless libtpu)", file=out)
     for kern in r["kernels"]:

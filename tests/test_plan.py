@@ -175,14 +175,14 @@ def test_tensor_parallel_plan_on_a_2x2_slice(tmp_path):
     """--tp 4 compiles for v6e:2x2 with weights and KV heads split as the runtime splits them; HBM is per
     chip. Per chip, analytically: q/k/v/gate/up split by output columns and o/down by input rows, so a
     quarter of the int4 values and group-32 bf16 scales of the 9M linear parameters per layer; the bf16
-    lm_head split by columns; the embedding (8 MiB) replicated. KV: one of 4 heads per chip."""
+    lm_head split by columns and the embedding (8 MiB) by vocabulary rows. KV: one of 4 heads per chip."""
     from quantkit.plan import plan
 
     (tmp_path / "config.json").write_text(json.dumps(SMALL))
     r = plan(tmp_path / "config.json", "v6e", 128, 4, tp=4, scheme="W4A16", group_size=32, search=False)
     assert r["fits"] and r["topology"] == "v6e:2x2" and r["tp"] == 4
     linear = 2 * (1024 * 1024 * 2 + 1024 * 512 * 2 + 3 * 1024 * 2048)
-    analytical = (linear // 2 + linear // 32 * 2) // 4 + 4096 * 1024 * 2 * (1 + 1 / 4)
+    analytical = (linear // 2 + linear // 32 * 2) // 4 + 4096 * 1024 * 2 * (1 / 4 + 1 / 4)
     assert abs(r["hbm_bytes"]["weights"] - analytical) < 0.02 * analytical
     assert r["hbm_bytes"]["kv_cache"] == 2 * 2 * (1 + 4 * 8) * 16 * 1 * 128 * 2
     shapes = {k["name"]: k["shape"] for k in r["kernels"]}
@@ -219,6 +219,48 @@ def test_tensor_parallel_plan_refuses_what_it_cannot_place(tmp_path):
     heads = subprocess.run(cmd + ["--tp", "8"], capture_output=True, text=True, timeout=300, env=env)
     assert heads.returncode == 1 and "12 attention heads do not split over 8 devices" in heads.stderr
     assert "Traceback" not in heads.stderr and heads.stdout == ""
+
+
+@pytest.mark.slow
+def test_gemma3_27b_bf16_on_a_2x2_slice(tmp_path):
+    """Gemma-3-27B in bf16 does not fit one v6e (above) but fits a v6e:2x2 slice: per chip a quarter of every
+    linear weight (heads, columns or rows) and of the tied 262208 x 5376 embedding (vocabulary rows), and a
+    quarter of the KV cache (16 KV heads, 4 a chip)."""
+    code, r = _plan(tmp_path, "--scheme", "DENSE", "--max-num-seqs", "16", "--no-search", "--tp", "4")
+    assert code == 0 and r["fits"] and r["topology"] == "v6e:2x2"
+    linear = 62 * (5376 * 4096 * 2 + 5376 * 2048 * 2 + 3 * 5376 * 21504)
+    analytical = (linear * 2 + 262208 * 5376 * 2) / 4
+    h = r["hbm_bytes"]
+    assert abs(h["weights"] - analytical) < 0.02 * analytical and h["kv_cache"] == _kv_bytes(16) // 4
+    # each layer all-reduces its attention and MLP outputs; nothing weight-sized crosses the chips
+    c = r["decode_step_collectives"]
+    assert c["floor_bytes"] <= c["total"] < 2 * c["floor_bytes"], c
+
+
+@pytest.mark.slow
+def test_qwen3_30b_a3b_expert_parallel_on_a_2x2_slice(tmp_path):
+    """Qwen3-30B-A3B W4A16 g128 with --enable-expert-parallel on v6e:2x2: each chip holds 32 of the 128
+    experts of all 48 layers, a quarter of the expert bytes (48 x 128 x 3 x 2048 x 768 int4 values + g128
+    bf16 scales), and runs each projection as one gmm_v2 call over its local group [32, k, n]; no weight is
+    dequantized or gathered: what crosses the chips is the per-layer all-reduces of [16, 2048] activations
+    and the sampled logits, within 2x the floor. Without expert parallelism each expert is split four ways
+    and its 768-wide projections leave gmm_v2 (192 columns a chip is not a multiple of 128)."""
+    (tmp_path / "config.json").write_text(json.dumps(QWEN3_30B_A3B))
+    from quantkit.plan import plan
+
+    ep = plan(tmp_path / "config.json", "v6e", 2048, 16, tp=4, scheme="W4A16", group_size=128, search=False, ep=True)
+    experts = 48 * 128 * 3 * 2048 * 768 * (1 / 2 + 2 / 128)
+    h = ep["hbm_bytes"]
+    assert ep["fits"] and ep["expert_parallel"] and abs(h["of_weights_experts"] - experts / 4) < 0.01 * experts / 4
+    kernels = {k["name"]: (k["shape"], k["path"]) for k in ep["kernels"]}
+    assert kernels["layers.*.gate"] == ([32, 2048, 768], "gmm_v2") and kernels["layers.*.down"] == ([32, 768, 2048], "gmm_v2")
+    assert ep["dequantized_weight_buffers"] == []
+    c = ep["decode_step_collectives"]
+    assert c["floor_bytes"] <= c["total"] < 2 * c["floor_bytes"], c
+    split = plan(tmp_path / "config.json", "v6e", 2048, 16, tp=4, scheme="W4A16", group_size=128, search=False)
+    assert abs(split["hbm_bytes"]["of_weights_experts"] - experts / 4) < 0.02 * experts / 4  # the same bytes a chip
+    assert {k["name"]: k["shape"] for k in split["kernels"]}["layers.*.gate"] == [128, 2048, 192]
+    assert {k["name"]: k["path"] for k in split["kernels"]}["layers.*.gate"].startswith("xla")
 
 
 LLAMA_8B = {**SMALL, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,

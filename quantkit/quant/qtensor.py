@@ -51,13 +51,18 @@ class QTensor:
         return self.values.size * bits // 8 + self.scales.size * self.scales.dtype.itemsize
 
 
+def check_qtensor(values: tuple, scales: tuple, qtype: str, group: int) -> None:
+    """Raises ValueError unless shapes values [g, k, n], scales [g, k // group, n] and qtype are a QTensor's."""
+    if qtype not in QTYPES:
+        raise ValueError(f"unknown qtype {qtype!r}")
+    g, k, n = values
+    if k % group or tuple(scales) != (g, k // group, n):
+        raise ValueError(f"scales {tuple(scales)} do not match values {(g, k, n)} with group {group}")
+
+
 def make_qtensor(values, scales, qtype: str, group: int) -> QTensor:
     """Builds a QTensor from [g, k, n] values (int8 codes/ints or fp8) and [g, k // group, n] scales,
     checking the invariants above."""
-    if qtype not in QTYPES:
-        raise ValueError(f"unknown qtype {qtype!r}")
     values = np.asarray(values) if not isinstance(values, jax.Array) else values
-    g, k, n = values.shape
-    if k % group or tuple(scales.shape) != (g, k // group, n):
-        raise ValueError(f"scales {tuple(scales.shape)} do not match values {(g, k, n)} with group {group}")
+    check_qtensor(values.shape, scales.shape, qtype, group)
     return QTensor(jnp.asarray(values).astype(STORAGE[qtype]), jnp.asarray(scales), qtype, group)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import jax
@@ -20,9 +21,9 @@ from quantkit.formats.compressed_tensors import (KV_SCALES, QuantConfig, kernel_
                                                  logical_shape, parse_quantization_config, weight_qtype)
 from quantkit.formats.hf import PACKED_EXPERTS, Checkpoint, group_modules
 from quantkit.kernels.tiling import LANES, round_up
-from quantkit.quant.qtensor import STORAGE, QTensor, make_qtensor
+from quantkit.quant.qtensor import STORAGE, QTensor, check_qtensor
 from quantkit.runtime.config import ModelConfig, from_hf
-from quantkit.runtime.sharding import place_row_major
+from quantkit.runtime.sharding import AXIS, expert_rows, place_row_major, shardings
 
 LINEARS = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj"}
 MLP = {"gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj"}
@@ -163,13 +164,17 @@ def abstract(cfg: ModelConfig, qc: QuantConfig | None, dtype=jnp.bfloat16) -> di
 @dataclass
 class LoadedModel:
     """A model ready to run: its config, its weight pytree (on device) and the HBM the weights take;
-    kv_scales: the checkpoint's KV cache scales (kv_cache_scheme), per kind [layers, 2 (k, v), kv_heads]."""
+    kv_scales: the checkpoint's KV cache scales (kv_cache_scheme), per kind [layers, 2 (k, v), kv_heads];
+    mesh, ep: the mesh the weights were placed on (runtime/sharding.py) and whether experts are split whole
+    (expert parallelism); None, False on one device."""
 
     path: Path
     cfg: ModelConfig
     params: dict
     dtype: jnp.dtype
     kv_scales: dict | None = None
+    mesh: object = None
+    ep: bool = False
 
     @property
     def weight_bytes(self) -> int:
@@ -177,9 +182,23 @@ class LoadedModel:
                    for x in jax.tree_util.tree_leaves(self.params, is_leaf=lambda a: isinstance(a, QTensor)))
 
 
+@dataclass(frozen=True)
+class HostQ:
+    """A quantized weight read on the host, before placement: values [g, k, n] (codes), scales
+    [g, k // group, n] (QTensor's invariants)."""
+
+    values: np.ndarray
+    scales: np.ndarray
+    qtype: str
+    group: int
+
+
 class _Reader:
-    def __init__(self, ckpt: Checkpoint, qc: QuantConfig | None, dtype):
-        self.ckpt, self.qc, self.dtype = ckpt, qc, dtype
+    """Reads one Slot's data from the checkpoint onto the host (numpy): dense [in, out] in the checkpoint's
+    dtype (a view of the file where no padding or stacking copies it), or HostQ."""
+
+    def __init__(self, ckpt: Checkpoint, qc: QuantConfig | None):
+        self.ckpt, self.qc = ckpt, qc
         self.modules = group_modules(ckpt.tensors)
 
     def params(self, module: str) -> dict[str, str]:
@@ -188,11 +207,11 @@ class _Reader:
             raise InvalidInput(f"{self.ckpt.root}: module {module!r} is missing from the checkpoint")
         return found
 
-    def array(self, module: str, param: str = "weight", dtype=None) -> jax.Array:
+    def array(self, module: str, param: str = "weight") -> np.ndarray:
         name = self.params(module).get(param)
         if name is None:
             raise InvalidInput(f"{self.ckpt.root}: tensor {module}.{param} is missing from the checkpoint")
-        return jnp.asarray(np.asarray(self.ckpt.read(name)).astype(np.float32), dtype or self.dtype)
+        return np.asarray(self.ckpt.read(name))  # as stored (bf16 stays a view of the file); cast on device
 
     def _layout(self, module: str):
         pnames = self.params(module)
@@ -207,31 +226,39 @@ class _Reader:
         return values, scales, qtype, group
 
     def linear(self, module: str, shape: tuple[int, int]):
-        """A Linear's weight, zero-padded to `shape` [in, out]: QTensor [1, in, out] if quantized, else dense."""
+        """A Linear's weight, zero-padded to `shape` [in, out]: HostQ [1, in, out] if quantized, else dense."""
         layout = self._layout(module)
         if layout is None:
-            w = np.asarray(self.ckpt.read(self.params(module)["weight"])).astype(np.float32).T
-            return jnp.asarray(_pad(w, shape), self.dtype)
+            return _pad(self.array(module).T, shape)
         values, scales, qtype, group = layout
         return _padded_qtensor(values[None], scales[None], qtype, group, shape)
 
     def experts(self, modules: list[str], packed: tuple[str, int, int] | None, shape: tuple[int, int, int]):
-        """Stacked expert weights, QTensor or dense [experts, in, out], zero-padded to `shape`; from `packed`,
+        """Stacked expert weights, HostQ or dense [experts, in, out], zero-padded to `shape`; from `packed`,
         the 3-D tensor [experts, chunks * out, in] of a bf16 checkpoint without per-expert modules, when
         those are absent."""
         if packed is not None and modules[0] not in self.modules:
             module, chunk, chunks = packed
             t = np.asarray(self.ckpt.read(self.params(module)["tensor"]))
             m = t.shape[1] // chunks
-            return jnp.asarray(_pad(t[:, chunk * m:(chunk + 1) * m].astype(np.float32).transpose(0, 2, 1), shape),
-                               self.dtype)
+            return _pad(t[:, chunk * m:(chunk + 1) * m].transpose(0, 2, 1), shape)
         layouts = [self._layout(m) for m in modules]
         if all(la is None for la in layouts):
-            return jnp.stack([self.linear(m, shape[1:]) for m in modules])
+            return np.stack([self.linear(m, shape[1:]) for m in modules])
         if any(la is None for la in layouts) or len({(la[2], la[3]) for la in layouts}) != 1:
             raise Unsupported(f"experts {modules[0]}..: mixed quantization across experts is not supported")
         return _padded_qtensor(np.stack([la[0] for la in layouts]), np.stack([la[1] for la in layouts]),
                                *layouts[0][2:], shape[1:])
+
+    def slot(self, s: Slot):
+        """One Slot's host data (not a stack)."""
+        if s.kind == "linear":
+            return self.linear(s.module, s.shape)
+        if s.kind == "experts":
+            return self.experts(list(s.module), s.packed, s.shape)
+        if s.kind == "router":
+            return self.array(s.module).T  # [hidden, experts]
+        return self.array(s.module, {"tensor": "tensor", "bias": "bias"}.get(s.kind, "weight"))
 
 
 def _pad(w: np.ndarray, shape: tuple[int, ...], value=0) -> np.ndarray:
@@ -245,43 +272,66 @@ def _pad(w: np.ndarray, shape: tuple[int, ...], value=0) -> np.ndarray:
                   constant_values=value)
 
 
-def _padded_qtensor(values, scales, qtype: str, group: int, shape: tuple[int, int]) -> QTensor:
-    """A QTensor of values [g, k, n] and scales [g, k // group, n] zero-padded to [g, *shape] (lane_widths):
-    zero values (whatever their scale) add nothing; the new scales are 1 (E8M0 127)."""
+def _padded_qtensor(values, scales, qtype: str, group: int, shape: tuple[int, int]) -> HostQ:
+    """values [g, k, n] and scales [g, k // group, n] zero-padded to [g, *shape] (lane_widths): zero values
+    (whatever their scale) add nothing; the new scales are 1 (E8M0 127)."""
     k, n = shape
     group = k if group == values.shape[1] else group  # channel scales span the padded rows too
     one = 127 if scales.dtype == np.uint8 else 1
-    return make_qtensor(_pad(values, shape), _pad(scales, (k // group, n), one), qtype, group)
+    values, scales = _pad(values, shape), _pad(scales, (k // group, n), one)
+    check_qtensor(values.shape, scales.shape, qtype, group)
+    return HostQ(values, scales, qtype, group)
 
 
-def densify(params: dict, dtype) -> dict:
-    """The weight pytree with every QTensor dequantized once into a dense `dtype` array of the layout its
-    slot has when unquantized (stacked linears [layers, in, out], experts [layers, experts, in, out],
-    lm_head [in, out]). Off TPU this is what serves fastest: the XLA path would otherwise dequantize each
-    weight on every call (runtime/step.py `Runner.weights`)."""
-    from quantkit.quant.reference import dequantize
-
-    def dense(key, w, layers=None):
-        if not isinstance(w, QTensor):
-            return w
-        d = jax.jit(dequantize)(w).astype(dtype)  # [G, k, n]
-        if layers is None:
-            return d[0]
-        return d if d.shape[0] == layers else d.reshape(layers, -1, *d.shape[1:])
-
-    out = {k: dense(k, v) for k, v in params.items() if k != "layers"}
-    out["layers"] = {kind: {k: dense(k, v, stack["attn_norm"].shape[0]) for k, v in stack.items()}
-                     for kind, stack in params["layers"].items()}
-    return out
+@partial(jax.jit, donate_argnums=0)
+def _write(buf: jax.Array, piece: jax.Array, at) -> jax.Array:
+    """buf with rows [at, at + len(piece)) replaced by piece (cast to buf's dtype), in place."""
+    return jax.lax.dynamic_update_slice_in_dim(buf, piece.astype(buf.dtype), at, 0)
 
 
-def load(path: str | Path, dtype=jnp.bfloat16, check: bool = True) -> LoadedModel:
-    """Loads a dense or compressed-tensors checkpoint that `quantkit inspect` accepts.
+def _assemble(read, n: int, outs: list, rows) -> list[jax.Array]:
+    """Global arrays placed on their shardings, filled from n host parts read one at a time.
+
+    read(i) -> a host array per output (part i: [r, ...] rows of each); outs: (shape, dtype, sharding) per
+    output; rows(i, r) -> the global rows [r] that part i's rows go to. Each of this process's devices gets
+    an empty buffer of its shard, then each part's pieces in place: no device and no host buffer ever holds
+    more than its shard plus one part."""
+    bufs = []  # per output: device -> [buffer, (first, last + 1) of its leading-axis slice, other slices]
+    for shape, dtype, sharding in outs:
+        # np.zeros is calloc: untouched pages cost no host memory (jnp.zeros made a shard-sized temporary)
+        bufs.append({d: [jax.device_put(np.zeros(sharding.shard_shape(shape), dtype), d),
+                         index[0].indices(shape[0])[:2], index[1:]]
+                     for d, index in sharding.addressable_devices_indices_map(shape).items()})
+    for i in range(n):
+        parts = read(i)
+        for part, per_device in zip(parts, bufs):
+            dst = rows(i, part.shape[0])  # [r] global rows, in runs of consecutive rows
+            breaks = np.flatnonzero(np.diff(dst) != 1) + 1
+            for run in np.split(np.arange(len(dst)), breaks):
+                g0, g1 = dst[run[0]], dst[run[-1]] + 1
+                for d, entry in per_device.items():
+                    _, (a, b), rest = entry
+                    lo, hi = max(g0, a), min(g1, b)
+                    if lo < hi:
+                        piece = part[run[0] + lo - g0:run[0] + hi - g0][(slice(None), *rest)]
+                        entry[0] = _write(entry[0], jax.device_put(piece, d), lo - a)
+        # the writes run asynchronously: wait, or the host runs ahead holding every part's pieces
+        jax.block_until_ready([e[0] for per_device in bufs for e in per_device.values()])
+        del parts
+    return [jax.make_array_from_single_device_arrays(shape, sharding, [e[0] for e in per_device.values()])
+            for (shape, _, sharding), per_device in zip(outs, bufs)]
+
+
+def load(path: str | Path, dtype=jnp.bfloat16, check: bool = True, mesh=None, ep: bool = False) -> LoadedModel:
+    """Loads a dense or compressed-tensors checkpoint that `quantkit inspect` accepts, each tensor read from
+    its safetensors file and placed straight onto the devices that hold its parts.
 
     Args:
         path: checkpoint directory.
         dtype: activation and dense-weight dtype (bf16; float32 for parity tests).
         check: run inspect's validation first (errors and unsupported layers stop the load).
+        mesh: place the weights tensor-parallel on this mesh (runtime/sharding.py); None: on one device.
+        ep: with `mesh`, split MoE experts whole over the mesh (expert parallelism).
     """
     path = Path(path)
     if check:
@@ -304,37 +354,83 @@ def load(path: str | Path, dtype=jnp.bfloat16, check: bool = True) -> LoadedMode
     cfg = from_hf(ckpt.config, eos)
     raw = ckpt.config.get("quantization_config")
     qc = parse_quantization_config(raw) if isinstance(raw, dict) else None
-    r = _Reader(ckpt, qc, dtype)
+    r = _Reader(ckpt, qc)
+    tp = 1 if mesh is None else mesh.shape[AXIS]
+    if mesh is not None and cfg.num_heads % tp:
+        raise InvalidInput(f"{cfg.num_heads} attention heads do not split over {tp} devices")
+    one = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
 
-    def leaf(s: Slot):
-        if s.kind == "stack":
-            parts = [leaf(x) for x in s.module]
-            if isinstance(parts[0], QTensor):
-                if len({(type(p), p.qtype, p.group, p.scales.dtype) if isinstance(p, QTensor) else type(p)
-                        for p in parts}) != 1:
-                    raise Unsupported(f"{s.module[0].module}..: layers quantized differently are not supported")
-                return QTensor(jnp.concatenate([p.values for p in parts]), jnp.concatenate([p.scales for p in parts]),
-                               parts[0].qtype, parts[0].group)
-            return jnp.stack(parts)
-        if s.kind == "linear":
-            return r.linear(s.module, s.shape)
-        if s.kind == "experts":
-            return r.experts(list(s.module), s.packed, s.shape)
-        if s.kind == "tensor":
-            return r.array(s.module, "tensor", jnp.float32)
-        if s.kind == "bias":
-            return r.array(s.module, "bias")
-        if s.kind == "router":
-            return r.array(s.module, dtype=jnp.float32).T  # [hidden, experts]
-        return r.array(s.module, dtype=jnp.float32 if s.kind == "norm" else None)
+    def leaf(key: str, s: Slot, kind: str = "full"):
+        entries = s.module if s.kind == "stack" else (s,)
+        n = len(entries)
+        first = r.slot(entries[0])
+        quantized = isinstance(first, HostQ)
+        if not quantized:
+            shape = (n, *first.shape) if s.kind == "stack" else first.shape
+            wdtype = jnp.float32 if entries[0].kind in ("norm", "router", "tensor") else dtype
+            sh, split = (one, "") if mesh is None else shardings(key, cfg, mesh, shape, kind, ep)
+            outs = [(shape, wdtype, sh)]
+        else:
+            g = first.values.shape[0]
+            shape = (n * g, *first.values.shape[1:])
+            scales = (n * g, *first.scales.shape[1:])
+            (vs, ss), split = ((one, one), "") if mesh is None else \
+                shardings(key, cfg, mesh, shape, kind, ep, first.scales.shape[1])
+            outs = [(shape, STORAGE[first.qtype], vs), (scales, first.scales.dtype, ss)]
+        cache = {0: first}
 
-    # each leaf row-major as it is made, the layout the Runner compiles for (sharding.row_major)
-    params = jax.tree_util.tree_map(lambda s: place_row_major(leaf(s)), skeleton(cfg, lane_widths(cfg, qc)),
-                                    is_leaf=lambda x: isinstance(x, Slot))
+        def read(i):
+            h = cache.pop(i) if i in cache else r.slot(entries[i])
+            if quantized:
+                if (h.qtype, h.group, h.scales.dtype) != (first.qtype, first.group, first.scales.dtype):
+                    raise Unsupported(f"{entries[0].module}..: layers quantized differently are not supported")
+                return h.values, h.scales
+            return (h[None] if s.kind == "stack" else h,)
+
+        # expert parallel: layer-major rows go where sharding.expert_rows puts them
+        order = np.argsort(expert_rows(n, g, tp)) if quantized and split == "e" else None
+
+        def rows(i, count):  # part i's rows: layer i's, at i * count (a stack) or 0 (one tensor)
+            start = i * count if s.kind == "stack" else 0
+            return np.arange(start, start + count) if order is None else order[start:start + count]
+
+        placed = _assemble(read, n, outs, rows)
+        if quantized:
+            return QTensor(*placed, first.qtype, first.group, mesh, split)
+        return placed[0]
+
+    sk = skeleton(cfg, lane_widths(cfg, qc))
+    params = {k: leaf(k, s) for k, s in sk.items() if k != "layers"}
+    params["layers"] = {kind: {key: leaf(key, s, kind) for key, s in stack.items()}
+                        for kind, stack in sk["layers"].items()}
+    params = place_row_major(params)  # the layout the Runner compiles for (sharding.row_major)
     kv_scales = None
     if qc is not None and qc.kv_cache_scheme is not None:
         per_layer = [np.stack([kv_head_scales(ckpt.read(name), cfg.kv_shape(kind)[0], name)
                                for n in KV_SCALES for name in [f"{cfg.prefix}layers.{i}.self_attn.{n}"]])
                      for i, kind in enumerate(cfg.layer_kinds)]
         kv_scales = {kind: np.stack([s for s, k in zip(per_layer, cfg.layer_kinds) if k == kind]) for kind in cfg.kinds}
-    return LoadedModel(path, cfg, params, jnp.dtype(dtype), kv_scales)
+    return LoadedModel(path, cfg, params, jnp.dtype(dtype), kv_scales, mesh, ep and mesh is not None)
+
+
+def densify(params: dict, dtype) -> dict:
+    """The weight pytree with every QTensor dequantized once into a dense `dtype` array of the layout its
+    slot has when unquantized (stacked linears [layers, in, out], experts [layers, experts, in, out],
+    lm_head [in, out]). Off TPU this is what serves fastest: the XLA path would otherwise dequantize each
+    weight on every call (runtime/step.py `Runner.weights`)."""
+    from quantkit.quant.reference import dequantize
+
+    def dense(key, w, layers=None):
+        if not isinstance(w, QTensor):
+            return w
+        d = jax.jit(dequantize)(w).astype(dtype)  # [G, k, n]
+        if layers is None:
+            return d[0]
+        if w.split == "e":  # device-major rows (sharding.expert_rows) back to layer-major
+            d = d[np.argsort(expert_rows(layers, d.shape[0] // layers, w.mesh.shape[AXIS]))]
+        return d if d.shape[0] == layers else d.reshape(layers, -1, *d.shape[1:])
+
+    out = {k: dense(k, v) for k, v in params.items() if k != "layers"}
+    out["layers"] = {kind: {k: dense(k, v, stack["attn_norm"].shape[0]) for k, v in stack.items()}
+                     for kind, stack in params["layers"].items()}
+    return out

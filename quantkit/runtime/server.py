@@ -136,12 +136,15 @@ class Params:
 class Server:
     def __init__(self, path: Path, served_model_name: str | None = None, max_model_len: int | None = None,
                  max_num_seqs: int = 16, api_key: str | None = None, max_num_batched_tokens: int = 512,
-                 max_waiting: int = 256, enable_prefix_caching: bool = True, kv_cache_dtype: str = "auto"):
+                 max_waiting: int = 256, enable_prefix_caching: bool = True, kv_cache_dtype: str = "auto",
+                 mesh=None, ep: bool = False):
         self.prefix_caching, self.kv_cache_dtype = enable_prefix_caching, kv_cache_dtype
+        self.mesh, self.ep = mesh, ep  # runtime/sharding.py
         self.path, self.name = Path(path), served_model_name or Path(path).name
         self.max_model_len, self.max_num_seqs, self.api_key = max_model_len, max_num_seqs, api_key
         self.max_num_batched_tokens, self.max_waiting = max_num_batched_tokens, max_waiting
         self.engine: Engine | None = None
+        self.engine_thread: threading.Thread | None = None
         self.codec = None
         self.status = "starting"
         self.failed: str | None = None
@@ -156,22 +159,27 @@ class Server:
             Route("/v1/chat/completions", self.chat, methods=["POST"])], lifespan=self._lifespan)
 
     # -- start-up: load, compile every shape, then start the engine thread --
-    def load(self) -> None:
+    def runner(self):
+        """(model, Runner) as the flags say; every process of a multi-process run builds the same."""
         from quantkit.runtime.engine import enable_compilation_cache
         from quantkit.runtime.loader import load
+
+        enable_compilation_cache()
+        model = load(self.path, mesh=self.mesh, ep=self.ep)
+        limit = min(self.max_model_len or 2048, model.cfg.max_position_embeddings)
+        return model, Runner(model, max_model_len=limit, max_num_seqs=self.max_num_seqs,
+                             max_num_batched_tokens=self.max_num_batched_tokens, kv_cache_dtype=self.kv_cache_dtype)
+
+    def load(self) -> None:
         from quantkit.runtime.tokenizer import TextCodec
 
         try:
             t0 = time.monotonic()
             self.status = "loading weights"
             self.codec = TextCodec(self.path)
-            enable_compilation_cache()
-            model = load(self.path)
-            limit = min(self.max_model_len or 2048, model.cfg.max_position_embeddings)
-            engine = Engine(Runner(model, max_model_len=limit, max_num_seqs=self.max_num_seqs,
-                                   max_num_batched_tokens=self.max_num_batched_tokens,
-                                   kv_cache_dtype=self.kv_cache_dtype),
-                            decode=self.codec.decode, max_waiting=self.max_waiting,
+            model, runner = self.runner()
+            limit = runner.max_model_len
+            engine = Engine(runner, decode=self.codec.decode, max_waiting=self.max_waiting,
                             prefix_caching=self.prefix_caching)
             self.stop_ids = frozenset(i for i in (*model.cfg.eos_token_ids, self.codec.token_id("eos_token"))
                                       if i is not None)
@@ -181,11 +189,14 @@ class Server:
                 self.status = f"compiling {done}/{total} shapes"
 
             engine.warmup(progress)
-            threading.Thread(target=engine.run, args=(self.stop,), name="engine", daemon=True).start()
+            self.engine_thread = threading.Thread(target=engine.run, args=(self.stop,), name="engine", daemon=True)
+            self.engine_thread.start()
             self.engine, self.status = engine, "ready"
-            log.warning("ready in %.1f s: %s, max_model_len %d, max_num_seqs %d, KV cache %s, prefix caching %s, "
-                        "%d step programs compiled", time.monotonic() - t0, self.name, limit, self.max_num_seqs,
-                        engine.runner.kv_dtype, "on" if self.prefix_caching else "off", len(engine.shapes()))
+            r = engine.runner
+            devices = f"{r.tp} devices" + (" (experts split whole)" if r.ep else "") if r.mesh is not None else "1 device"
+            log.warning("ready in %.1f s: %s on %s, max_model_len %d, max_num_seqs %d, KV cache %s, prefix caching "
+                        "%s, %d step programs compiled", time.monotonic() - t0, self.name, devices, limit,
+                        self.max_num_seqs, r.kv_dtype, "on" if self.prefix_caching else "off", len(engine.shapes()))
         except Exception as e:  # noqa: BLE001 - reported as one line, the process then exits 1
             self.failed = f"{type(e).__name__}: {e}" if not isinstance(e, InvalidInput) else str(e)
             self.status = "failed"
@@ -516,11 +527,19 @@ def serve(path: Path, host: str = "127.0.0.1", port: int = 8000, **options) -> i
     model could not be loaded). `options` go to Server; `grace` (seconds) bounds the drain on shutdown."""
     import uvicorn
 
+    import jax
+
+    from quantkit.runtime.sharding import start
+
     grace = options.pop("grace", 30)
     path = Path(path)
     if not (path / "config.json").is_file():
         raise InvalidInput(f"{path}: not a model directory (no config.json)")
-    server = Server(path, **options)
+    mesh = start(options.pop("tp", 1), *options.pop("distributed", (None, None, None)))
+    server = Server(path, mesh=mesh, **options)
+    if jax.process_index() > 0:  # process 0 serves HTTP and schedules; this one runs each step it broadcasts
+        server.runner()[1].follow()
+        return 0
     try:
         sock = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
     except OSError as e:
@@ -540,4 +559,7 @@ def serve(path: Path, host: str = "127.0.0.1", port: int = 8000, **options) -> i
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
     http.run(sockets=[sock])
+    if server.engine is not None:  # the engine thread has seen `stop`; then the other processes may end
+        server.engine_thread.join()
+        server.engine.runner.stop()
     return 1 if server.failed else 0

@@ -17,14 +17,18 @@ from dataclasses import dataclass, field
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
+from quantkit.errors import InvalidInput
 from quantkit.quant.qtensor import QTensor
 from quantkit.runtime.cache import CacheLayout, PagePool, cache_layout, kv_fp8_dtype, with_kv_scales
 from quantkit.runtime.models import forward_for
 from quantkit.runtime.models.common import logits as project
-from quantkit.runtime.sharding import place_row_major, row_major
+from quantkit.runtime.sharding import AXIS, cache_sharding, make_mesh, place_row_major, row_major, shard_params
 
 TOP_LOGPROBS = 20  # the most alternatives a request may ask for (OpenAI's limit)
+STOP, STEP, LOGITS = 0, 1, 2  # what the first process of a multi-process run broadcasts (Runner._call)
 
 
 @dataclass(frozen=True)
@@ -100,20 +104,23 @@ def _slots(batch: dict, ps: int) -> dict:
     return {k: jnp.where(live, tab[seq, pos // ps] * ps + pos % ps, 0) for k, tab in batch["tables"].items()}
 
 
-def step_function(cfg, page_size: int, all_logits: bool = False, mesh=None, unroll: bool = False, kv_fp8=None):
+def step_function(cfg, page_size: int, all_logits: bool = False, mesh=None, unroll: bool = False, kv_fp8=None,
+                  ep: bool = False):
     """step(params, kv, last, batch) -> (outputs, kv, last).
 
     kv: per kind stacked pages; last [max_num_seqs + 1]: the last token sampled per slot. outputs: (token,
     logprob, top ids, top logprobs) per sequence row [S, ...], or with all_logits the float32 logits of
     every token [T, vocab] (eval and tests). mesh: the tensor-parallel mesh, if any; unroll: layers as a
     Python loop (CPU serving, plan's cost analysis) instead of the scan. kv_fp8: the float8 dtype of an
-    FP8 cache (params then carry each layer's `kv_scale`, cache.with_kv_scales).
+    FP8 cache (params then carry each layer's `kv_scale`, cache.with_kv_scales). ep: MoE experts split
+    whole over the mesh (expert parallelism, runtime/sharding.py).
     """
     fwd = forward_for(cfg.family)
 
     def step(params, kv, last, batch):
         tokens = jnp.where(batch["prev_slot"] >= 0, last[jnp.maximum(batch["prev_slot"], 0)], batch["tokens"])
-        meta = {**batch, "slots": _slots(batch, page_size), "mesh": mesh, "unroll": unroll, "kv_fp8": kv_fp8}
+        meta = {**batch, "slots": _slots(batch, page_size), "mesh": mesh, "unroll": unroll, "kv_fp8": kv_fp8,
+                "ep_mesh": mesh if ep else None}
         h, kv = fwd(params, cfg, tokens, kv, meta)
         if all_logits:
             return project(params, h, cfg), kv, last
@@ -172,7 +179,9 @@ class Runner:
     scan: run the layers as `lax.scan` (the TPU program: compile time independent of depth); None: scan
     except on CPU, where XLA:CPU spends ~0.5 ms per loop iteration (measured: a 2-layer hidden-256 step
     2.2 ms scanned, 1.2 ms unrolled) and compile time is not the constraint.
-    kv_cache_dtype: auto | bf16 | fp8 | fp8_e4m3 | fp8_e5m2 (cache.kv_fp8_dtype); `kv_dtype` is the result."""
+    kv_cache_dtype: auto | bf16 | fp8 | fp8_e4m3 | fp8_e5m2 (cache.kv_fp8_dtype); `kv_dtype` is the result.
+    tp, ep: tensor-parallel devices and expert parallelism (runtime/sharding.py); a model the loader placed
+    on a mesh brings its own (its weights stay where they are)."""
 
     model: object  # loader.LoadedModel
     max_model_len: int = 2048
@@ -180,6 +189,7 @@ class Runner:
     page_size: int = 16
     max_num_batched_tokens: int = 512
     tp: int = 1
+    ep: bool = False
     weights: str = "auto"
     scan: bool | None = None
     kv_cache_dtype: str = "auto"
@@ -193,33 +203,45 @@ class Runner:
         self.pool = PagePool(self.layout, self.max_num_seqs)
         fp8 = kv_fp8_dtype(self.kv_cache_dtype, self.model.kv_scales is not None)
         self.kv_dtype = jnp.dtype(fp8 or self.model.dtype).name
+        self.mesh = self.model.mesh
+        if self.mesh is None and self.tp > 1:
+            self.mesh = make_mesh(self.tp)
+        if self.mesh is not None:
+            if self.mesh.shape[AXIS] != self.tp and self.tp > 1:
+                raise InvalidInput(f"the model was placed on {self.mesh.shape[AXIS]} devices, not --tp {self.tp}")
+            self.tp, self.ep = self.mesh.shape[AXIS], self.ep or self.model.ep
+        mesh, rep = self.mesh, None if self.mesh is None else NamedSharding(self.mesh, P())
+        kv_sharding = {k: None if mesh is None else cache_sharding(cfg, mesh, k) for k in self.layout.layers}
         # float32 on CPU: XLA:CPU upcasts a bf16 (or fp8) scatter and so copies the whole cache on every write
         dtype = jnp.float32 if jax.default_backend() == "cpu" else fp8 or self.model.dtype
-        self.kv = {k: jnp.zeros(s, dtype) for k, s in self.layout.shapes().items()}
-        self.last = jnp.zeros(self.max_num_seqs + 1, jnp.int32)
-        self.params, mesh = self.model.params, None
+        self.kv = {k: jnp.zeros(s, dtype, device=kv_sharding[k]) for k, s in self.layout.shapes().items()}
+        self.last = jnp.zeros(self.max_num_seqs + 1, jnp.int32, device=rep)
+        self.params = self.model.params
         if fp8 is not None:
-            self.params = with_kv_scales(self.params, cfg, self.model.kv_scales, jnp.asarray)
+            self.params = with_kv_scales(self.params, cfg, self.model.kv_scales, np.asarray if mesh else jnp.asarray)
         if self.weights == "dense" or self.weights == "auto" and jax.default_backend() != "tpu":
             from quantkit.runtime.loader import densify
 
             self.params = densify(self.params, self.model.dtype)
-        if self.tp > 1:
-            from quantkit.runtime.sharding import cache_sharding, make_mesh, shard_params
-
-            mesh = make_mesh(self.tp)
-            self.params = shard_params(self.params, cfg, mesh)
-            self.kv = {k: jax.device_put(v, cache_sharding(cfg, mesh, k)) for k, v in self.kv.items()}
+        if mesh is not None:  # what the loader placed stays; what densify made (or a model loaded whole) moves
+            self.params = shard_params(self.params, cfg, mesh, ep=self.ep)
         unroll = not self.scan if self.scan is not None else jax.default_backend() == "cpu"
         if unroll:  # per-layer arrays: a slice of a stacked weight would be copied before every dot on CPU
+            def unstack(w):  # each layer placed as the stack's other dims are
+                per_layer = None if mesh is None else NamedSharding(mesh, P(*w.sharding.spec[1:]))
+                return jax.jit(tuple, out_shardings=per_layer)(w)
+
             self.params = {**self.params, "layers": {
-                kind: {k: w if isinstance(w, QTensor) else tuple(w) for k, w in stack.items()}
+                kind: {k: w if isinstance(w, QTensor) else unstack(w) for k, w in stack.items()}
                 for kind, stack in self.params["layers"].items()}}
         self.params = place_row_major(self.params)  # the loader placed them so; a sharded copy may not be
         formats = jax.tree_util.tree_map(lambda x: row_major(x.sharding, x.ndim), self.params)
         pinned = dict(in_shardings=(formats, None, None, None), donate_argnums=(1, 2))
-        self._step = jax.jit(step_function(cfg, self.page_size, mesh=mesh, unroll=unroll, kv_fp8=fp8), **pinned)
-        self._logits = jax.jit(step_function(cfg, self.page_size, True, mesh, unroll, fp8), **pinned)
+        if mesh is not None:  # outputs replicated: every process can read them
+            pinned["out_shardings"] = (rep, kv_sharding, rep)
+        kw = dict(mesh=mesh, unroll=unroll, kv_fp8=fp8, ep=self.ep)
+        self._step = jax.jit(step_function(cfg, self.page_size, **kw), **pinned)
+        self._logits = jax.jit(step_function(cfg, self.page_size, True, **kw), **pinned)
 
     def bucket(self, n: int) -> int:
         return next(b for b in self.buckets if b >= n) if n <= self.buckets[-1] else -(-n // 8) * 8
@@ -257,8 +279,7 @@ class Runner:
         """Dispatches one step (asynchronously); returns the device outputs (token, logprob, top ids, top
         logprobs), each [S, ...]."""
         self.compiled.add(batch["tokens"].shape[0])
-        out, self.kv, self.last = self._step(self.params, self.kv, self.last, batch)
-        return out
+        return self._call(STEP, batch)
 
     def forward(self, rows: list[tuple[int, list, int]]) -> list[np.ndarray]:
         """Float32 logits of every token for (slot, tokens, start position) rows run as one ragged step
@@ -267,10 +288,51 @@ class Runner:
             if not self.pool.reserve(slot, start, start + len(toks) - 1):
                 raise RuntimeError("KV cache pool exhausted")
         batch = self.batch([Row(slot, start, len(toks), list(toks)) for slot, toks, start in rows])
-        out, self.kv, self.last = self._logits(self.params, self.kv, self.last, batch)
-        out, at = np.asarray(out), 0
+        out, at = np.asarray(self._call(LOGITS, batch)), 0
         res = []
         for _, toks, _ in rows:
             res.append(out[at:at + len(toks)])
             at += len(toks)
         return res
+
+    # ---- several processes (jax.distributed): the first schedules, every process runs each step ----
+
+    def _call(self, op: int, batch: dict):
+        """Runs step `op` on `batch`; in a multi-process run, first broadcasts it from this (the first)
+        process to the others' `follow` loops, so that every process runs the same program on the same
+        inputs. Returns the outputs as this process's local arrays."""
+        if jax.process_count() > 1:
+            op, batch = self._broadcast(op, batch)
+        out, self.kv, self.last = (self._step if op == STEP else self._logits)(self.params, self.kv, self.last, batch)
+        return out if jax.process_count() == 1 else jax.tree_util.tree_map(lambda x: x.addressable_data(0), out)
+
+    def _broadcast(self, op: int, batch: dict | None) -> tuple[int, dict | None]:
+        """The first process's (op, batch), received on every process, the batch as global arrays (None
+        with STOP)."""
+        from jax.experimental import multihost_utils as mh
+
+        head = np.zeros(3, np.int32) if batch is None else np.array(
+            [op, batch["tokens"].shape[0], batch["kv_lens"].shape[0]], np.int32)
+        op, t, s = (int(x) for x in mh.broadcast_one_to_all(head))
+        if op == STOP:
+            return op, None
+        batch = mh.broadcast_one_to_all(batch if batch is not None else empty_batch(t, s, self.layout,
+                                                                                     self.max_num_seqs))
+        return op, mh.host_local_array_to_global_array(batch, self.mesh, P())
+
+    def follow(self) -> None:
+        """A process other than the first in a multi-process run: runs every step the first process
+        dispatches, until it calls `stop`."""
+        while True:
+            op, batch = self._broadcast(STOP, None)
+            if batch is None:
+                return
+            _, self.kv, self.last = (self._step if op == STEP else self._logits)(self.params, self.kv, self.last,
+                                                                                   batch)
+
+    def stop(self) -> None:
+        """The first process: ends the other processes' `follow` loops (a no-op in a single process)."""
+        if jax.process_count() > 1 and jax.process_index() == 0:
+            from jax.experimental import multihost_utils as mh
+
+            mh.broadcast_one_to_all(np.array([STOP, 0, 0], np.int32))

@@ -114,11 +114,15 @@ def grouped(x: jax.Array, w, sizes: jax.Array) -> jax.Array:
 
 
 def routed_experts(x: jax.Array, weights: jax.Array, experts: jax.Array, w: tuple, num_experts: int,
-                   act: Callable) -> jax.Array:
+                   act: Callable, mesh=None) -> jax.Array:
     """Sum over each token's chosen experts of weight * down(act(gate(x), up(x))).
 
     x [T, hidden]; weights, experts [T, k] (float32, int); w: one layer's (gate, up, down) experts. The
-    T * k rows are sorted by expert and run through the grouped matmul, one group per expert."""
+    T * k rows are sorted by expert and run through the grouped matmul, one group per expert; rows whose
+    expert is >= num_experts (another device's, under expert parallelism) add nothing.
+    mesh: the expert-parallel mesh (runtime/sharding.py "e"), if any: see `_expert_parallel`."""
+    if mesh is not None:
+        return _expert_parallel(x, weights, experts, w, num_experts, act, mesh)
     k = experts.shape[-1]
     flat = experts.reshape(-1)
     order = jnp.argsort(flat, stable=True)
@@ -126,8 +130,36 @@ def routed_experts(x: jax.Array, weights: jax.Array, experts: jax.Array, w: tupl
     sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
     xs = x[token]  # [T * k, hidden], grouped by expert
     h = act(grouped(xs, w[0], sizes), grouped(xs, w[1], sizes))
-    y = grouped(h, w[2], sizes).astype(jnp.float32) * weights.reshape(-1)[order][:, None]
+    mine = (flat[order] < num_experts)[:, None]
+    y = jnp.where(mine, grouped(h, w[2], sizes).astype(jnp.float32) * weights.reshape(-1)[order][:, None], 0.0)
     return jnp.zeros(x.shape, jnp.float32).at[token].add(y).astype(x.dtype)
+
+
+def _expert_parallel(x, weights, experts, w: tuple, num_experts: int, act: Callable, mesh) -> jax.Array:
+    """routed_experts with each device holding num_experts / tp whole experts: every device sees all tokens
+    (x is replicated after the tensor-parallel attention), runs the rows routed to its own experts through
+    its grouped matmul (gmm_v2 on its local [layers * local, k, n] QTensor, no weight moves), and one psum
+    (all-reduce of [T, hidden]) combines the partial sums: no dispatch collective, and the combine moves the
+    bytes a row-parallel dense MLP's all-reduce moves."""
+    from jax.sharding import PartitionSpec as P
+
+    from quantkit.runtime.sharding import AXIS, spec
+
+    tp = mesh.shape[AXIS]
+    local = num_experts // tp
+    # At views of device-major stacked QTensors (values, scales, layer), or one layer's dense experts
+    parts = [(a.w.values, a.w.scales, jnp.asarray(a.index, jnp.int32)) if isinstance(a, At) else (a,) for a in w]
+    specs = [(spec("e", 3), spec("e", 3), P()) if len(p) == 3 else (spec("e", 3),) for p in parts]
+
+    def body(x, weights, experts, parts):
+        mine = tuple(At(QTensor(p[0], p[1], a.w.qtype, a.w.group), p[2], local) if isinstance(a, At) else p[0]
+                     for p, a in zip(parts, w))
+        e = experts - jax.lax.axis_index(AXIS) * local
+        e = jnp.where((e >= 0) & (e < local), e, local)  # another device's expert: dropped
+        return jax.lax.psum(routed_experts(x, weights, e, mine, local, act).astype(jnp.float32), AXIS)
+
+    return jax.shard_map(body, mesh=mesh, in_specs=(P(), P(), P(), specs), out_specs=P(), check_vma=False)(
+        x, weights, experts, parts).astype(x.dtype)
 
 
 def rms_norm(x: jax.Array, w: jax.Array | None, eps: float, offset: float = 0.0) -> jax.Array:

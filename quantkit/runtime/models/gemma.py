@@ -12,7 +12,7 @@ from quantkit.runtime.config import ModelConfig
 from quantkit.runtime.models.common import attention_block, layer_params, linear, rms_norm, routed_experts, run_layers
 
 
-def moe(p: dict, x: jax.Array, cfg: ModelConfig) -> jax.Array:
+def moe(p: dict, x: jax.Array, cfg: ModelConfig, batch: dict) -> jax.Array:
     """Gemma 4's expert block on the residual x [T, hidden]: the router sees x RMS-normed without a weight,
     times its `router_scale` and 1/sqrt(hidden); softmax, top-k, renormalised, times each chosen expert's
     `expert_scale`; the experts (GeGLU) see x through pre_mlp_norm_2."""
@@ -23,7 +23,7 @@ def moe(p: dict, x: jax.Array, cfg: ModelConfig) -> jax.Array:
     weights = weights / weights.sum(-1, keepdims=True) * p["expert_scale"][experts]
     h = rms_norm(x, p["pre_mlp_norm_2"], eps)
     return routed_experts(h, weights, experts, (p["experts_gate"], p["experts_up"], p["experts_down"]),
-                          cfg.num_experts, lambda g, u: jax.nn.gelu(g, approximate=True) * u)
+                          cfg.num_experts, lambda g, u: jax.nn.gelu(g, approximate=True) * u, batch.get("ep_mesh"))
 
 
 def forward(params: dict, cfg: ModelConfig, tokens, kv: dict, batch: dict):
@@ -40,7 +40,7 @@ def forward(params: dict, cfg: ModelConfig, tokens, kv: dict, batch: dict):
         h = rms_norm(x, p["mlp_norm"], eps, off)
         m = linear(jax.nn.gelu(linear(h, p["gate"]), approximate=True) * linear(h, p["up"]), p["down"])
         if cfg.moe_dense:
-            m = rms_norm(m, p["post_mlp_norm_1"], eps) + rms_norm(moe(p, x, cfg), p["post_mlp_norm_2"], eps)
+            m = rms_norm(m, p["post_mlp_norm_1"], eps) + rms_norm(moe(p, x, cfg, batch), p["post_mlp_norm_2"], eps)
         x = x + rms_norm(m, p["post_mlp_norm"], eps, off)
         if "layer_scalar" in p:
             x = x * p["layer_scalar"].astype(x.dtype)

@@ -8,7 +8,7 @@ from quantkit.runtime.config import ModelConfig
 from quantkit.runtime.models.common import attention_block, layer_params, linear, rms_norm, run_layers
 
 
-def mlp(p: dict, x: jax.Array, cfg: ModelConfig) -> jax.Array:
+def mlp(p: dict, x: jax.Array, cfg: ModelConfig, batch: dict) -> jax.Array:
     return linear(jax.nn.silu(linear(x, p["gate"])) * linear(x, p["up"]), p["down"])
 
 
@@ -23,7 +23,7 @@ def forward(params: dict, cfg: ModelConfig, tokens: jax.Array, kv: dict, batch: 
         p = layer_params(params["layers"][kind], i)
         a, kv_kind = attention_block(p, rms_norm(x, p["attn_norm"], eps), kv[kind], i, batch, cfg, kind)
         x = x + a
-        x = x + ffn(p, rms_norm(x, p["mlp_norm"], eps), cfg)
+        x = x + ffn(p, rms_norm(x, p["mlp_norm"], eps), cfg, batch)
         return x, {**kv, kind: kv_kind}
 
     x, kv = run_layers(layer, cfg.layer_kinds, (params["embed"][tokens], kv), batch.get("unroll", False))
