@@ -74,6 +74,7 @@ def evaluate(reference: Path, candidate: Path, text: str | None = None, max_toke
     Returns the report (CLI.md keys): tokens, ppl_reference, ppl_candidate, kl {mean, median, p99, max,
     ci95}, top1_agreement {value, ci95}, plus the intervals of both perplexities.
     """
+    import jax
     import jax.numpy as jnp
 
     from quantkit.runtime.engine import Runner
@@ -116,6 +117,9 @@ def evaluate(reference: Path, candidate: Path, text: str | None = None, max_toke
         "kl": {"mean": float(kl.mean()), "median": float(np.median(kl)), "p99": float(np.percentile(kl, 99)),
                "max": float(kl.max()), "ci95": ci["kl"]},
         "top1_agreement": {"value": float(c["agree"].mean()), "ci95": ci["agree"]},
+        # where the weights ran: devices holding them (--tp), experts split whole (--enable-expert-parallel)
+        "devices": max(len(x.sharding.device_set) for x in jax.tree_util.tree_leaves(models[1].params)),
+        "expert_parallel": runners[1].ep,
     }
 
 

@@ -144,7 +144,7 @@ def plan(path: str | Path, target: str = "v6e", max_model_len: int = 2048, max_n
         """Compiles the step of config c (weights: its abstract pytree) at t tokens for n sequences."""
         batch = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
                                        empty_batch(t, min(t, n), cache_layout(c, max_model_len, n, PAGE_SIZE, budget), n))
-        return compile_for(target, step_function(c, PAGE_SIZE, mesh=mesh, unroll=unroll, kv_fp8=fp8), weights, cache(n, c),
+        return compile_for(target, step_function(c, PAGE_SIZE, mesh=mesh, unroll=unroll, kv_fp8=fp8, ep=ep and mesh is not None), weights, cache(n, c),
                            jax.ShapeDtypeStruct((n + 1,), jnp.int32), batch, donate=(1, 2), pinned=(0,), tp=tp)
 
     def decode_cost(n: int) -> dict:
@@ -271,18 +271,18 @@ def plan(path: str | Path, target: str = "v6e", max_model_len: int = 2048, max_n
         "step_programs": len(buckets),
         # the buffers the compiled decode step reduces or gathers across chips (bytes per chip, per op kind),
         # beside the least a tensor-parallel step with replicated activations needs: one all-reduce of the
-        # [tokens, hidden] activations after each layer's attention and one after its MLP / experts, one
-        # for the vocabulary-split embedding, and the [sequences, vocab] float32 logits gathered for sampling
+        # [tokens, hidden] activations after each layer's attention and one after its MLP / experts, and one
+        # for the vocabulary-split embedding (the vocabulary-split logits need only each chip's best
+        # candidates gathered, a few bytes a row)
         "decode_step_collectives": None if tp == 1 else {
             "bytes": collectives, "total": sum(collectives.values()),
-            "floor_bytes": _collective_floor(cfg, next(b for b in buckets if b >= min(max_num_seqs, budget)),
-                                             max_num_seqs)},
+            "floor_bytes": _collective_floor(cfg, next(b for b in buckets if b >= min(max_num_seqs, budget)))},
     }
 
 
-def _collective_floor(cfg, t: int, s: int) -> int:
-    """Bytes a decode step of t tokens (s sequences) must all-reduce or gather at least; see plan's report."""
-    return (2 * cfg.num_layers + 1) * t * cfg.hidden_size * 2 + s * cfg.vocab_size * 4
+def _collective_floor(cfg, t: int) -> int:
+    """Bytes of bf16 activations a decode step of t tokens must all-reduce at least; see plan's report."""
+    return (2 * cfg.num_layers + 1) * t * cfg.hidden_size * 2
 
 
 def _collectives(hlo: str) -> dict:

@@ -32,7 +32,8 @@ def _env(devices: int) -> dict:
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     """A dense Llama (8 heads, 2 KV heads: split at tp 2, replicated at 4 and 8) and a Qwen3-MoE (8 experts)
-    converted to W4A16 g32 by quantkit, experts included; both with a tokenizer."""
+    converted to W4A16 g32 by quantkit, experts included, both with a tokenizer; test_runtime's tiny
+    Gemma 4 MoE (8 experts beside the dense MLP, 4 heads)."""
     from quantkit.convert import convert
 
     tmp = tmp_path_factory.mktemp("parallel")
@@ -42,7 +43,11 @@ def models(tmp_path_factory):
                                           norm_topk_prob=True)).save_pretrained(tmp / "moe")
     make_tiny_model.train_tokenizer(make_tiny_model.pseudo_text(), tmp / "moe", SHAPE["vocab_size"])
     convert(tmp / "moe", tmp / "moe-w4", "W4A16", 32)
-    return {"dense": dense, "moe": tmp / "moe-w4"}
+    from test_runtime import _family
+
+    torch.manual_seed(0)
+    _family("gemma4_moe").save_pretrained(tmp / "gemma4-moe")  # bf16 experts packed in 3-D tensors
+    return {"dense": dense, "moe": tmp / "moe-w4", "gemma4_moe": tmp / "gemma4-moe"}
 
 
 RUNNER_SCRIPT = r"""
@@ -52,7 +57,7 @@ from quantkit.runtime.engine import Runner, generate
 from quantkit.runtime.loader import load
 from quantkit.runtime.sharding import start
 assert len(jax.devices()) == 8
-ids = np.random.default_rng(0).integers(3, 500, 12).tolist()
+ids = np.random.default_rng(0).integers(3, 250, 12).tolist()  # within every test model's vocabulary
 out = []
 for tp, ep, weights in json.loads(sys.argv[2]):
     model = load(sys.argv[1], dtype=jnp.float32, mesh=start(tp), ep=ep)
@@ -69,14 +74,15 @@ RUNS = {  # (tp, expert parallel, weights): the dense model has no quantized wei
     "dense": [(1, False, "auto"), (2, False, "auto"), (4, False, "auto"), (8, False, "auto")],
     "moe": [(1, False, "packed"), (1, False, "dense"), (2, False, "packed"), (2, True, "packed"), (4, False, "packed"),
             (4, True, "packed"), (8, True, "packed"), (8, True, "dense"), (8, False, "dense")],
+    "gemma4_moe": [(1, False, "auto"), (2, False, "auto"), (2, True, "auto"), (4, False, "auto"), (4, True, "auto")],
 }
 
 
-@pytest.mark.parametrize("name", ["dense", "moe"])
+@pytest.mark.parametrize("name", ["dense", "moe", "gemma4_moe"])
 def test_two_four_eight_devices_give_one_devices_tokens(models, name):
-    """Tensor parallel (and for the MoE, expert parallel too), with packed int4 weights (the grouped matmul per
-    shard / on each device's own experts) and dequantized dense ones: the prompt's float32 logits within 1e-5
-    of one device's, and the same 8 greedy tokens."""
+    """Tensor parallel (and for the MoEs, expert parallel too), with packed int4 weights (the grouped matmul per
+    shard / on each device's own experts) and dequantized dense ones, and Gemma 4's bf16 experts: the
+    prompt's float32 logits within 1e-5 of one device's, and the same 8 greedy tokens."""
     import numpy as np
 
     p = subprocess.run([sys.executable, "-c", RUNNER_SCRIPT, str(models[name]), json.dumps(RUNS[name])],
@@ -116,6 +122,19 @@ def test_generate_cli_takes_tp_and_expert_parallel(models):
     assert experts.returncode == 0, experts.stderr[-2000:]  # 8 experts over 8 devices: one each
     for p in (heads, more):
         assert "Traceback" not in p.stderr and p.stderr.count("\n") == 1
+
+
+def test_eval_cli_takes_tp(models):
+    """`eval --tp 4` (expert parallel) reports the perplexities one device reports (float32 runners: within
+    1e-5), and the candidate equals the reference."""
+    base = ["eval", str(models["moe"]), str(models["moe"]), "--max-tokens", "96", "--window", "48", "--json"]
+    one, four = _cli(*base), _cli(*base, "--tp", "4", "--enable-expert-parallel")
+    assert one.returncode == 0 and four.returncode == 0, four.stderr[-2000:]
+    a, b = json.loads(one.stdout), json.loads(four.stdout)
+    assert a["tokens"] == b["tokens"] == 2 * 47  # two windows of 48 tokens, 47 predictions each
+    assert abs(b["ppl_reference"] - a["ppl_reference"]) < 1e-5 * a["ppl_reference"]
+    assert b["kl"]["max"] < 1e-6 and b["top1_agreement"]["value"] == 1.0
+    assert (a["devices"], a["expert_parallel"], b["devices"], b["expert_parallel"]) == (1, False, 4, True)
 
 
 def test_serve_with_tp_answers_the_openai_client(models, tmp_path):

@@ -156,10 +156,10 @@ def _expert_parallel(x, weights, experts, w: tuple, num_experts: int, act: Calla
                      for p, a in zip(parts, w))
         e = experts - jax.lax.axis_index(AXIS) * local
         e = jnp.where((e >= 0) & (e < local), e, local)  # another device's expert: dropped
-        return jax.lax.psum(routed_experts(x, weights, e, mine, local, act).astype(jnp.float32), AXIS)
+        return jax.lax.psum(routed_experts(x, weights, e, mine, local, act), AXIS)  # in x's dtype, as TP's
 
     return jax.shard_map(body, mesh=mesh, in_specs=(P(), P(), P(), specs), out_specs=P(), check_vma=False)(
-        x, weights, experts, parts).astype(x.dtype)
+        x, weights, experts, parts)
 
 
 def rms_norm(x: jax.Array, w: jax.Array | None, eps: float, offset: float = 0.0) -> jax.Array:
