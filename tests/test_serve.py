@@ -30,7 +30,7 @@ NAME = "tiny"
 
 class ServerProc:
     def __init__(self, path: Path, log: Path, cache: Path, *flags: str):
-        self.log = log
+        self.log, self.launched = log, time.time()
         env = {**os.environ, "JAX_PLATFORMS": "cpu", "QUANTKIT_JAX_CACHE": str(cache)}
         self.p = subprocess.Popen([sys.executable, "-m", "quantkit.cli", "serve", str(path), "--port", "0",
                                    "--served-model-name", NAME, *flags], env=env, stdout=subprocess.DEVNULL,
@@ -93,7 +93,9 @@ def test_health_before_ready_then_models(server, client):
     health, ready, models = server.early
     assert health == 200 and ready == 503
     assert models.status_code == 503 and "poll GET /ready" in models.json()["error"]["message"]
-    assert [m.id for m in client.models.list()] == [NAME]
+    listed = client.models.list().data
+    assert [m.id for m in listed] == [NAME]
+    assert server.launched - 5 <= listed[0].created <= time.time()  # when this server started, not 0
 
 
 def test_completion_logprobs_match_the_runtime(server, client, model_dir):
@@ -227,6 +229,8 @@ def _post(server, body, key=KEY, raw=None):
 def test_bad_requests_get_openai_errors(server):
     ok = {"model": NAME, "prompt": "hello", "max_tokens": 4}
     assert _post(server, None, raw=b'{"model": "tiny", "prompt": ')[0] == 400
+    status, err = _post(server, None, raw=b"[" * 100_000)  # deeper than Python's JSON parser recurses
+    assert status == 400 and "nested too deeply" in err["message"]
     status, err = _post(server, {**ok, "max_tokens": "ten"})
     assert status == 400 and err["param"] == "max_tokens" and "int" in err["message"]
     status, err = _post(server, {**ok, "temperature": 9})

@@ -145,6 +145,7 @@ class Server:
         self.max_num_batched_tokens, self.max_waiting = max_num_batched_tokens, max_waiting
         self.engine: Engine | None = None
         self.engine_thread: threading.Thread | None = None
+        self.started = int(time.time())  # /v1/models' `created`
         self.codec = None
         self.status = "starting"
         self.failed: str | None = None
@@ -227,7 +228,7 @@ class Server:
 
     async def _models(self, request: HttpRequest):
         limit = self.engine.runner.max_model_len
-        return JSONResponse({"object": "list", "data": [{"id": self.name, "object": "model", "created": 0,
+        return JSONResponse({"object": "list", "data": [{"id": self.name, "object": "model", "created": self.started,
                                                         "owned_by": "quantkit", "max_model_len": limit}]})
 
     async def completions(self, request: HttpRequest):
@@ -266,6 +267,8 @@ class Server:
             body = json.loads(raw)
         except (ValueError, UnicodeDecodeError) as e:
             raise ApiError(400, f"request body is not valid JSON: {e}") from None
+        except RecursionError:
+            raise ApiError(400, "request body is nested too deeply") from None
         if not isinstance(body, dict):
             raise ApiError(400, "request body must be a JSON object")
         return body
@@ -538,6 +541,9 @@ def serve(path: Path, host: str = "127.0.0.1", port: int = 8000, **options) -> i
     mesh = start(options.pop("tp", 1), *options.pop("distributed", (None, None, None)))
     server = Server(path, mesh=mesh, **options)
     if jax.process_index() > 0:  # process 0 serves HTTP and schedules; this one runs each step it broadcasts
+        from quantkit.runtime.tokenizer import TextCodec
+
+        TextCodec(path)  # process 0's checks in its order: a checkpoint it refuses stops every process alike
         server.runner()[1].follow()
         return 0
     try:
