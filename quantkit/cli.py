@@ -68,12 +68,6 @@ def _emit(report: dict, json_out: bool, printer) -> None:
         printer(report)
 
 
-def jax_backend() -> str:
-    import jax
-
-    return jax.default_backend()
-
-
 def _human_size(n: int | None) -> str:
     if n is None:
         return "-"
@@ -158,7 +152,14 @@ def inspect(
     except (QuantkitError, KeyboardInterrupt, Exception) as e:  # noqa: BLE001 - one line, never a traceback
         raise _fail(e) from None
     _emit(report, json_out, _print_report)
-    raise typer.Exit(report["exit_code"])
+    code = report["exit_code"]
+    if code:  # the one-line error of CLI.md: the first problem of the kind that set the exit code
+        first = next(p for p in report["problems"] if p["severity"] == ("error" if code == 1 else "unsupported"))
+        text = first["message"] if first["where"] in first["message"] else f"{first['where']}: {first['message']}"
+        more = sum(p["severity"] in ("error", "unsupported") for p in report["problems"]) - 1
+        tail = f" (and {more} more problem{'s' * (more > 1)}: see the report)" if more else ""
+        print(f"error: {report['path']}: {text}{tail}", file=sys.stderr)
+    raise typer.Exit(code)
 
 
 class SchemeName(str, Enum):
@@ -200,7 +201,8 @@ def _print_convert(r: dict) -> None:
                     f"{100 * (1 - r['mean_rel_error'] / r['mean_rel_error_minmax']):.1f}% lower with mse)")
         out.print(f"mean relative error {r['mean_rel_error']:.4f}{gain}", highlight=False)
     out.print(f"wrote {r['dst']}: {r['num_shards']} shard(s), {_human_size(r['bytes_out'])} "
-              f"from {_human_size(r['bytes_in'])}; ignored: {', '.join(r['ignore']) or 'none'}", highlight=False)
+              f"from {_human_size(r['bytes_in'])} with {r['workers']} worker(s); "
+              f"ignored: {', '.join(r['ignore']) or 'none'}", highlight=False)
 
 
 @app.command()
@@ -214,7 +216,8 @@ def convert(
                                                       "(repeatable).")] = None,
     observer: Annotated[Observer, typer.Option(help="minmax, or mse: per group, the clipping ratio with the "
                                                "least error.")] = Observer.minmax,
-    workers: Annotated[int, typer.Option(help="Tensors quantized in parallel.")] = 1,
+    workers: Annotated[int | None, typer.Option(help="Tensors quantized in parallel (default: one per "
+                                                "available core, at most 8).", show_default=False)] = None,
     force: Annotated[bool, typer.Option("--force", help="Replace an existing DST.")] = False,
     quantize_lm_head: Annotated[bool, typer.Option("--quantize-lm-head", help="Also quantize lm_head.")] = False,
     max_shard_size: Annotated[str, typer.Option(help="Largest output shard, e.g. 5GB or 500MB.")] = "5GB",
@@ -223,7 +226,9 @@ def convert(
     """Quantize SRC into a compressed-tensors checkpoint at DST, tensor by tensor, in bounded memory.
 
     Embeddings, norms, lm_head, MoE router gates and vision towers stay unquantized. DST is written to a
-    temporary sibling directory and renamed at the end; an interrupted run leaves no DST.
+    temporary directory beside it, .DST.quantkit-tmp-PID-..., on the same filesystem, so that one rename
+    publishes it at the end; an interrupted run leaves no DST. A convert killed outright (SIGKILL) leaves
+    that temporary behind: the next convert to the same DST removes it once its process is gone, and says so.
 
     Example:  quantkit convert ./Llama-3.1-8B ./Llama-3.1-8B-W4A16 --scheme W4A16 --group-size 128
     """
@@ -236,6 +241,9 @@ def convert(
         report = _with_progress("converting", lambda progress: run(src, dst, **args, progress=progress))
     except (QuantkitError, KeyboardInterrupt, Exception) as e:  # noqa: BLE001 - one line, never a traceback
         raise _fail(e) from None
+    for t in report["removed_stale"]:
+        print(f"removed stale temporary {t['path']} ({_human_size(t['bytes'])}) left by a killed convert "
+              f"(pid {t['pid']})", file=sys.stderr)
     _emit(report, json_out, _print_convert)
 
 
@@ -274,14 +282,12 @@ def _stdout_for_output_only() -> None:
     sys.stdout = os.fdopen(out, "w")
 
 
-def _devices(mesh) -> str:
-    """Where the weights went, for the start-up line."""
-    if mesh is None:
-        return jax_backend()
-    import jax
+def _choose_backend() -> None:
+    """The CPU, quietly, when no TPU is attached (runtime/backend.py); says so in one line on stderr."""
+    from quantkit.runtime.backend import choose_backend
 
-    procs = f" in {jax.process_count()} processes" if jax.process_count() > 1 else ""
-    return f"{mesh.devices.size} {jax_backend()} devices{procs}"
+    if line := choose_backend():
+        print(line, file=sys.stderr)
 
 
 KV_HELP = ("KV cache storage: auto = FP8 (E4M3) with the checkpoint's k/v scales when it has a kv_cache_scheme, "
@@ -314,42 +320,29 @@ def generate(
               quantkit generate ./Qwen3-30B-A3B-W4A16 --prompt "Hi" --tp 4 --enable-expert-parallel
     """
     try:
-        import jax
+        _choose_backend()
+        from quantkit.generate import generate as run
 
-        from quantkit.runtime.engine import Runner, Sampling, enable_compilation_cache, generate as run
-        from quantkit.runtime.loader import load
-        from quantkit.runtime.sharding import start
-        from quantkit.runtime.tokenizer import TextCodec
-
-        codec = TextCodec(path)
-        enable_compilation_cache()
         if coordinator_address is not None:
             _stdout_for_output_only()
-        mesh = start(tp, coordinator_address, num_processes, process_id)
-        model = load(path, mesh=mesh, ep=enable_expert_parallel)
-        leader = jax.process_index() == 0
-        if leader:
-            print(f"loaded {model.cfg.family} ({model.cfg.num_layers} layers): weights take "
-                  f"{_human_size(model.weight_bytes)} on {_devices(mesh)}", file=sys.stderr)
-        text = codec.chat([{"role": "user", "content": prompt}]) if chat else prompt
-        ids = codec.encode(text, special=not chat)
-        stops = tuple(i for i in (*model.cfg.eos_token_ids, codec.token_id("eos_token")) if i is not None)
-        runner = Runner(model, max_model_len=min(max_model_len, model.cfg.max_position_embeddings),
-                        kv_cache_dtype=kv_cache_dtype.value)
-        if not leader:  # the first process schedules; this one runs each step it broadcasts
-            runner.follow()
-            return
 
-        def emit(update) -> None:
-            sys.stdout.write(update.text)
+        def loaded(model, where: str) -> None:
+            print(f"loaded {model.cfg.family} ({model.cfg.num_layers} layers): weights take "
+                  f"{_human_size(model.weight_bytes)} on {where}", file=sys.stderr)
+
+        def stream(text: str) -> None:
+            sys.stdout.write(text)
             sys.stdout.flush()
 
-        try:
-            run(runner, ids, max_tokens, Sampling(temperature, top_k, top_p, seed), stop_ids=stops,
-                stop_strings=tuple(stop or ()), decode=codec.decode, on_update=emit)
-        finally:
-            runner.stop()
-        sys.stdout.write("\n")
+        r = run(path, prompt, max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, chat=chat,
+                stop=stop or (), max_model_len=max_model_len, kv_cache_dtype=kv_cache_dtype.value, tp=tp,
+                ep=enable_expert_parallel, distributed=(coordinator_address, num_processes, process_id),
+                on_text=stream, on_loaded=loaded)
+        if r is not None:  # None: a process other than the first of a multi-process run
+            sys.stdout.write("\n")
+            print(f"{r.prompt_tokens} prompt tokens; {len(r.tokens)} generated in {r.seconds:.2f} s, the first after "
+                  f"{r.first_token_seconds:.2f} s, then {r.tokens_per_second:.1f} tokens/s ({r.finish_reason})",
+                  file=sys.stderr)
     except (QuantkitError, KeyboardInterrupt, Exception) as e:  # noqa: BLE001 - one line, never a traceback
         raise _fail(e) from None
 
@@ -426,6 +419,7 @@ def eval_(
               quantkit eval models/tiny-llama models/tiny-llama --kv-cache-dtype fp8_e4m3   (FP8 KV vs bf16)
     """
     try:
+        _choose_backend()
         from quantkit.evaluate import evaluate, print_report
 
         if text is not None:
@@ -483,6 +477,7 @@ def serve(
                    -d '{"model": "tiny-llama-W4A16", "prompt": "Hello", "max_tokens": 16}'
     """
     try:
+        _choose_backend()
         from quantkit.runtime.server import serve as run
 
         code = run(path, host, port, served_model_name=served_model_name, max_model_len=max_model_len,

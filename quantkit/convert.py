@@ -1,14 +1,16 @@
 """`quantkit convert`: stream a checkpoint tensor by tensor into compressed-tensors (or back to bf16).
 
 Design:
-1. Plan from headers only: validate SRC with the inspect reader, decide per tensor what to do
+1. Plan from headers only: validate SRC as inspect does (quantkit.validate), decide per tensor what to do
    (quantize / copy / dequantize), and compute every output tensor's dtype and shape, hence every
    shard's header and every tensor's byte offset, before any data is read.
 2. Write into a temporary sibling directory: shard files are preallocated (a full disk fails at once),
    workers quantize row chunks and `pwrite` them at their offsets, so memory is bounded by the chunk
    size, not by the model, and workers need no coordination.
 3. config.json, small files and quantkit_report.json, then one rename makes DST appear. Any error,
-   Ctrl-C or SIGTERM removes the temporary directory; a SIGKILL leaves it behind but never a DST.
+   Ctrl-C or SIGTERM removes the temporary directory; a SIGKILL leaves it behind but never a DST, and
+   the next convert to the same DST removes it: its name carries the PID, start time and host of its
+   maker, so only those whose maker is gone are removed.
 """
 
 from __future__ import annotations
@@ -16,12 +18,15 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shutil
 import signal
+import socket
 import threading
 import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -30,29 +35,31 @@ import numpy as np
 from quantkit.errors import InvalidInput, QuantkitError, Unsupported
 from quantkit.formats import packing
 from quantkit.formats.compressed_tensors import (
-    Scheme, can_dequantize, dequantize, logical_shape, match_name, parse_quantization_config, stored_layout, writable_config,
+    Scheme, can_dequantize, dequantize, logical_shape, match_name, output_config, parse_quantization_config,
+    unsupported_reason,
+    stored_layout, stored_row_range, stored_rows, writable_spec,
 )
 from quantkit.formats.hf import (
     INDEX_NAME, PACKED_EXPERT_ARCHITECTURES, PACKED_EXPERTS, Checkpoint, classify_module, default_exclusion,
     group_modules, packed_experts, vision_root,
 )
 from quantkit.formats.safetensors_io import DTYPES, FLOAT_DTYPES
-from quantkit.inspect import inspect_checkpoint
-from quantkit.kernels.dispatch import unsupported_reason
-from quantkit.quant.quantize import QuantSpec, quantize_rows
+from quantkit.quant.quantize import quantize_rows
+from quantkit.validate import validate_checkpoint
 
 SCHEMES = ("W4A16", "FP8", "FP8_DYNAMIC", "FP8_BLOCK", "MXFP4A16", "DENSE")
 CHUNK_BYTES = 4 << 20  # float32 bytes of input per row chunk: small enough to stay in cache
 REPORT_NAME = "quantkit_report.json"
+# Each worker holds one row chunk and its temporaries: at most ~50 MB (measured: the mse observer on a
+# 14336-wide bf16 chunk). 8 keep the peak under ~0.4 GB on any machine; more threads rarely help,
+# since reading and writing share one disk.
+MAX_DEFAULT_WORKERS = 8
 
 
-def quant_spec(scheme: str, group_size: int) -> QuantSpec:
-    return {
-        "W4A16": QuantSpec("int", 4, group_size),
-        "FP8_DYNAMIC": QuantSpec("fp8", 8, -1),
-        "FP8_BLOCK": QuantSpec("fp8", 8, -1, (128, 128)),
-        "MXFP4A16": QuantSpec("mxfp4", 4, 32),
-    }[scheme]
+def default_workers() -> int:
+    """Worker threads when --workers is not given: one per core this process may use, at most 8."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(cores, MAX_DEFAULT_WORKERS))
 
 
 @dataclass
@@ -154,7 +161,7 @@ def plan(ckpt: Checkpoint, scheme: str, group_size: int, ignore: list[str],
 def _quantize_job(module: str, src: str, shape: tuple, dtype: str, scheme: str, group_size: int, row0: int = 0) -> Job:
     """Quantizes weight [out, in] of Linear `module`, rows row0.. of tensor `src` (seen as 2-D)."""
     out, inp = shape
-    g = 32 if scheme == "MXFP4A16" else group_size
+    g = writable_spec(scheme, group_size).group_size
     if g > 0 and inp % g:
         raise InvalidInput(f"{src}: in_features {inp} is not divisible by group size {g}; "
                            + ("MXFP4 needs a multiple of 32" if scheme == "MXFP4A16" else _divisor_hint(inp)))
@@ -319,11 +326,9 @@ def run_job(job: Job, ckpt: Checkpoint, writer: _Writer, scheme: str, group_size
         return stats.row(job, scheme, job.nbytes_out())
 
     if job.action == "quantize":
-        spec = quant_spec(scheme, group_size)
+        spec = writable_spec(scheme, group_size)
         out, inp = job.shape
-        step = _rows_per_chunk(inp, 128 if spec.block else 1)
-        mod = job.name
-        scale_dtype = DTYPES[job.dtype][1]
+        step = _rows_per_chunk(inp, spec.block[0] if spec.block else 1)
         for r0 in range(0, out, step):
             rows = ckpt.read_rows(job.src["weight"], job.row0 + r0, job.row0 + min(out, r0 + step), flat=True)
             with np.errstate(invalid="ignore"):  # NaN weights are reported just below
@@ -333,18 +338,10 @@ def run_job(job: Job, ckpt: Checkpoint, writer: _Writer, scheme: str, group_size
             stats.ref2 += r.ref2
             stats.err2 += r.err2
             stats.minmax_err2 += r.minmax_err2
-            if spec.kind == "int":
-                writer.write(f"{mod}.weight_packed", packing.pack_int(r.values, spec.num_bits), r0)
-                writer.write(f"{mod}.weight_scale", r.scale.astype(scale_dtype), r0)
-            elif spec.kind == "fp8":
-                writer.write(f"{mod}.weight", r.values, r0)
-                writer.write(f"{mod}.weight_scale", r.scale.astype(scale_dtype), r0 // 128 if spec.block else r0)
-            else:
-                writer.write(f"{mod}.weight_packed", packing.pack_fp4(r.values), r0)
-                writer.write(f"{mod}.weight_scale", r.scale, r0)
+            for param, (arr, first) in stored_rows(spec, r.values, r.scale, r0, job.shape,
+                                                   DTYPES[job.dtype][1]).items():
+                writer.write(f"{job.name}.{param}", arr, first)
             progress(rows.nbytes)
-        if spec.kind == "int":
-            writer.write(f"{mod}.weight_shape", np.array([out, inp], np.int64))
         return stats.row(job, scheme, job.nbytes_out())
 
     # dequantize: row chunks of the packed weight and its per-row (or per-block-row) scales
@@ -354,14 +351,7 @@ def run_job(job: Job, ckpt: Checkpoint, writer: _Writer, scheme: str, group_size
     step = _rows_per_chunk(job.shape[-1], align)
     for r0 in range(0, out, step):
         r1 = min(out, r0 + step)
-        part = {}
-        for p, n in job.src.items():
-            if p == "weight_scale" and w.strategy == "tensor":
-                part[p] = ckpt.read_rows(n, 0, 1)
-            elif p == "weight_scale" and w.strategy == "block":
-                part[p] = ckpt.read_rows(n, r0 // align, -(-r1 // align))
-            elif p != "bias":
-                part[p] = ckpt.read_rows(n, r0, r1)
+        part = {p: ckpt.read_rows(n, *stored_row_range(w, p, r0, r1)) for p, n in job.src.items() if p != "bias"}
         deq = dequantize(sch, part, (r1 - r0, job.shape[-1]))
         _finite(job.name, deq)
         writer.write(f"{job.name}.weight", packing.to_dtype(deq, job.dtype), r0)
@@ -407,8 +397,8 @@ def parse_size(text: str) -> int:
 
 
 def convert(src: str | Path, dst: str | Path, scheme: str = "W4A16", group_size: int = 128,
-            ignore: list[str] | None = None, observer: str = "minmax", workers: int = 1, force: bool = False,
-            quantize_lm_head: bool = False, max_shard_bytes: int = 5 * 10**9,
+            ignore: list[str] | None = None, observer: str = "minmax", workers: int | None = None,
+            force: bool = False, quantize_lm_head: bool = False, max_shard_bytes: int = 5 * 10**9,
             progress: Callable[[int, int], None] | None = None) -> dict:
     """Converts SRC into a compressed-tensors checkpoint at DST (or back to bf16 with scheme DENSE).
 
@@ -418,7 +408,7 @@ def convert(src: str | Path, dst: str | Path, scheme: str = "W4A16", group_size:
         group_size: W4A16 group size (> 0) or -1 for channel scales.
         ignore: module names or `re:` patterns to leave unquantized (recorded in `ignore`).
         observer: "minmax" or "mse".
-        workers: threads quantizing tensors in parallel.
+        workers: threads quantizing tensors in parallel; None: default_workers().
         force: replace an existing DST.
         quantize_lm_head: also quantize lm_head.
         max_shard_bytes: output shard size limit.
@@ -426,7 +416,35 @@ def convert(src: str | Path, dst: str | Path, scheme: str = "W4A16", group_size:
     Returns:
         The report (also written to DST/quantkit_report.json).
     """
-    ignore = list(ignore or [])
+    workers = default_workers() if workers is None else workers
+    _check_options(scheme, group_size, observer, workers)
+    src, dst = Path(src), Path(dst)
+    _check_paths(src, dst, force)
+    ckpt = _open_source(src)
+    jobs, ignored = plan(ckpt, scheme, group_size, list(ignore or []), quantize_lm_head)
+
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    stale = remove_stale_temporaries(dst)
+    tmp = dst.parent / f".{dst.name}.quantkit-tmp-{_owner_tag()}"
+    with _sigterm_as_interrupt():  # before anything is written
+        try:
+            tmp.mkdir()
+            shards = layout_shards(jobs, tmp, max_shard_bytes)
+            rows = _run_jobs(jobs, ckpt, shards, scheme, group_size, observer, workers, progress)
+            _write_index(tmp, shards)
+            config = output_config(ckpt.config or {}, scheme, group_size, ignored)
+            (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+            copied = _copy_small_files(src, tmp)
+            report = _report(src, dst, scheme, group_size, observer, workers, rows, ignored, copied, shards, stale)
+            (tmp / REPORT_NAME).write_text(json.dumps(report, indent=1) + "\n")
+            _publish(tmp, dst, force)
+            return report
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+
+
+def _check_options(scheme: str, group_size: int, observer: str, workers: int) -> None:
     if scheme not in SCHEMES:
         raise InvalidInput(f"unknown scheme {scheme!r}; choose one of {', '.join(SCHEMES)}")
     if scheme == "FP8":
@@ -439,7 +457,9 @@ def convert(src: str | Path, dst: str | Path, scheme: str = "W4A16", group_size:
         raise InvalidInput(f"unknown observer {observer!r}; choose minmax or mse")
     if workers < 1:
         raise InvalidInput("--workers must be at least 1")
-    src, dst = Path(src), Path(dst)
+
+
+def _check_paths(src: Path, dst: Path, force: bool) -> None:
     if not src.is_dir():
         raise InvalidInput(f"{src}: not a checkpoint directory")
     rs, rd = src.resolve(), dst.resolve()
@@ -448,65 +468,107 @@ def convert(src: str | Path, dst: str | Path, scheme: str = "W4A16", group_size:
     if dst.exists() and not force:
         raise InvalidInput(f"{dst}: already exists; pass --force to replace it")
 
-    report_in = inspect_checkpoint(src, "cpu")
-    errors = [p for p in report_in["problems"] if p["severity"] == "error"]
+
+def _open_source(src: Path) -> Checkpoint:
+    """SRC, once the checkpoint validation (the one inspect runs) finds no structural error in it."""
+    ckpt = Checkpoint.open(src)
+    errors = [p for p in validate_checkpoint(ckpt).all_problems() if p["severity"] == "error"]
     if errors:
         raise InvalidInput(f"{src}: {errors[0]['message']}" + (f" (and {len(errors) - 1} more problems; "
                            "see `quantkit inspect`)" if len(errors) > 1 else ""))
-    ckpt = Checkpoint.open(src)
-    jobs, ignored = plan(ckpt, scheme, group_size, ignore, quantize_lm_head)
+    return ckpt
 
-    tmp = dst.parent / f".{dst.name}.quantkit-tmp-{uuid.uuid4().hex[:8]}"
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    old_handler = None
-    if threading.current_thread() is threading.main_thread():
-        old_handler = signal.signal(signal.SIGTERM, _raise_interrupt)  # before anything is written
+
+def _run_jobs(jobs: list[Job], ckpt: Checkpoint, shards: list[Shard], scheme: str, group_size: int, observer: str,
+              workers: int, progress: Callable[[int, int], None] | None) -> list[dict]:
+    """Runs every job on `workers` threads into the preallocated shards; returns the report rows in job order."""
+    total = sum(j.bytes_in for j in jobs)
+    done = [0]
+    lock = threading.Lock()
+
+    def tick(n: int) -> None:
+        with lock:
+            done[0] += n
+            if progress is not None:
+                progress(done[0], total)
+
+    writer = _Writer(shards)
     try:
-        tmp.mkdir()
-        shards = layout_shards(jobs, tmp, max_shard_bytes)
-        total = sum(j.bytes_in for j in jobs)
-        done = [0]
-        lock = threading.Lock()
-
-        def tick(n: int) -> None:
-            with lock:
-                done[0] += n
-                if progress is not None:
-                    progress(done[0], total)
-
-        writer = _Writer(shards)
-        try:
-            with ThreadPoolExecutor(max_workers=workers) as pool:
-                futures = [pool.submit(run_job, j, ckpt, writer, scheme, group_size, observer, tick) for j in jobs]
-                try:
-                    rows = [f.result() for f in futures]
-                except BaseException:
-                    for f in futures:
-                        f.cancel()
-                    raise
-        finally:
-            writer.close()
-        _write_index(tmp, shards)
-        config = dict(ckpt.config or {})
-        if scheme == "DENSE":
-            config.pop("quantization_config", None)
-            for key in ("torch_dtype", "dtype"):
-                if key in config:
-                    config[key] = "bfloat16"
-        else:
-            config["quantization_config"] = writable_config(scheme, group_size, ignored)
-        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        copied = _copy_small_files(src, tmp)
-        report = _report(src, dst, scheme, group_size, observer, rows, ignored, copied, shards)
-        (tmp / REPORT_NAME).write_text(json.dumps(report, indent=1) + "\n")
-        _publish(tmp, dst, force)
-        return report
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        with ThreadPoolExecutor(max_workers=workers) as pool:
+            futures = [pool.submit(run_job, j, ckpt, writer, scheme, group_size, observer, tick) for j in jobs]
+            try:
+                return [f.result() for f in futures]
+            except BaseException:
+                for f in futures:
+                    f.cancel()
+                raise
     finally:
-        if old_handler is not None:
-            signal.signal(signal.SIGTERM, old_handler)
+        writer.close()
+
+
+# ---- temporaries: named after their maker, so that a killed convert's can be told apart and removed ----
+
+_OWNED = re.compile(r"(?:tmp|old)-(?P<pid>\d+)-(?P<start>\d+)-[0-9a-f]{8}-(?P<host>.+)")
+
+
+def _process_start(pid: int) -> str:
+    """The process's start time in clock ticks since boot, which tells a reused PID from the process
+    that had it; "0" where /proc cannot say."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[19]
+    except (OSError, IndexError):
+        return "0"
+
+
+def _owner_tag() -> str:
+    """PID-START-RANDOM-HOST: what _OWNED reads back from a temporary's name."""
+    return f"{os.getpid()}-{_process_start(os.getpid())}-{uuid.uuid4().hex[:8]}-{socket.gethostname()}"
+
+
+def _alive(pid: int, start: str) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass  # another user's process: alive
+    return start == "0" or _process_start(pid) in (start, "0")
+
+
+def remove_stale_temporaries(dst: Path) -> list[dict]:
+    """Removes what converts to DST killed on this host left beside it: temporary directories, and a
+    replaced DST that --force had moved aside. Those of live processes (and other hosts) stay.
+
+    Returns:
+        [{path, pid, bytes}] for each one removed (bytes: disk space freed).
+    """
+    removed = []
+    prefix = f".{dst.name}.quantkit-"
+    for p in sorted(dst.parent.iterdir()):
+        m = _OWNED.fullmatch(p.name[len(prefix):]) if p.name.startswith(prefix) else None
+        if m is None or m["host"] != socket.gethostname() or _alive(int(m["pid"]), m["start"]):
+            continue
+        try:
+            tree = p.rglob("*") if p.is_dir() and not p.is_symlink() else ()
+            size = sum(f.lstat().st_blocks for f in [p, *tree]) * 512
+            shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
+        except OSError:
+            continue  # another convert removed it first, or it is not ours to remove
+        removed.append({"path": str(p), "pid": int(m["pid"]), "bytes": size})
+    return removed
+
+
+@contextmanager
+def _sigterm_as_interrupt():
+    """SIGTERM raises KeyboardInterrupt, so that it cleans up as Ctrl-C does (main thread only)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    old = signal.signal(signal.SIGTERM, _raise_interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
 
 
 def _raise_interrupt(signum, frame):
@@ -527,7 +589,7 @@ def _publish(tmp: Path, dst: Path, force: bool) -> None:
     if dst.exists() or dst.is_symlink():
         if not force:
             raise InvalidInput(f"{dst}: appeared while converting; pass --force to replace it")
-        old = dst.parent / f".{dst.name}.quantkit-old-{uuid.uuid4().hex[:8]}"
+        old = dst.parent / f".{dst.name}.quantkit-old-{_owner_tag()}"
         os.rename(dst, old)
         os.rename(tmp, dst)
         shutil.rmtree(old, ignore_errors=True) if old.is_dir() else old.unlink()
@@ -535,14 +597,14 @@ def _publish(tmp: Path, dst: Path, force: bool) -> None:
         os.rename(tmp, dst)
 
 
-def _report(src, dst, scheme, group_size, observer, rows, ignored, copied, shards) -> dict:
+def _report(src, dst, scheme, group_size, observer, workers, rows, ignored, copied, shards, stale) -> dict:
     q = [r for r in rows if r["action"] == "quantize"]
     out = {
         "src": str(src), "dst": str(dst), "scheme": scheme,
-        "group_size": group_size if scheme == "W4A16" else None, "observer": observer,
+        "group_size": group_size if scheme == "W4A16" else None, "observer": observer, "workers": workers,
         "bytes_in": sum(r["bytes_in"] for r in rows), "bytes_out": sum(s.size for s in shards),
         "num_shards": len(shards), "quantized_tensors": len(q), "ignore": ignored, "copied_files": copied,
-        "tensors": rows,
+        "removed_stale": stale, "tensors": rows,
     }
     if q:
         ref = [r for r in q if r["rel_error"] is not None]

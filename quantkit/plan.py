@@ -76,13 +76,10 @@ def plan(path: str | Path, target: str = "v6e", max_model_len: int = 2048, max_n
     import jax
     import jax.numpy as jnp
 
-    from quantkit.formats.compressed_tensors import parse_quantization_config, writable_config
-    from quantkit.kernels.dispatch import can_use_gmm_v2
+    from quantkit.formats.compressed_tensors import kv_scheme_reason
     from quantkit.kernels.tiling import CHIPS
-    from quantkit.quant.qtensor import QTensor
     from quantkit.runtime.aot import compile_for, target_mesh, topology_name
     from quantkit.runtime.config import from_hf
-    from quantkit.formats.compressed_tensors import kv_scheme_reason
     from quantkit.runtime.cache import cache_layout, kv_fp8_dtype, with_kv_scales
     from quantkit.runtime.loader import abstract
     from quantkit.runtime.sharding import is_expert
@@ -91,10 +88,7 @@ def plan(path: str | Path, target: str = "v6e", max_model_len: int = 2048, max_n
     path, chip = Path(path), CHIPS[target]
     raw = _config(path)
     cfg = from_hf(raw)
-    if scheme is not None:
-        qc = None if scheme == "DENSE" else parse_quantization_config(writable_config(scheme, group_size, ["lm_head"]))
-    else:
-        qc = parse_quantization_config(raw["quantization_config"]) if "quantization_config" in raw else None
+    qc = _quantization(raw, scheme, group_size)
     kv_scheme = qc.kv_cache_scheme if qc is not None else None
     fp8 = kv_fp8_dtype(kv_cache_dtype, kv_scheme is not None and kv_scheme_reason(kv_scheme) is None)
     kv_dtype = jnp.dtype(fp8 or jnp.bfloat16)
@@ -120,6 +114,10 @@ def plan(path: str | Path, target: str = "v6e", max_model_len: int = 2048, max_n
     budget = min(BUDGET, max_model_len)
     buckets = token_buckets(budget)
 
+    def decode_bucket(n: int) -> int:
+        """The token bucket a decode step of n sequences runs in."""
+        return next(b for b in buckets if b >= min(n, budget))
+
     def cache(n: int, c=cfg) -> dict:
         """As the Runner's: per kind stacked pages for n sequences."""
         shapes = cache_layout(c, max_model_len, n, PAGE_SIZE, budget).shapes()
@@ -134,11 +132,7 @@ def plan(path: str | Path, target: str = "v6e", max_model_len: int = 2048, max_n
         leaves = jax.tree_util.tree_leaves(cache(n))
         return sum(_nbytes(x, lay, chip) for x, lay in zip(leaves, layouts["cache"] or [None] * len(leaves)))
 
-    quantized = [x for x in jax.tree_util.tree_leaves(params, is_leaf=lambda x: isinstance(x, QTensor))
-                 if isinstance(x, QTensor)]
-    # a quantized weight's [k, n] on one chip, unless a dense weight (which may be there) has that shape too
-    dense = {_local(x)[-2:] for x in param_leaves if x.dtype.name in ("bfloat16", "float32", "float16")}
-    weight_shapes = {_local(x.values)[-2:] for x in quantized} - dense
+    weight_shapes = _quantized_shapes(params)
 
     def compile_program(c, weights, t: int, n: int, unroll: bool = False):
         """Compiles the step of config c (weights: its abstract pytree) at t tokens for n sequences."""
@@ -146,28 +140,6 @@ def plan(path: str | Path, target: str = "v6e", max_model_len: int = 2048, max_n
                                        empty_batch(t, min(t, n), cache_layout(c, max_model_len, n, PAGE_SIZE, budget), n))
         return compile_for(target, step_function(c, PAGE_SIZE, mesh=mesh, unroll=unroll, kv_fp8=fp8, ep=ep and mesh is not None), weights, cache(n, c),
                            jax.ShapeDtypeStruct((n + 1,), jnp.int32), batch, donate=(1, 2), pinned=(0,), tp=tp)
-
-    def decode_cost(n: int) -> dict:
-        """XLA's cost analysis of the decode program, scaled to the model's depth: XLA counts a loop body
-        once, so shallow unrolled variants are compiled (the first layer's kind alone, then with one more
-        layer of each kind): a kind's layer costs the difference, the rest (embedding, logits, sampling)
-        what is left, and the step costs the rest plus each kind's layers times their count."""
-        t = next(b for b in buckets if b >= min(n, budget))
-        kinds = cfg.layer_kinds
-
-        def measure(k: tuple[str, ...]) -> dict:
-            c = dataclasses.replace(cfg, num_layers=len(k), sliding_layers=tuple(x == "sliding" for x in k))
-            compiled = compile_program(c, weights_of(c), t, n, unroll=True)[0]
-            ca = compiled.cost_analysis()
-            ca = (ca[0] if isinstance(ca, (list, tuple)) else ca) or {}
-            return {"bytes_accessed": ca.get("bytes accessed", 0.0), "flops": ca.get("flops", 0.0),
-                    **{f"collective:{op}": b for op, b in _collectives(compiled.as_text()).items()}}
-
-        base = measure(kinds[:1])
-        per = {k: {m: v - base.get(m, 0) for m, v in measure(kinds[:1] + (k,)).items()} for k in cfg.kinds}
-        metrics = set(base).union(*per.values())
-        return {m: int(base.get(m, 0) - per[kinds[0]].get(m, 0) + sum(kinds.count(k) * per[k].get(m, 0) for k in per))
-                for m in metrics}
 
     def compile_step(t: int, n: int):
         """Compiles the step at t tokens for n sequences: (temporary bytes, seconds, compiler message,
@@ -190,7 +162,7 @@ def plan(path: str | Path, target: str = "v6e", max_model_len: int = 2048, max_n
         """Compiles the decode bucket (unless not `decode`) and the full budget for n sequences: (fits,
         temporary bytes, seconds, message, dequantized buffers found)."""
         seconds, temps, found = 0.0, [], []
-        sizes = (next(b for b in buckets if b >= min(n, budget)), budget) if decode else (budget,)
+        sizes = (decode_bucket(n), budget) if decode else (budget,)
         for t in dict.fromkeys(sizes):
             temp, s, message, more = compile_step(t, n)
             seconds, found = seconds + s, found + more
@@ -202,7 +174,8 @@ def plan(path: str | Path, target: str = "v6e", max_model_len: int = 2048, max_n
     if progress:
         progress(f"compiling the step for {target} ({max_num_seqs} sequences of {max_model_len})")
     fits, temp, seconds, message, found = fits_at(max_num_seqs)
-    cost = decode_cost(max_num_seqs)
+    cost = _decode_cost(cfg, lambda c: compile_program(c, weights_of(c), decode_bucket(max_num_seqs), max_num_seqs,
+                                                       unroll=True)[0])
     weights, best = weight_bytes(), None
     # KV grows by `per_seq` bytes a sequence (marginal, taken at max_num_seqs: a tiny sliding-window pool is
     # clamped to the full one's size), on top of `fixed` bytes whatever n (scratch pages, the pages of one
@@ -210,43 +183,9 @@ def plan(path: str | Path, target: str = "v6e", max_model_len: int = 2048, max_n
     per_seq = kv_bytes(max_num_seqs + 1) - kv_bytes(max_num_seqs)
     fixed = kv_bytes(max_num_seqs) - max_num_seqs * per_seq
     if search:
-        # guess the largest n from the temporaries of the last compile and confirm it by compiling;
-        # temporaries grow with n, so a miss guesses again from its own (lower), or, when the compiler
-        # refused outright, halves the distance to the largest n known to fit
-        lo, hi = (max_num_seqs, None) if fits else (0, max_num_seqs)
-        guess = (chip.hbm_bytes - weights - temp - fixed) // per_seq
-        while (n := guess if hi is None else min(guess, hi - 1)) > lo:
-            if progress:
-                progress(f"checking max_num_seqs = {n}")
-            ok, t, s, _, _ = fits_at(n, decode=False)  # the budget program has the larger temporaries
-            seconds += s
-            lo, hi = (n, hi) if ok else (lo, n)
-            guess = (chip.hbm_bytes - weights - t - fixed) // per_seq if t else (lo + n) // 2
-        best = lo
-    # the kernels: one entry per distinct quantized weight shape (on one chip), with its gmm_v2 tiling
-    kernels, seen = [], set()
-    for name, leaf, layers in _named(params):
-        g, k, n = _local(leaf.values) if isinstance(leaf, QTensor) else (0, 0, 0)
-        g //= layers  # one call multiplies by one layer's groups of the stack
-        if isinstance(leaf, QTensor) and (key := (g, k, n, leaf.qtype, leaf.group, leaf.split)) not in seen:
-            seen.add(key)
-            group = k if leaf.group == leaf.shape[1] else leaf.group  # channel scales span the shard
-            tiles, reason = can_use_gmm_v2(leaf.qtype, k, n, group, chip, m=max_num_seqs, g=g,
-                                           scale_bytes=leaf.scales.dtype.itemsize)
-            kernels.append({"name": name, "shape": [g, k, n], "qtype": leaf.qtype, "group": group,
-                            "path": "gmm_v2" if tiles else f"xla ({reason})",
-                            "vmem_bytes": tiles.vmem_bytes if tiles else 0,
-                            "tiles": {"tm": tiles.tm, "tk": tiles.tk, "tn": tiles.tn} if tiles else None})
+        best, s = _largest_fit(fits_at, max_num_seqs, fits, temp, chip.hbm_bytes - weights - fixed, per_seq, progress)
+        seconds += s
     kv = kv_bytes(max_num_seqs)
-    # the other KV dtypes, scaled from this one's compiled layout (1 or 2 bytes a value), with this compile's
-    # temporaries: estimates, where this dtype's figures were compiled
-    by_dtype = {}
-    for name, size in (("bf16", 2), ("fp8", 1)):
-        f = size / kv_dtype.itemsize
-        this = (size == 1) == (fp8 is not None)
-        n = best if this else (chip.hbm_bytes - weights - temp - fixed * f) // (per_seq * f) if search else None
-        by_dtype[name] = {"kv_cache": int(kv * f), "max_num_seqs_that_fit": None if n is None else int(n),
-                          "compiled": this}
     # a decode step at full context reads every weight and every cached token once (each chip its share, in
     # parallel; the all-reduces of a tensor-parallel step are left out)
     step_bytes = weights + kv
@@ -259,9 +198,12 @@ def plan(path: str | Path, target: str = "v6e", max_model_len: int = 2048, max_n
         "hbm_bytes": {"weights": weights, "kv_cache": kv, "temporaries": temp,
                       "total": weights + kv + temp, "capacity": chip.hbm_bytes, "of_weights_experts": weight_bytes(True)},
         "expert_parallel": bool(ep and tp > 1),
-        "max_num_seqs_that_fit": best, "kv_cache_by_dtype": by_dtype, "compile_seconds": round(seconds, 2), "compiler_message": message,
+        "max_num_seqs_that_fit": best,
+        "kv_cache_by_dtype": _kv_by_dtype(kv, kv_dtype.itemsize, fp8 is not None, best, search,
+                                          chip.hbm_bytes - weights - temp, fixed, per_seq),
+        "compile_seconds": round(seconds, 2), "compiler_message": message,
         "dequantized_weight_buffers": sorted(set(found)),
-        "kernels": kernels,
+        "kernels": _kernels(params, chip, max_num_seqs),
         "decode_step_estimate": {"kind": "roofline estimate, not a measurement", "bytes": step_bytes,
                                  "seconds": step_bytes / chip.hbm_bytes_per_s,
                                  "output_tokens_per_s": max_num_seqs * chip.hbm_bytes_per_s / step_bytes},
@@ -276,8 +218,113 @@ def plan(path: str | Path, target: str = "v6e", max_model_len: int = 2048, max_n
         # candidates gathered, a few bytes a row)
         "decode_step_collectives": None if tp == 1 else {
             "bytes": collectives, "total": sum(collectives.values()),
-            "floor_bytes": _collective_floor(cfg, next(b for b in buckets if b >= min(max_num_seqs, budget)))},
+            "floor_bytes": _collective_floor(cfg, decode_bucket(max_num_seqs))},
     }
+
+
+def _quantization(raw: dict, scheme: str | None, group_size: int):
+    """The QuantizationConfig the weights would be stored with: `scheme`'s (None for DENSE), else the
+    checkpoint's own (None without one: bf16)."""
+    from quantkit.formats.compressed_tensors import parse_quantization_config, writable_config
+
+    if scheme is not None:
+        return None if scheme == "DENSE" else parse_quantization_config(writable_config(scheme, group_size, ["lm_head"]))
+    return parse_quantization_config(raw["quantization_config"]) if "quantization_config" in raw else None
+
+
+def _decode_cost(cfg, compile_layers) -> dict:
+    """XLA's cost analysis of the decode program (compile_layers(c): it compiled for config c, its layers
+    unrolled), scaled to the model's depth: XLA counts a loop body once, so shallow variants are compiled
+    (the first layer's kind alone, then with one more layer of each kind): a kind's layer costs the
+    difference, the rest (embedding, logits, sampling) what is left, and the step costs the rest plus each
+    kind's layers times their count."""
+    kinds = cfg.layer_kinds
+
+    def measure(k: tuple[str, ...]) -> dict:
+        c = dataclasses.replace(cfg, num_layers=len(k), sliding_layers=tuple(x == "sliding" for x in k))
+        compiled = compile_layers(c)
+        ca = compiled.cost_analysis()
+        ca = (ca[0] if isinstance(ca, (list, tuple)) else ca) or {}
+        return {"bytes_accessed": ca.get("bytes accessed", 0.0), "flops": ca.get("flops", 0.0),
+                **{f"collective:{op}": b for op, b in _collectives(compiled.as_text()).items()}}
+
+    base = measure(kinds[:1])
+    per = {k: {m: v - base.get(m, 0) for m, v in measure(kinds[:1] + (k,)).items()} for k in cfg.kinds}
+    metrics = set(base).union(*per.values())
+    return {m: int(base.get(m, 0) - per[kinds[0]].get(m, 0) + sum(kinds.count(k) * per[k].get(m, 0) for k in per))
+            for m in metrics}
+
+
+def _quantized_shapes(params: dict) -> set:
+    """The [k, n] a quantized weight has on one chip, unless a dense weight (which may be there) has that
+    shape too: a floating-point array of such a shape in a compiled program is a dequantized weight."""
+    import jax
+
+    from quantkit.quant.qtensor import QTensor
+
+    quantized = [x for x in jax.tree_util.tree_leaves(params, is_leaf=lambda x: isinstance(x, QTensor))
+                 if isinstance(x, QTensor)]
+    dense = {_local(x)[-2:] for x in jax.tree_util.tree_leaves(params)
+             if x.dtype.name in ("bfloat16", "float32", "float16")}
+    return {_local(x.values)[-2:] for x in quantized} - dense
+
+
+def _largest_fit(fits_at, n: int, fits: bool, temp: int, room: int, per_seq: int, progress) -> tuple[int, float]:
+    """The largest max_num_seqs that fits, and the compile seconds spent finding it.
+
+    n sequences fit or not (`fits`) with `temp` temporary bytes; `room`: HBM bytes beside the weights and the
+    KV cache's fixed part, of which each sequence takes `per_seq`. Guesses the largest n from the temporaries
+    of the last compile and confirms it by compiling (fits_at, plan's); temporaries grow with n, so a miss
+    guesses again from its own (lower), or, when the compiler refused outright, halves the distance to the
+    largest n known to fit."""
+    seconds = 0.0
+    lo, hi = (n, None) if fits else (0, n)
+    guess = (room - temp) // per_seq
+    while (n := guess if hi is None else min(guess, hi - 1)) > lo:
+        if progress:
+            progress(f"checking max_num_seqs = {n}")
+        ok, t, s, _, _ = fits_at(n, decode=False)  # the budget program has the larger temporaries
+        seconds += s
+        lo, hi = (n, hi) if ok else (lo, n)
+        guess = (room - t) // per_seq if t else (lo + n) // 2
+    return lo, seconds
+
+
+def _kernels(params: dict, chip, m: int) -> list[dict]:
+    """One entry per distinct quantized weight shape (on one chip), with its gmm_v2 tiling at m rows."""
+    from quantkit.kernels.dispatch import can_use_gmm_v2
+    from quantkit.quant.qtensor import QTensor
+
+    kernels, seen = [], set()
+    for name, leaf, layers in _named(params):
+        g, k, n = _local(leaf.values) if isinstance(leaf, QTensor) else (0, 0, 0)
+        g //= layers  # one call multiplies by one layer's groups of the stack
+        if isinstance(leaf, QTensor) and (key := (g, k, n, leaf.qtype, leaf.group, leaf.split)) not in seen:
+            seen.add(key)
+            group = k if leaf.group == leaf.shape[1] else leaf.group  # channel scales span the shard
+            tiles, reason = can_use_gmm_v2(leaf.qtype, k, n, group, chip, m=m, g=g,
+                                           scale_bytes=leaf.scales.dtype.itemsize)
+            kernels.append({"name": name, "shape": [g, k, n], "qtype": leaf.qtype, "group": group,
+                            "path": "gmm_v2" if tiles else f"xla ({reason})",
+                            "vmem_bytes": tiles.vmem_bytes if tiles else 0,
+                            "tiles": {"tm": tiles.tm, "tk": tiles.tk, "tn": tiles.tn} if tiles else None})
+    return kernels
+
+
+def _kv_by_dtype(kv: int, itemsize: int, fp8: bool, best: int | None, search: bool, room: int, fixed: int,
+                 per_seq: int) -> dict:
+    """KV cache bytes and the largest max_num_seqs for bf16 and FP8: the compiled dtype's (`fp8`: the cache
+    was compiled FP8; kv bytes, `best`), the other's scaled from its layout (1 or 2 bytes a value) with this
+    compile's temporaries: an estimate. room: HBM bytes beside the weights and temporaries; fixed, per_seq:
+    the compiled cache's bytes whatever the sequences, and per sequence."""
+    by_dtype = {}
+    for name, size in (("bf16", 2), ("fp8", 1)):
+        f = size / itemsize
+        this = (size == 1) == fp8
+        n = best if this else (room - fixed * f) // (per_seq * f) if search else None
+        by_dtype[name] = {"kv_cache": int(kv * f), "max_num_seqs_that_fit": None if n is None else int(n),
+                          "compiled": this}
+    return by_dtype
 
 
 def _collective_floor(cfg, t: int) -> int:

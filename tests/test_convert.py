@@ -9,6 +9,7 @@ import json
 import os
 import random
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -40,6 +41,14 @@ def src(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def big_src(tmp_path_factory):
+    """Large enough that an mse convert runs for seconds: long enough to signal it mid-way."""
+    path = tmp_path_factory.mktemp("big") / "big"
+    tiny_llama(0, hidden=512, intermediate=2048, layers=4, vocab=4096).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
 def converted(src, tmp_path_factory):
     root = tmp_path_factory.mktemp("out")
     return {case: convert(src, root / f"{case[0]}-{case[1]}", case[0], case[1]) and root / f"{case[0]}-{case[1]}"
@@ -52,13 +61,30 @@ def library(tmp_path_factory):
     return {name: make_checkpoint(root / name, name) for name in CASES.values()}
 
 
-@pytest.mark.parametrize("case", list(CASES), ids=lambda c: f"{c[0]}-g{c[1]}")
-def test_tensors_equal_the_library_bit_for_bit(converted, library, case):
-    ours, theirs = read_tensors(converted[case]), read_tensors(library[CASES[case]])
+def _assert_same_bytes(ours_dir: Path, theirs_dir: Path) -> None:
+    ours, theirs = read_tensors(ours_dir), read_tensors(theirs_dir)
     assert sorted(ours) == sorted(theirs)
     for name, t in theirs.items():
         assert ours[name].dtype == t.dtype and ours[name].shape == t.shape, name
         assert torch.equal(ours[name].contiguous().view(torch.uint8), t.contiguous().view(torch.uint8)), name
+
+
+@pytest.mark.parametrize("case", list(CASES), ids=lambda c: f"{c[0]}-g{c[1]}")
+def test_tensors_equal_the_library_bit_for_bit(converted, library, case):
+    _assert_same_bytes(converted[case], library[CASES[case]])
+
+
+@pytest.mark.parametrize("case", [("W4A16", 128), ("FP8_BLOCK", 128)], ids=lambda c: c[0])
+def test_many_row_chunks_give_the_library_bytes(src, library, case, tmp_path, monkeypatch):
+    """Chunks of 8-16 rows (block scales: 128, one block row) instead of whole tensors: every chunk's values
+    and scales land at their own rows, in both directions (quantize, and DENSE's reads of block scales)."""
+    monkeypatch.setattr("quantkit.convert.CHUNK_BYTES", 4 * 512 * 8)  # 8 rows of float32 [*, 512]
+    convert(src, tmp_path / "q", *case)
+    _assert_same_bytes(tmp_path / "q", library[CASES[case]])
+    convert(tmp_path / "q", tmp_path / "dense", "DENSE")
+    ours = load_file(tmp_path / "dense" / "model.safetensors")
+    for name, t in library_decompress_torch(library[CASES[case]]).items():
+        assert torch.equal(ours[name].view(torch.int16), t.to(torch.bfloat16).view(torch.int16)), name
 
 
 @pytest.mark.parametrize("case", list(CASES), ids=lambda c: f"{c[0]}-g{c[1]}")
@@ -137,7 +163,7 @@ def test_report_and_copied_files(converted, src):
 
 def test_workers_and_sharding_give_the_same_tensors(src, converted, tmp_path):
     r = convert(src, tmp_path / "sharded", "W4A16", 128, workers=2, max_shard_bytes=300_000)
-    assert r["num_shards"] > 3
+    assert r["num_shards"] > 3 and r["workers"] == 2
     index = json.loads((tmp_path / "sharded" / "model.safetensors.index.json").read_text())
     assert set(index["weight_map"].values()) == {p.name for p in (tmp_path / "sharded").glob("*.safetensors")}
     a, b = read_tensors(tmp_path / "sharded"), read_tensors(converted[("W4A16", 128)])
@@ -246,7 +272,18 @@ def test_cli_convert_errors_are_one_line(src, tmp_path):
     assert p.returncode == 3 and "FP8_DYNAMIC" in p.stderr
     p = subprocess.run([*QUANTKIT, "convert", str(src), str(tmp_path / "o"), "--json"],
                        capture_output=True, text=True, timeout=120)
-    assert p.returncode == 0 and json.loads(p.stdout)["quantized_tensors"] == 14
+    report = json.loads(p.stdout)
+    assert p.returncode == 0 and report["quantized_tensors"] == 14
+    assert report["workers"] == min(len(os.sched_getaffinity(0)), 8)  # the default: available cores, at most 8
+
+
+def test_workers_default_to_the_available_cores_at_most_8(src, tmp_path, monkeypatch):
+    p = subprocess.run([*QUANTKIT, "convert", str(src), str(tmp_path / "three"), "--workers", "3"],
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0 and "with 3 worker(s)" in p.stdout
+    for cores, expected in ((range(64), 8), ({0, 5, 7}, 3)):
+        monkeypatch.setattr(os, "sched_getaffinity", lambda pid, cores=cores: set(cores))
+        assert convert(src, tmp_path / f"cores{len(cores)}", "W4A16")["workers"] == expected
 
 
 @pytest.mark.slow
@@ -272,11 +309,9 @@ def test_killed_mid_convert_never_leaves_a_dst_inspect_accepts(tmp_path):
     assert "absent" in outcomes
 
 
-def test_sigterm_cleans_up(tmp_path, src):
-    big = tmp_path / "big"
-    tiny_llama(0, hidden=512, intermediate=2048, layers=4, vocab=4096).save_pretrained(big)
+def test_sigterm_cleans_up(tmp_path, big_src):
     dst = tmp_path / "dst"
-    p = subprocess.Popen([*QUANTKIT, "convert", str(big), str(dst), "--observer", "mse"],
+    p = subprocess.Popen([*QUANTKIT, "convert", str(big_src), str(dst), "--observer", "mse"],
                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 60
     while not list(tmp_path.glob(".dst.quantkit-tmp*")) and time.time() < deadline:
@@ -287,6 +322,50 @@ def test_sigterm_cleans_up(tmp_path, src):
     _, err = p.communicate(timeout=60)
     assert p.returncode == 130 and "interrupted" in err
     assert _no_dst(dst)
+
+
+def test_next_convert_removes_what_a_killed_one_left(tmp_path, src, big_src):
+    """A SIGKILLed convert's temporary directory is removed by the next convert to the same DST, which says
+    so; a live (here stopped) convert's stays, as does one from another host, whose process cannot be checked."""
+    dst = tmp_path / "dst"
+
+    def temps() -> set[Path]:
+        return set(tmp_path.glob(".dst.quantkit-tmp-*"))
+
+    def start_and_wait_for_its_shard() -> tuple[subprocess.Popen, Path]:
+        before = temps()
+        p = subprocess.Popen([*QUANTKIT, "convert", str(big_src), str(dst), "--observer", "mse"],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.time() + 120
+        while not [f for t in temps() - before for f in t.glob("*.safetensors")]:
+            assert p.poll() is None and time.time() < deadline, "convert ended before it could be signalled"
+            time.sleep(0.02)
+        (tmp,) = temps() - before
+        return p, tmp
+
+    live, live_tmp = start_and_wait_for_its_shard()
+    live.send_signal(signal.SIGSTOP)
+    try:
+        killed, dead_tmp = start_and_wait_for_its_shard()
+        killed.kill()
+        killed.wait()
+        host = socket.gethostname()
+        reused = tmp_path / f".dst.quantkit-tmp-{os.getpid()}-1-0123abcd-{host}"  # a live PID, not the maker's start
+        foreign = tmp_path / f".dst.quantkit-tmp-{killed.pid}-1-0123abcd-not-{host}"
+        reused.mkdir()
+        foreign.mkdir()
+        p = subprocess.run([*QUANTKIT, "convert", str(src), str(dst), "--json"], capture_output=True, text=True,
+                           timeout=300)
+        assert p.returncode == 0, p.stderr
+        removed = {r["path"]: r for r in json.loads(p.stdout)["removed_stale"]}
+        assert sorted(removed) == sorted([str(dead_tmp), str(reused)])
+        assert removed[str(dead_tmp)]["pid"] == killed.pid and removed[str(dead_tmp)]["bytes"] > 10**6
+        assert f"removed stale temporary {dead_tmp} (" in p.stderr and "left by a killed convert" in p.stderr
+        assert not dead_tmp.exists() and not reused.exists() and live_tmp.exists() and foreign.exists()
+        assert inspect_checkpoint(dst)["exit_code"] == 0
+    finally:
+        live.kill()
+        live.wait()
 
 
 def _family(name):

@@ -53,12 +53,6 @@ def _rel_err(ref: np.ndarray, got: np.ndarray) -> float:
     return float(np.linalg.norm(ref - got) / np.linalg.norm(ref))
 
 
-def test_schemes_have_expectations():
-    assert set(EXPECTED_FORMAT) == set(SCHEMES)
-    assert set(EXPECTED_DOWN_PROJ) == set(SCHEMES)
-    assert set(EXPECTED_DECOMPRESSED_DTYPE) == set(SCHEMES)
-
-
 @pytest.mark.parametrize("scheme", SCHEMES)
 def test_checkpoint_is_real(scheme, tmp_path, original, linear_modules):
     path = ct_oracle.make_checkpoint(tmp_path / scheme, scheme)

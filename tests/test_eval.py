@@ -1,9 +1,11 @@
 """`quantkit eval` against transformers + torch (the numerics oracle) and a bootstrap with known truth.
 
 Tolerances: the runtime's float32 logits equal transformers' within ~1e-6 relative (test_runtime), so
-perplexities agree to 1e-4 relative; KL divergences of a W4A16 model are small numbers computed from
-nearly equal distributions, so the two implementations' summation orders show more: 2% relative on the
-mean KL (measured ~1e-4).
+perplexities agree to 1e-4 relative. The KL of nearly equal distributions is about half the variance,
+under p, of the logit difference; float32 logit errors (max 1.4e-6 absolute here, random across the
+4096-token vocabulary) mostly cancel in that sum: measured 1.4e-7 relative on the mean KL, 8e-7 on the
+max, 4e-8 on the perplexity ratio. Tolerances are ~7x those; doing the KL math in float32 instead of
+float64 moves the mean by 1.4e-5 and the max by 8e-5 (measured), which they catch.
 """
 
 import json
@@ -68,13 +70,13 @@ def test_w4a16_against_transformers(models):
             agree.append((lr.argmax(-1) == lc.argmax(-1)).double())
     kl, agree = torch.cat(kl), torch.cat(agree)
     assert r["tokens"] == len(kl)
-    assert r["kl"]["mean"] > 0 and abs(r["kl"]["mean"] - kl.mean().item()) < 0.02 * kl.mean().item()
-    assert abs(r["kl"]["max"] - kl.max().item()) < 0.02 * kl.max().item()
+    assert r["kl"]["mean"] > 0 and r["kl"]["mean"] == pytest.approx(kl.mean().item(), rel=1e-6)
+    assert r["kl"]["max"] == pytest.approx(kl.max().item(), rel=5e-6)
     assert abs(r["top1_agreement"]["value"] - agree.mean().item()) <= 1 / len(kl)  # at most one near-tie flips
     assert r["ppl_reference"] == pytest.approx(torch.cat(nll_r).mean().exp().item(), rel=1e-4)
     assert r["ppl_candidate"] == pytest.approx(torch.cat(nll_c).mean().exp().item(), rel=1e-4)
-    ratio = r["ppl_candidate"] / r["ppl_reference"]
-    assert r["ppl_ratio"]["value"] == pytest.approx(ratio, rel=1e-9)
+    ratio = (torch.cat(nll_c).mean() - torch.cat(nll_r).mean()).exp().item()  # transformers' PPL ratio
+    assert ratio > 1 and r["ppl_ratio"]["value"] == pytest.approx(ratio, rel=3e-7)
     assert r["ppl_ratio"]["ci95"][0] <= ratio <= r["ppl_ratio"]["ci95"][1]
     lo, hi = r["kl"]["ci95"]
     assert lo < r["kl"]["mean"] < hi and r["kl"]["median"] <= r["kl"]["p99"] <= r["kl"]["max"]

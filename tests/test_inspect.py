@@ -5,6 +5,9 @@ decompressor; structural and --deep errors on checkpoints mutated after the libr
 """
 
 import json
+import os
+import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -257,9 +260,66 @@ def test_cli_human_output_and_exit_codes(ckpts, tmp_path):
             assert len(p.stderr.strip().splitlines()) == 1 and p.stderr.startswith("error: ")
 
 
-def test_cli_help_has_an_example():
-    p = _run("inspect", "--help")
-    assert p.returncode == 0 and "Example" in p.stdout
+def test_cli_help_example_runs_as_the_help_says(ckpts):
+    """Runs the example of `inspect --help` on checkpoints of its scheme (the path substituted): the exit
+    code is the one the help's "Exit codes:" sentence gives, and the flags shown take effect."""
+    p = subprocess.run([*QUANTKIT, "inspect", "--help"], capture_output=True, text=True, timeout=60,
+                       env={**os.environ, "COLUMNS": "200"})  # no wrapping of the example line
+    assert p.returncode == 0, p.stderr
+    text = " ".join(p.stdout.split())
+    codes = {what: int(code) for code, what in re.findall(r"(\d) ([a-z ]+?)[,.]", text.split("Exit codes:")[1])}
+    examples = [line.split("Example:", 1)[1].strip() for line in p.stdout.splitlines() if "Example:" in line]
+    assert examples, p.stdout
+    for example in examples:
+        argv = shlex.split(example)
+        assert argv[:2] == ["quantkit", "inspect"], example
+        i = next(i for i in range(2, len(argv)) if not argv[i].startswith("-") and not argv[i - 1].startswith("-"))
+        for scheme, verdict in ((max((s for s in SCHEMES if s in argv[i]), key=len, default="W4A16"),
+                                 "valid and servable"), ("W4A16_ASYM", "valid but not servable")):
+            run = _run(*argv[1:i], ckpts[scheme], *argv[i + 1:])
+            assert run.returncode == codes[verdict], (example, scheme, run.stderr)
+            if "--json" in argv:
+                r = json.loads(run.stdout)
+                assert r["path"] == str(ckpts[scheme]) and r["servable"] == (verdict == "valid and servable")
+                if "--target" in argv:
+                    assert r["target"] == argv[argv.index("--target") + 1]
+
+
+def _corrupt_scale(ckpts, tmp_path) -> Path:
+    path = _copy(ckpts["W4A16"], tmp_path)
+    _edit_tensors(path, lambda t: t.update(
+        {"model.layers.0.mlp.down_proj.weight_scale": torch.ones(256, 3, dtype=torch.bfloat16)}))
+    return path
+
+
+@pytest.mark.parametrize("json_out", [False, True])
+def test_cli_invalid_checkpoint_one_error_line_and_the_report(ckpts, tmp_path, json_out):
+    path = _corrupt_scale(ckpts, tmp_path)
+    p = _run("inspect", path, *(["--json"] if json_out else []))
+    assert p.returncode == 1
+    (line,) = p.stderr.splitlines()
+    assert line.startswith(f"error: {path}: ") and "model.layers.0.mlp.down_proj.weight_scale" in line
+    assert "shape [256, 3], expected [256, 4]" in line
+    if json_out:
+        r = json.loads(p.stdout)
+        assert r["exit_code"] == 1 and r["problems"][0]["message"] in line
+    else:
+        assert "model.layers.0.mlp.down_proj.weight_scale: shape [256, 3]" in p.stdout and "invalid" in p.stdout
+
+
+@pytest.mark.parametrize("json_out", [False, True])
+def test_cli_unsupported_checkpoint_one_error_line_and_the_report(ckpts, json_out):
+    p = _run("inspect", ckpts["W4A16_ASYM"], *(["--json"] if json_out else []))
+    assert p.returncode == 3
+    (line,) = p.stderr.splitlines()
+    assert line.startswith(f"error: {ckpts['W4A16_ASYM']}: model.layers.0.mlp.down_proj: asymmetric int4")
+    assert "(and 13 more problems" in line  # the other 13 quantized layers
+    if json_out:
+        r = json.loads(p.stdout)
+        first = r["problems"][0]
+        assert r["exit_code"] == 3 and f"{first['where']}: {first['message']}" in line
+    else:
+        assert "asymmetric int4" in p.stdout and "not servable" in p.stdout
 
 
 def test_inspect_path_imports_no_heavy_library(ckpts):

@@ -150,6 +150,34 @@ def test_tiles_obey_the_rules(chip, qtype, group):
                 assert (k // t.tk) * (n // t.tn) >= 4, (chip, k, n, t)
 
 
+# ---- which chip's facts a TPU gets -----------------------------------------------------------------
+
+def test_chip_of_maps_known_device_kinds_and_sends_the_rest_to_xla():
+    """Known kinds get the chip whose VMEM jax's own TPU facts give; TPU v4 (16 MiB VMEM), v5p and
+    unknown kinds get None (the XLA path) with a warning, never another chip's facts. The deviceless
+    topologies' devices (libtpu) carry the real device_kind strings through `tpu_chip`."""
+    import warnings
+
+    from quantkit.runtime.aot import tpu_devices
+    from quantkit.runtime.ops import chip_of, tpu_chip
+
+    v = pltpu.ChipVersion
+    known = [("TPU v5 lite", "v5e", v.TPU_V5E), ("TPU v5e", "v5e", v.TPU_V5E), ("TPU v6 lite", "v6e", v.TPU_V6E),
+             ("TPU v6e", "v6e", v.TPU_V6E), ("TPU7x", "v7x", v.TPU_7X), ("TPU7", "v7x", v.TPU_7),
+             ("TPU v7x", "v7x", v.TPU_7X), ("TPU v7", "v7x", v.TPU_7X)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for kind, chip, version in known:
+            assert chip_of(kind) == chip, kind
+            assert CHIPS[chip].vmem_bytes == pltpu.get_tpu_info_for_chip(version, 1).vmem_capacity_bytes, kind
+    for kind in ("TPU v4", "TPU v4 lite", "TPU v5", "TPU v5p", "TPU v3", "TPU8i", "TPU v9000"):
+        with pytest.warns(UserWarning, match="XLA path"):
+            assert chip_of(kind) is None, kind
+    for chip in ("v5e", "v6e", "v7x"):
+        with jax.default_device(tpu_devices(chip)[0]):
+            assert tpu_chip() == chip
+
+
 # ---- deviceless compilation for real TPUs (libtpu) -----------------------------------------------
 
 def _abstract(qtype, g, k, n, group, m):

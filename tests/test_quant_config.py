@@ -1,12 +1,24 @@
 """quantization_config parsing and module matching, checked against the compressed-tensors library."""
 
+import copy
+import json
+import subprocess
+import sys
+
+import numpy as np
 import pytest
 import torch
 from compressed_tensors.quantization import QuantizationConfig, apply_quantization_config
 from compressed_tensors.quantization.quant_scheme import PRESET_SCHEMES, preset_name_to_scheme
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from safetensors.numpy import save_file
 
-from quantkit.errors import InvalidInput
-from quantkit.formats.compressed_tensors import PRESETS, parse_quantization_config
+from quantkit.errors import InvalidInput, QuantkitError
+from quantkit.formats.compressed_tensors import (
+    PRESETS, STRATEGIES, check_module_tensors, config_findings, kv_scheme_reason, parse_quantization_config,
+    unsupported_reason, weight_qtype, writable_config,
+)
 from quantkit.formats.hf import classify_module, group_modules
 from quantkit.formats.safetensors_io import TensorInfo
 
@@ -95,6 +107,17 @@ def test_mixed_precision_group_without_format_is_invalid():
     ({"config_groups": {"g": {"targets": ["re:("], "weights": {}}}}, "invalid regex"),
     ({"config_groups": {"g": {"targets": "Linear", "weights": {}}}}, "list of strings"),
     ({"config_groups": {"g": {"targets": ["Linear"], "weights": {"strategy": "block"}}}}, "block_structure"),
+    ({"config_groups": {"g": {"targets": ["Linear"], "weights": {"num_bits": None}}}},
+     r"^quantization_config\.config_groups\.g\.weights\.num_bits: expected an integer, got null$"),
+    ({"config_groups": {"g": {"targets": ["Linear"], "weights": {"group_size": "x"}}}},
+     r"\.weights\.group_size: expected an integer or null, got string 'x'$"),
+    ({"config_groups": {"g": {"targets": ["Linear"], "weights": {"strategy": 3}}}},
+     r"\.weights\.strategy: expected a strategy name or null, got integer 3$"),
+    ({"config_groups": {"g": {"targets": 5, "weights": {}}}},
+     r"\.g\.targets: expected a list of strings, got integer 5"),
+    ({"format": {}, "config_groups": {}}, r"^quantization_config\.format: expected a format name, got object \{\}$"),
+    ({"config_groups": {}, "kv_cache_scheme": {"num_bits": 2**200}},
+     r"kv_cache_scheme\.num_bits: .* integer of 201 bits"),
 ])
 def test_bad_configs_raise_invalid_input(bad, expect):
     with pytest.raises(InvalidInput, match=expect):
@@ -128,3 +151,162 @@ def test_module_kinds_from_tensor_names():
         "model.layers.0.mlp.experts.gate_up_proj": "moe_experts", "model.layers.0.mlp.gate": "linear",
         "lm_head": "linear", "vision.patch_embed.proj": "other",
     }
+
+
+# ---- wrong types and values anywhere in quantization_config -------------------------------------------
+
+def _base_config() -> dict:
+    """A quantization_config with every kind of field: a W4A16 group, an FP8_BLOCK group (input activations),
+    a preset shorthand group, ignore and an FP8 kv_cache_scheme."""
+    qc = writable_config("W4A16", 128, ["lm_head"])
+    qc["config_groups"]["group_1"] = {**writable_config("FP8_BLOCK", 128, [])["config_groups"]["group_0"],
+                                      "targets": ["re:.*self_attn.*"]}
+    qc["config_groups"]["W4A16"] = ["re:.*mlp\\.down_proj$"]
+    qc["kv_cache_scheme"] = {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "tensor", "dynamic": False}
+    return qc
+
+
+def _key_paths(d: dict, prefix: tuple = ()) -> list[tuple]:
+    """Every key of a nested dict, as a path of keys from the top."""
+    out = []
+    for k, v in d.items():
+        out.append((*prefix, k))
+        if isinstance(v, dict):
+            out += _key_paths(v, (*prefix, k))
+    return out
+
+
+_JSON_VALUES = st.one_of(
+    st.none(), st.booleans(), st.integers(-2**70, 2**70), st.floats(),
+    st.sampled_from([-2, -1, 0, 1, 3, 4, 8, 16, 32, 33, 128, 2**31, 2**63]),
+    st.text(max_size=6),
+    st.sampled_from(["int", "float", "group", "channel", "tensor", "block", "token", "tensor_group", "attn_head",
+                     "local", "weight", "static", "group", "128x128", "0x5", "re:(", "re:.*", "Linear", "W4A16",
+                     "dense", "pack-quantized", "float-quantized", "mxfp4-pack-quantized", "nvfp4-pack-quantized",
+                     "mixed-precision", "sparse-bitmask", "compressed", "torch.uint8"]),
+    st.lists(st.one_of(st.integers(-3, 300), st.text(max_size=3), st.none()), max_size=3),
+    st.dictionaries(st.sampled_from(["num_bits", "targets", "weights", "strategy", "bogus"]),
+                    st.one_of(st.integers(-1, 64), st.none(), st.just(["Linear"]), st.just("group")), max_size=2),
+)
+
+# Every tensor a Linear [256, 512] may carry, so that each format's checks find something to read.
+_PARAMS = {p: TensorInfo(p, dtype, shape, None, 0, 0) for p, dtype, shape in [
+    ("weight_packed", "I32", (256, 64)), ("weight_scale", "BF16", (256, 4)), ("weight_shape", "I64", (2,)),
+    ("weight", "F8_E4M3", (256, 512)), ("weight_zero_point", "I32", (32, 4)), ("weight_g_idx", "I32", (512,)),
+    ("weight_global_scale", "F32", (1,)), ("input_scale", "F32", (1,)),
+]}
+
+
+def _assert_valid_args(a) -> None:
+    assert isinstance(a.num_bits, int) and 1 <= a.num_bits <= 32 and a.type in ("int", "float")
+    assert a.strategy in STRATEGIES and isinstance(a.symmetric, bool) and a.dynamic in (True, False, "local")
+    assert a.group_size is None or (isinstance(a.group_size, int) and a.group_size >= -1)
+    if a.strategy in ("group", "tensor_group"):
+        assert a.group_size > 0
+    assert (a.strategy == "block") == (a.block_structure is not None)
+    assert a.block_structure is None or all(isinstance(b, int) and b > 0 for b in a.block_structure)
+    assert a.actorder in (None, "weight", "group") and (a.scale_dtype is None or isinstance(a.scale_dtype, str))
+
+
+def _parses_or_names_the_field(qc: dict) -> None:
+    """`qc` parses into valid schemes that every reader of schemes takes, or raises one InvalidInput line
+    naming the field; anything else (TypeError, KeyError, ...) propagates and fails the calling test."""
+    raw = copy.deepcopy(qc)
+    try:
+        parsed = parse_quantization_config(qc)
+    except QuantkitError as e:
+        assert isinstance(e, InvalidInput) and "\n" not in str(e) and str(e).startswith("quantization_config")
+        return
+    assert qc == raw  # parsing does not modify its input
+    for scheme in parsed.groups:
+        assert all(isinstance(t, str) for t in scheme.targets) and isinstance(scheme.format, str)
+        for args in (scheme.weights, scheme.input_activations, scheme.output_activations):
+            if args is not None:
+                _assert_valid_args(args)
+                assert isinstance(args.as_json(), dict)
+        unsupported_reason(scheme)
+        weight_qtype(scheme)
+        check_module_tensors("model.layers.0.mlp.down_proj", scheme, _PARAMS)
+    parsed.scheme_for("model.layers.0.mlp.down_proj", "Linear")
+    if parsed.kv_cache_scheme is not None:
+        _assert_valid_args(parsed.kv_cache_scheme)
+        kv_scheme_reason(parsed.kv_cache_scheme)
+    config_findings(qc, parsed)
+
+
+def _mutate(qc: dict, path: tuple, value) -> None:
+    parent = qc
+    for k in path[:-1]:
+        parent = parent[k]
+    if value is _DELETE:
+        del parent[path[-1]]
+    else:
+        parent[path[-1]] = value
+
+
+_DELETE = object()
+# One value of each JSON kind, and the edge numbers: every key of the base config gets each in turn.
+_EACH_KIND = [_DELETE, None, True, False, 0, -1, -2, 2**64, 1.5, "", "x", [], [0, 0], ["Linear"], {}, {"x": 1}]
+
+
+def test_every_key_retyped_parses_or_names_the_field():
+    base = _base_config()
+    assert parse_quantization_config(base).kv_cache_scheme is not None  # the base is valid
+    for path in _key_paths(base):
+        for value in _EACH_KIND:
+            qc = copy.deepcopy(base)
+            _mutate(qc, path, value)
+            _parses_or_names_the_field(qc)
+
+
+@settings(max_examples=1500, deadline=None)
+@given(data=st.data())
+def test_mutated_quantization_config_parses_or_names_the_field(data):
+    """Delete or retype up to three keys anywhere in quantization_config, its groups and their arguments."""
+    qc = _base_config()
+    for _ in range(data.draw(st.integers(1, 3))):
+        path = data.draw(st.sampled_from(_key_paths(qc)))
+        _mutate(qc, path, _DELETE if data.draw(st.booleans()) else data.draw(_JSON_VALUES))
+    _parses_or_names_the_field(qc)
+
+
+def _checkpoint(path, qc: dict):
+    """A directory that `inspect` and the loader open: config.json with `qc`, one small shard."""
+    path.mkdir()
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "quantization_config": qc}
+    (path / "config.json").write_text(json.dumps(config))
+    save_file({"model.embed_tokens.weight": np.zeros((8, 4), np.float32)}, str(path / "model.safetensors"))
+    return path
+
+
+def _w4a16_with(where: str, key: str, value) -> dict:
+    qc = writable_config("W4A16", 128, ["lm_head"])
+    group = qc["config_groups"]["group_0"]
+    {"config": qc, "group": group, "weights": group["weights"]}[where][key] = value
+    return qc
+
+
+@pytest.mark.parametrize("where,key,value,field", [
+    ("weights", "num_bits", None, "config_groups.group_0.weights.num_bits: expected an integer, got null"),
+    ("group", "targets", 5, "config_groups.group_0.targets: expected a list of strings, got integer 5"),
+    ("config", "format", {}, "quantization_config.format: expected a format name, got object {}"),
+])
+def test_cli_inspect_names_the_bad_field_in_one_line(tmp_path, where, key, value, field):
+    path = _checkpoint(tmp_path / "ckpt", _w4a16_with(where, key, value))
+    p = subprocess.run([sys.executable, "-m", "quantkit.cli", "inspect", str(path)], capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == InvalidInput.exit_code == 1, p.stderr
+    assert p.stdout == "" and "Traceback" not in p.stderr
+    (line,) = p.stderr.splitlines()
+    assert line.startswith(f"error: {path / 'config.json'}: quantization_config") and field in line, line
+
+
+def test_loader_validates_without_the_inspect_command(tmp_path, monkeypatch):
+    """The runtime validates through quantkit.validate, never by importing the `inspect` command module."""
+    from quantkit.runtime.loader import load
+
+    path = _checkpoint(tmp_path / "ckpt", _w4a16_with("weights", "num_bits", None))
+    monkeypatch.delitem(sys.modules, "quantkit.inspect", raising=False)
+    with pytest.raises(InvalidInput, match=r"weights\.num_bits: expected an integer, got null"):
+        load(path)
+    assert "quantkit.inspect" not in sys.modules

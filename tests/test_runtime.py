@@ -204,8 +204,7 @@ def test_rejected_checkpoint_unknown_architecture_and_long_prompt(tmp_path):
     runner = Runner(load(tmp_path / "llama"), max_model_len=32)
     with pytest.raises(InvalidInput, match="prompt of 30 tokens \\+ max_tokens 8 exceeds the model length 32"):
         generate(runner, list(range(30)), 8)
-    cfg = json.loads((tmp_path / "llama" / "config.json").read_text())
-    assert cfg["architectures"] == ["LlamaForCausalLM"]
+    assert 0 < len(generate(runner, list(range(24)), 8)) <= 8  # exactly the model length is accepted
 
 
 # ---- quantkit generate ------------------------------------------------------------------------------

@@ -1,9 +1,10 @@
 """`quantkit serve` as a real process on loopback, driven by the official `openai` client (the API oracle).
 
 The model is the default model's recipe at 2 layers (random bf16 weights, byte-level BPE tokenizer, chat
-template). Logprob values are checked against the runtime's plain forward step run in this process on the
-same weights: bf16 activations in both, so they agree to the bf16 rounding of the logits (0.05 absolute on
-log-probabilities around -8; measured ~1e-3).
+template), with one planted habit so that an end of sequence can be had on demand (`model_dir`). Logprob
+values are checked against the runtime's plain forward step run in this process on the same weights: bf16
+activations in both, so they agree to the bf16 rounding of the logits (0.05 absolute on log-probabilities
+around -8; measured ~1e-3).
 """
 
 import asyncio
@@ -20,12 +21,14 @@ import httpx
 import numpy as np
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 import make_tiny_model  # noqa: E402
 
 KEY = "sk-test-123"
 NAME = "tiny"
+UNK, EOS = 0, 2  # <unk>, </s>
 
 
 class ServerProc:
@@ -57,9 +60,10 @@ class ServerProc:
             time.sleep(0.2)
 
     def metrics(self) -> dict:
+        """Every sample of /metrics, parsed by prometheus_client, as 'name{label="value",...}' (labels sorted)."""
         text = httpx.get(self.url + "/metrics").text
-        return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                if line and not line.startswith("#")}
+        return {s.name + ("{" + ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items())) + "}" if s.labels else ""):
+                s.value for family in text_string_to_metric_families(text) for s in family.samples}
 
     def stop(self) -> int:
         self.p.send_signal(signal.SIGTERM)
@@ -72,7 +76,21 @@ class ServerProc:
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    return make_tiny_model.build(tmp_path_factory.mktemp("serve") / NAME, num_hidden_layers=2)
+    """The tiny model, taught one habit: after <unk> (which no text encodes to) comes </s>. <unk>'s embedding
+    is a vector u of rms 1 (50x the others), so the last hidden state there is ~u; </s>'s output row is
+    0.2 u / |u|: a logit of ~3.2 after <unk>, where the others' are ~N(0, 0.32) (at most ~1.2). Elsewhere
+    </s>'s logit is ~N(0, 0.2): no likelier than any other token, as before."""
+    from quantkit.formats.safetensors_io import SafetensorsFile, write_safetensors
+
+    path = make_tiny_model.build(tmp_path_factory.mktemp("serve") / NAME, num_hidden_layers=2)
+    file = SafetensorsFile(path / "model.safetensors")
+    tensors = {name: np.array(file.read(name)) for name in file.tensors}
+    u = np.random.default_rng(0).standard_normal(tensors["lm_head.weight"].shape[1])
+    tensors["model.embed_tokens.weight"][UNK] = u
+    tensors["lm_head.weight"][EOS] = 0.2 * u / np.linalg.norm(u)
+    write_safetensors(path / "planted.safetensors", tensors, {"format": "pt"})
+    os.replace(path / "planted.safetensors", path / "model.safetensors")
+    return path
 
 
 @pytest.fixture(scope="module")
@@ -178,6 +196,133 @@ def test_prefix_cache_hits_in_metrics(server, client):
     assert m["quantkit_kv_pages_cached"] >= 2 and all(outs)
 
 
+def test_prompt_lists_and_n_choices(client):
+    """A list of P prompts with n choices each: P * n sequences, choice index prompt * n + i, each the text
+    its prompt gives alone with seed + i; usage counts each prompt once and every choice's tokens; a stream
+    carries each choice's index and the same texts."""
+    prompts = ["the value of", "return the file type"]
+    kw = dict(model=NAME, max_tokens=8, temperature=0.9, seed=11)
+    alone = [[client.completions.create(prompt=p, **{**kw, "seed": 11 + i}) for i in range(2)] for p in prompts]
+    r = client.completions.create(prompt=prompts, n=2, **kw)
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    assert [c.text for c in r.choices] == [a.choices[0].text for row in alone for a in row]
+    assert r.choices[0].text != r.choices[1].text  # seeds 11 and 12
+    assert r.usage.prompt_tokens == sum(row[0].usage.prompt_tokens for row in alone)
+    assert r.usage.completion_tokens == sum(a.usage.completion_tokens for row in alone for a in row) > 0
+    texts, finish, usage = [""] * 4, [None] * 4, None
+    for chunk in client.completions.create(prompt=prompts, n=2, stream=True, stream_options={"include_usage": True},
+                                           **kw):
+        usage = chunk.usage or usage
+        for c in chunk.choices:
+            texts[c.index] += c.text
+            finish[c.index] = c.finish_reason or finish[c.index]
+    assert texts == [c.text for c in r.choices] and finish == [c.finish_reason for c in r.choices]
+    assert usage.completion_tokens == r.usage.completion_tokens and usage.prompt_tokens == r.usage.prompt_tokens
+    ids = [[5, 6, 7, 8], [9, 10, 11]]  # lists of token ids too; greedy choices are all alike
+    greedy = client.completions.create(model=NAME, prompt=ids, n=3, max_tokens=6, temperature=0)
+    assert [c.text for c in greedy.choices] == [
+        client.completions.create(model=NAME, prompt=p, max_tokens=6, temperature=0).choices[0].text
+        for p in ids for _ in range(3)]
+
+
+def test_chat_n_choices(client):
+    msgs = [{"role": "user", "content": "what is the type of this file?"}]
+    kw = dict(model=NAME, messages=msgs, max_tokens=10, temperature=0.9, seed=3)
+    r = client.chat.completions.create(n=3, **kw)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    assert [c.message.content for c in r.choices] == [
+        client.chat.completions.create(**{**kw, "seed": 3 + i}).choices[0].message.content for i in range(3)]
+    roles, texts = {}, [""] * 3
+    for chunk in client.chat.completions.create(n=3, stream=True, **kw):
+        for c in chunk.choices:
+            roles[c.index] = c.delta.role or roles.get(c.index)
+            texts[c.index] += c.delta.content or ""
+    assert roles == {0: "assistant", 1: "assistant", 2: "assistant"}
+    assert texts == [c.message.content for c in r.choices]
+
+
+def test_ignore_eos_and_min_tokens(client, model_dir):
+    """After <unk>, greedy decoding ends at once (the planted habit). ignore_eos keeps </s> and goes on to
+    max_tokens; min_tokens keeps </s> from being drawn: the first token is then not the most likely one."""
+    from quantkit.runtime.tokenizer import TextCodec
+
+    kw = dict(model=NAME, prompt=TextCodec(model_dir).encode("the value of") + [UNK], max_tokens=12,
+              temperature=0, logprobs=1)
+    plain = client.completions.create(**kw)
+    assert plain.choices[0].finish_reason == "stop" and plain.usage.completion_tokens == 0
+    kept = client.completions.create(**kw, extra_body={"ignore_eos": True})
+    assert kept.choices[0].finish_reason == "length" and kept.usage.completion_tokens == 12
+    assert kept.choices[0].logprobs.tokens[0] == ""  # </s>, kept (special tokens render as no text)
+    for n in (1, 5):
+        r = client.completions.create(**kw, extra_body={"min_tokens": n})
+        lp = r.choices[0].logprobs
+        assert r.usage.completion_tokens >= n and lp.tokens[0] != ""
+        assert lp.token_logprobs[0] < max(lp.top_logprobs[0].values()) - 1  # </s> was the likelier by far
+    for extra in ({"min_tokens": 8}, {"ignore_eos": "yes"}):  # chat takes them too
+        with pytest.raises(openai.BadRequestError, match=next(iter(extra))):
+            client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=7,
+                                           extra_body=extra)
+
+
+def test_min_tokens_holds_off_stop_strings(client):
+    """A stop string completed by one of the first min_tokens tokens does not count (vLLM's rule)."""
+    kw = dict(model=NAME, prompt="the model of", max_tokens=24, temperature=0)
+    full = client.completions.create(**kw, logprobs=0).choices[0]
+    tokens = full.logprobs.tokens
+    assert "".join(tokens) == full.text
+    k = next(k for k in range(3, 23) if len(tokens[k].strip()) > 1 and "\ufffd" not in tokens[k]
+             and full.text.index(tokens[k]) == len("".join(tokens[:k])))
+    stop = tokens[k]  # first seen as the (k + 1)-th token
+    for min_tokens, expected in ((0, "stop"), (k, "stop"), (k + 1, "past")):
+        r = client.completions.create(**kw, stop=[stop], extra_body={"min_tokens": min_tokens}).choices[0]
+        if expected == "stop":
+            assert r.text == "".join(tokens[:k]) and r.finish_reason == "stop"
+        else:
+            assert r.text.startswith("".join(tokens[:k + 1]))
+
+
+def test_metrics_count_sequences_in_prometheus_format(server, client):
+    """/metrics in Prometheus' text format, under quantkit's names and vLLM's: after a 2-prompt x 2-choice
+    completion and a chat, 5 sequences finished, their tokens counted, 2 HTTP requests."""
+    before = server.metrics()
+    r = client.completions.create(model=NAME, prompt=["the value of", "the list"], n=2, max_tokens=5, temperature=0)
+    chat = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+                                          temperature=0)
+    m = server.metrics()
+
+    def delta(key):
+        return m[key] - before.get(key, 0)
+
+    label = '{model_name="tiny"}'
+    each_prompt = r.usage.prompt_tokens  # counted once per prompt in usage, once per sequence in /metrics
+    assert delta("vllm:prompt_tokens_total" + label) == 2 * each_prompt + chat.usage.prompt_tokens
+    assert delta("vllm:generation_tokens_total" + label) == r.usage.completion_tokens + chat.usage.completion_tokens
+    assert sum(delta(k) for k in m if k.startswith("vllm:request_success_total{") and label[1:-1] in k) == 5
+    for name in ("time_to_first_token_seconds", "e2e_request_latency_seconds"):
+        assert delta(f"vllm:{name}_count" + label) == delta(f"quantkit_{name}_count") == 5
+        assert m[f'vllm:{name}_bucket{{le="+Inf",model_name="tiny"}}'] == m[f"vllm:{name}_count" + label]
+    for name in ("prompt_tokens_total", "generation_tokens_total"):
+        assert delta(f"quantkit_{name}") == delta(f"vllm:{name}" + label)
+    assert delta('quantkit_requests_total{route="/v1/completions",status="200"}') == 1
+    assert delta('quantkit_requests_total{route="/v1/chat/completions",status="200"}') == 1
+    used, total = m["quantkit_kv_pages_used"], m["quantkit_kv_pages_total"]
+    assert m["vllm:kv_cache_usage_perc" + label] == m["vllm:gpu_cache_usage_perc" + label] == used / total
+    assert m["vllm:num_requests_running" + label] == m["quantkit_num_requests_running"] == 0
+    assert m["vllm:num_requests_waiting" + label] == 0
+    assert m["vllm:prefix_cache_queries_total" + label] == m["quantkit_prefix_cache_queries_total"] > 0
+
+
+def test_each_server_has_its_own_metrics_registry(model_dir):
+    from prometheus_client import generate_latest
+
+    from quantkit.runtime.server import Server
+
+    a, b = Server(model_dir, served_model_name="a"), Server(model_dir, served_model_name="b")
+    a.metrics.requests.labels("/v1/models", 200).inc()
+    assert b'quantkit_requests_total{route="/v1/models",status="200"} 1.0' in generate_latest(a.metrics.registry)
+    assert b"quantkit_requests_total{" not in generate_latest(b.metrics.registry)
+
+
 def test_32_concurrent_streams_some_disconnecting(server):
     async def one(aclient, i):
         stream = await aclient.completions.create(model=NAME, prompt=f"request {i} of the test", stream=True,
@@ -240,8 +385,13 @@ def test_bad_requests_get_openai_errors(server):
     status, err = _post(server, {**ok, "prompt": "value " * 200, "max_tokens": 10})
     assert status == 400 and re.search(r"maximum context length is 128 tokens, but \d+ prompt tokens \+ 10",
                                        err["message"])
-    assert _post(server, {**ok, "n": 2})[0] == 400
-    assert _post(server, {**ok, "prompt": [[1, 2], [3]]})[0] == 400
+    for field, bad in (("n", 0), ("n", 129), ("n", 1.5), ("min_tokens", -1), ("min_tokens", 5), ("min_tokens", "2"),
+                       ("ignore_eos", 1), ("ignore_eos", "true")):
+        status, err = _post(server, {**ok, field: bad})
+        assert status == 400 and err["param"] == field, (field, bad)
+    for bad in ([], [[]], [["hello"]], [1, "a"], ["hello", ""]):
+        status, err = _post(server, {**ok, "prompt": bad})
+        assert status == 400 and err["param"] == "prompt", bad
     assert _post(server, ok, key=None)[0] == 401
     status, err = _post(server, ok, key="wrong")
     assert status == 401 and err["code"] == "invalid_api_key"

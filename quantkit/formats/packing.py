@@ -4,7 +4,13 @@
   words; the stored value is q + 2**(b-1).
 - fp4 (mxfp4/nvfp4): byte k holds code(2k) in its low nibble and code(2k+1) in its high nibble;
   code = sign << 3 | index into FP4_MAGNITUDES.
-- E8M0 scale byte e means 2**(e - 127); 255 is NaN.
+- E8M0 scale byte e means 2**(e - 127); 255 is NaN (OCP MX spec, as ml_dtypes.float8_e8m0fnu; compressed-tensors'
+  own decoding gives inf there).
+
+`fp4_decode` (and FP4_VALUES, its table) and `e8m0_decode` are the one definition of both decodings, shared by the
+format code, the XLA path and the gmm_v2 kernel (ARCHITECTURE.md rule 9; quant/reference.py, the test oracle,
+decodes independently). The decoders take the array module (numpy or jax.numpy) and use only selects and bit
+operations, which Mosaic lowers inside a Pallas TPU kernel (no gather).
 """
 
 from __future__ import annotations
@@ -12,8 +18,30 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 
-FP4_MAGNITUDES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], np.float32)
-FP4_VALUES = np.concatenate([FP4_MAGNITUDES, -FP4_MAGNITUDES])  # index = code
+E8M0_NAN = 255
+
+
+def fp4_decode(codes, xp=np):
+    """e2m1 codes (integers whose low 4 bits are the code: bytes or int4 nibbles) -> float32 values, code 8
+    -> -0.0. Builds the float32 bits: magnitude index i >= 2 is (1 + (i & 1) / 2) * 2**((i >> 1) - 1), whose
+    exponent and top mantissa bit are (i + 252) << 22; i = 1 is 0.5 (exponent 126); the sign is code bit 3.
+    xp: numpy or jax.numpy (int ops, selects and a bitcast, about 10 vector ops: no gather, which Mosaic lacks)."""
+    c = codes.astype(xp.int32)
+    i = c & 7
+    mag = xp.where(i >= 2, (i + 252) << 22, xp.where(i == 1, 126 << 23, 0)).astype(xp.int32)
+    return (mag | (c & 8) << 28).view(xp.float32)
+
+
+FP4_VALUES = fp4_decode(np.arange(16))  # [code]: 0, 0.5, 1, 1.5, 2, 3, 4, 6, then their negatives
+FP4_MAGNITUDES = FP4_VALUES[:8]
+
+
+def e8m0_decode(e, xp=np):
+    """E8M0 bytes (integers 0..255) -> float32 2**(e - 127), bit-exact: byte 0 -> 2**-127 (a subnormal),
+    255 -> NaN. xp: numpy or jax.numpy (builds the float32 bit pattern: int ops, selects, a bitcast)."""
+    e = e.astype(xp.int32)
+    bits = xp.where(e == 0, 1 << 22, xp.where(e == E8M0_NAN, 0x7FC00000, e << 23))
+    return bits.astype(xp.int32).view(xp.float32)
 
 
 def unpack_int(packed: np.ndarray, num_bits: int, in_features: int) -> np.ndarray:
@@ -80,14 +108,12 @@ def pack_fp4(codes: np.ndarray) -> np.ndarray:
 def unpack_fp4(packed: np.ndarray) -> np.ndarray:
     """fp4 e2m1 bytes [..., n/2] -> float32 values [..., n]."""
     codes = np.stack([packed & 0xF, packed >> 4], axis=-1).reshape(*packed.shape[:-1], -1)
-    return FP4_VALUES[codes]
+    return FP4_VALUES[codes]  # fp4_decode's table: a gather is faster in numpy
 
 
 def e8m0_to_float(scale: np.ndarray) -> np.ndarray:
     """E8M0 scale bytes (uint8 or float8_e8m0fnu) -> float32 2**(e-127); byte 255 -> NaN."""
-    e = scale.view(np.uint8) if scale.dtype != np.uint8 else scale
-    out = np.ldexp(np.float32(1.0), np.minimum(e, 254).astype(np.int32) - 127).astype(np.float32)
-    return np.where(e == 255, np.float32(np.nan), out)
+    return e8m0_decode(np.asarray(scale).view(np.uint8))
 
 
 def float_to_e8m0(scale: np.ndarray) -> np.ndarray:

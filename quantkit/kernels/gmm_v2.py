@@ -25,6 +25,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from quantkit.formats.packing import e8m0_decode, fp4_decode
 from quantkit.kernels.dispatch import can_use_gmm_v2
 from quantkit.kernels.tiling import CHIPS, Chip, Tiles, traffic
 from quantkit.quant.qtensor import QTensor
@@ -87,21 +88,11 @@ def visits(group_sizes: jax.Array, m: int, tm: int) -> tuple[jax.Array, jax.Arra
 
 def _decode_tile(q: jax.Array, qtype: str) -> jax.Array:
     """Packed tile -> float32 values before scaling (int4 ints, fp8 values, e2m1 values)."""
-    if qtype != "mxfp4":
-        return q.astype(jnp.float32)
-    c = q.astype(jnp.int32) & 15
-    idx, neg = c & 7, c >= 8
-    e, mant = idx >> 1, idx & 1
-    normal = jax.lax.bitcast_convert_type(((e + 126) << 23) | (mant << 22), jnp.float32)  # (1 + m/2) 2^(e-1)
-    mag = jnp.where(e == 0, mant.astype(jnp.float32) * 0.5, normal)
-    return jnp.where(neg, -mag, mag)
+    return fp4_decode(q, jnp) if qtype == "mxfp4" else q.astype(jnp.float32)
 
 
 def _decode_scales(s: jax.Array, qtype: str) -> jax.Array:
-    if qtype != "mxfp4":
-        return s.astype(jnp.float32)
-    # E8M0 byte e -> 2^(e - 127) built on the exponent bits (e = 0, 2^-127, flushes to 0).
-    return jax.lax.bitcast_convert_type(s.astype(jnp.int32) << 23, jnp.float32)
+    return e8m0_decode(s, jnp) if qtype == "mxfp4" else s.astype(jnp.float32)
 
 
 def _kernel(vg_ref, vt_ref, nv_ref, bounds_ref, off_ref, lhs_ref, q_ref, s_ref, out_ref, acc_ref, *,

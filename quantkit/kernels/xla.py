@@ -14,8 +14,17 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from quantkit.formats.packing import e8m0_decode, fp4_decode
 from quantkit.quant.qtensor import QTensor
-from quantkit.quant.reference import dequantize
+
+
+def dequantize(qt: QTensor) -> jax.Array:
+    """float32 [g, k, n]: the production decoding (formats/packing.py), kept apart from quant/reference.py,
+    the oracle the tests hold it to."""
+    mx = qt.qtype == "mxfp4"
+    values = fp4_decode(qt.values, jnp) if mx else qt.values.astype(jnp.float32)  # [g, k, n]
+    scales = e8m0_decode(qt.scales, jnp) if mx else qt.scales.astype(jnp.float32)  # [g, k // group, n]
+    return values * jnp.repeat(scales, qt.group, axis=1)
 
 
 @jax.jit

@@ -1,16 +1,22 @@
-"""Pure-jnp oracles for the kernels (ARCHITECTURE.md rule 5): same signatures, float32, no tiling."""
+"""Pure-jnp oracles for the kernels (ARCHITECTURE.md rule 5): same signatures, float32, no tiling.
+
+The mxfp4 decodings come from ml_dtypes' float4_e2m1fn and float8_e8m0fnu (byte 255 is NaN, as the OCP MX
+spec), on purpose not from formats/packing.py, which the production paths share: an oracle that shared it
+would agree with any mistake in it.
+"""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 
 from quantkit.quant.qtensor import QTensor
 
 # numpy, not jnp: a module-level jax array created while a trace is running would leak the trace.
-FP4_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
-                      np.float32)
+FP4_VALUES = np.arange(16, dtype=np.uint8).view(ml_dtypes.float4_e2m1fn).astype(np.float32)  # [code]
+E8M0_VALUES = np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e8m0fnu).astype(np.float32)  # [byte]
 
 
 def decode_values(qt: QTensor) -> jax.Array:
@@ -21,9 +27,9 @@ def decode_values(qt: QTensor) -> jax.Array:
 
 
 def decode_scales(qt: QTensor) -> jax.Array:
-    """Scales as float32 [g, k // group, n] (E8M0 bytes -> 2**(e - 127))."""
+    """Scales as float32 [g, k // group, n] (E8M0 bytes -> 2**(e - 127), 255 -> NaN)."""
     if qt.qtype == "mxfp4":
-        return jnp.ldexp(jnp.float32(1.0), qt.scales.astype(jnp.int32) - 127)
+        return jnp.asarray(E8M0_VALUES)[qt.scales.astype(jnp.int32)]
     return qt.scales.astype(jnp.float32)
 
 

@@ -30,7 +30,7 @@ import jax
 
 from quantkit.errors import InvalidInput
 from quantkit.runtime.cache import page_hashes
-from quantkit.runtime.step import TOP_LOGPROBS, Row, Runner, Sampling  # noqa: F401 - re-exported
+from quantkit.runtime.step import BANNED, TOP_LOGPROBS, Row, Runner, Sampling  # noqa: F401 - re-exported
 
 
 def enable_compilation_cache(directory: str | None = None) -> str:
@@ -70,6 +70,8 @@ class Request:
     logprobs: int | None = None  # alternatives per token (0: just the chosen token's); None: off
     on_update: Callable[[Update], None] | None = None
     id: str = ""
+    min_tokens: int = 0  # stop ids are never sampled, nor stop strings matched, before this many tokens
+    ignore_eos: bool = False  # a stop id ends nothing: it is kept, and generation goes on
     # engine state
     slot: int = -1
     done: int = 0  # tokens (prompt, then fed-back outputs) scheduled into the cache
@@ -77,6 +79,7 @@ class Request:
     out: list = field(default_factory=list)
     text: str = ""
     sent: int = 0  # characters of text already delivered
+    checked: int = 0  # characters of text already searched for stop strings
     offsets: tuple[int, int] = (0, 0)  # incremental detokenization window
     hashes: list = field(default_factory=list)  # chained hashes of its full pages (prefix caching)
     named: int = 0  # pages registered in the prefix cache
@@ -124,6 +127,8 @@ class Engine:
         if n + req.max_tokens > limit:
             raise InvalidInput(f"prompt of {n} tokens + max_tokens {req.max_tokens} exceeds the model length "
                                f"{limit}; shorten the prompt or lower max_tokens")
+        if req.min_tokens and len(req.stop_ids) > BANNED:
+            raise InvalidInput(f"min_tokens needs at most {BANNED} stop ids, got {len(req.stop_ids)}")
         with self._lock:
             if len(self.waiting) + len(self.running) >= self.runner.max_num_seqs + self.max_waiting:
                 raise QueueFull(f"all {self.runner.max_num_seqs} slots are busy and {len(self.waiting)} requests "
@@ -183,7 +188,8 @@ class Engine:
                 return False  # out of pages: the request waits for a later step
             toks = r.prompt[r.done:r.done + n] if prompt else None
             samples = not prompt or r.done + n == len(r.prompt)
-            rows.append((r, Row(r.slot, r.done, n, toks, r.sampling, r.logprobs is not None), samples))
+            banned = tuple(r.stop_ids) if samples and len(r.out) + r.pending < r.min_tokens else ()
+            rows.append((r, Row(r.slot, r.done, n, toks, r.sampling, r.logprobs is not None, banned), samples))
             r.done += n
             r.pending += samples
             self._name(r)
@@ -247,7 +253,7 @@ class Engine:
             r.first_token_at = time.monotonic()
         new, info = [], []
         for j, tok in enumerate(int(t) for t in toks):
-            if tok in r.stop_ids:
+            if tok in r.stop_ids and not r.ignore_eos:
                 r.finish_reason = "stop"
                 break
             r.out.append(tok)
@@ -274,11 +280,15 @@ class Engine:
         if len(now) > len(before) and not now.endswith("\ufffd"):  # wait for a whole character
             r.text += now[len(before):]
             r.offsets = (mid, len(r.out))
-        hits = [i for i in (r.text.find(s, max(0, r.sent - len(s))) for s in r.stop_strings) if i >= 0]
+        start, r.checked = r.checked, len(r.text)
+        if len(r.out) <= r.min_tokens:  # a stop string completed by the first min_tokens tokens does not count
+            return False
+        hits = [i for i in (r.text.find(s, max(0, start - len(s) + 1)) for s in r.stop_strings) if i >= 0]
         if not hits:
             return False
-        r.text, r.finish_reason = r.text[:min(hits)], "stop"
-        while r.out and any(s in self.detokenize(r.out) for s in r.stop_strings):
+        cut = min(hits)
+        r.text, r.finish_reason = r.text[:cut], "stop"
+        while r.out and any(self.detokenize(r.out).find(s, cut) >= 0 for s in r.stop_strings):
             r.out.pop()
         return True
 

@@ -24,6 +24,7 @@ from quantkit.kernels.tiling import LANES, round_up
 from quantkit.quant.qtensor import STORAGE, QTensor, check_qtensor
 from quantkit.runtime.config import ModelConfig, from_hf
 from quantkit.runtime.sharding import AXIS, expert_rows, place_row_major, shardings
+from quantkit.validate import validate_checkpoint
 
 LINEARS = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj"}
 MLP = {"gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj"}
@@ -329,21 +330,19 @@ def load(path: str | Path, dtype=jnp.bfloat16, check: bool = True, mesh=None, ep
     Args:
         path: checkpoint directory.
         dtype: activation and dense-weight dtype (bf16; float32 for parity tests).
-        check: run inspect's validation first (errors and unsupported layers stop the load).
+        check: validate first, as `quantkit inspect` does (errors and unsupported layers stop the load).
         mesh: place the weights tensor-parallel on this mesh (runtime/sharding.py); None: on one device.
         ep: with `mesh`, split MoE experts whole over the mesh (expert parallelism).
     """
     path = Path(path)
+    ckpt = Checkpoint.open(path)
     if check:
-        from quantkit.inspect import inspect_checkpoint
-
-        report = inspect_checkpoint(path, "cpu" if jax.default_backend() != "tpu" else "v6e")
+        problems = validate_checkpoint(ckpt).all_problems()
         for severity, exc in (("error", InvalidInput), ("unsupported", Unsupported)):
-            probs = [p for p in report["problems"] if p["severity"] == severity]
+            probs = [p for p in problems if p["severity"] == severity]
             if probs:
                 more = f" (and {len(probs) - 1} more; see `quantkit inspect`)" if len(probs) > 1 else ""
                 raise exc(f"{path}: {probs[0]['where']}: {probs[0]['message']}{more}")
-    ckpt = Checkpoint.open(path)
     if ckpt.config is None:
         raise InvalidInput(f"{path}: no config.json")
     eos = ()
@@ -418,7 +417,7 @@ def densify(params: dict, dtype) -> dict:
     slot has when unquantized (stacked linears [layers, in, out], experts [layers, experts, in, out],
     lm_head [in, out]). Off TPU this is what serves fastest: the XLA path would otherwise dequantize each
     weight on every call (runtime/step.py `Runner.weights`)."""
-    from quantkit.quant.reference import dequantize
+    from quantkit.kernels.xla import dequantize
 
     def dense(key, w, layers=None):
         if not isinstance(w, QTensor):

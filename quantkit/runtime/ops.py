@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -37,17 +38,34 @@ def interpret():
     return pltpu.InterpretParams()
 
 
+# device_kind of each TPU generation kernels/tiling.py has facts for (spelled as jax's pallas tpu_info does;
+# lower case). TPU7 and TPU7x share their facts there.
+DEVICE_KINDS = {"tpu v5 lite": "v5e", "tpu v5e": "v5e", "tpu v6 lite": "v6e", "tpu v6e": "v6e",
+                "tpu7x": "v7x", "tpu7": "v7x", "tpu v7x": "v7x", "tpu v7": "v7x"}
+
+
+def chip_of(device_kind: str) -> str | None:
+    """The CHIPS key of a TPU's device_kind, or None, with a warning, for a generation without facts here
+    (TPU v4, v5p, unknown ones): their VMEM differs from every known chip's (v4 has 16 MiB, less than any),
+    so no known chip's tiles are safe there; None sends the runtime to the XLA path, correct on any TPU."""
+    chip = DEVICE_KINDS.get(" ".join(device_kind.lower().split()))
+    if chip is None:
+        warnings.warn(f"no kernel facts for {device_kind!r} (known: v5e, v6e, v7x): using the XLA path, "
+                      "not the Pallas kernels", stacklevel=2)
+    return chip
+
+
 def tpu_chip() -> str | None:
     """The TPU generation being traced for: the default device's (set by `with jax.default_device(...)`
-    for deviceless compilation in `plan`), else the backend's; None off TPU (unless interpreted)."""
+    for deviceless compilation in `plan`), else the backend's; None off TPU (unless interpreted) and on a
+    TPU generation without facts here (`chip_of`)."""
     if _INTERPRETED.get() is not None:
         return _INTERPRETED.get()
     dev = jax.config.jax_default_device
     dev = dev if isinstance(dev, jax.Device) else (jax.devices()[0] if jax.default_backend() == "tpu" else None)
     if dev is None or dev.platform != "tpu":
         return None
-    kind = dev.device_kind.lower()
-    return "v5e" if "v5" in kind else "v7x" if "7" in kind else "v6e"
+    return chip_of(dev.device_kind)
 
 
 def grouped_matmul(x: jax.Array, w: QTensor, group_sizes: jax.Array, group_offset=None) -> jax.Array:

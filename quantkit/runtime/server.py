@@ -2,9 +2,9 @@
 
 Threads: uvicorn's event loop answers HTTP; one engine thread runs `Engine.run`, calling each request's
 `on_update`, which queues the update for the loop (one `call_soon_threadsafe` per engine iteration). A
-streaming response merges every update waiting in its queue into one SSE chunk, so a slow client costs one
-chunk per wake-up, not one per token. The model loads and compiles in a background thread while /health already answers; /ready and the
-/v1 routes wait for it.
+streaming response merges every update waiting in its queue into one SSE chunk per choice, so a slow client
+costs one chunk per wake-up, not one per token. The model loads and compiles in a background thread while
+/health already answers; /ready and the /v1 routes wait for it.
 """
 
 from __future__ import annotations
@@ -19,15 +19,17 @@ import sys
 import threading
 import time
 import uuid
-from collections import Counter
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from pathlib import Path
 
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.exposition import generate_latest
 from starlette.applications import Starlette
 from starlette.requests import Request as HttpRequest
-from starlette.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from quantkit.errors import InvalidInput
@@ -35,6 +37,7 @@ from quantkit.runtime.engine import TOP_LOGPROBS, Engine, QueueFull, Request, Ru
 
 log = logging.getLogger("quantkit.serve")
 MAX_BODY = 8 << 20  # bytes of JSON a request may send
+MAX_N = 128  # choices per prompt (OpenAI's limit)
 
 
 class ApiError(Exception):
@@ -52,55 +55,81 @@ class ApiError(Exception):
 
 # ---- metrics ---------------------------------------------------------------------------------------------
 
-class Histogram:
-    def __init__(self, buckets: tuple[float, ...]):
-        self.buckets, self.counts, self.sum, self.count = buckets, [0] * len(buckets), 0.0, 0
-
-    def observe(self, v: float) -> None:
-        self.sum, self.count = self.sum + v, self.count + 1
-        for i, b in enumerate(self.buckets):
-            if v <= b:
-                self.counts[i] += 1
-
-    def render(self, name: str, help_: str) -> list[str]:
-        lines = [f"# HELP {name} {help_}", f"# TYPE {name} histogram"]
-        lines += [f'{name}_bucket{{le="{b}"}} {c}' for b, c in zip(self.buckets, self.counts)]
-        return lines + [f'{name}_bucket{{le="+Inf"}} {self.count}', f"{name}_sum {self.sum:.6f}",
-                        f"{name}_count {self.count}"]
-
-
 LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
-class Metrics:
-    def __init__(self):
-        self.requests: Counter = Counter()  # (route, status) -> count
-        self.prompt_tokens = self.generation_tokens = 0
-        self.ttft, self.tpot, self.e2e = Histogram(LATENCY), Histogram(LATENCY), Histogram(LATENCY)
+class _Twin:
+    """One metric under quantkit's name and under vLLM's (labelled model_name, as vLLM labels it)."""
 
-    def render(self, engine: Engine | None) -> str:
-        out = ["# HELP quantkit_requests_total Finished HTTP requests by route and status.",
-               "# TYPE quantkit_requests_total counter"]
-        out += [f'quantkit_requests_total{{route="{r}",status="{s}"}} {n}' for (r, s), n in sorted(self.requests.items())]
-        for name, v, help_ in (("prompt_tokens_total", self.prompt_tokens, "Prompt tokens processed."),
-                               ("generation_tokens_total", self.generation_tokens, "Tokens generated."),
-                               ("prefix_cache_queries_total", engine.prefix_queries if engine else 0,
-                                "Prompt tokens looked up in the prefix cache."),
-                               ("prefix_cache_hits_total", engine.prefix_hits if engine else 0,
-                                "Prompt tokens found in the prefix cache (not recomputed).")):
-            out += [f"# HELP quantkit_{name} {help_}", f"# TYPE quantkit_{name} counter", f"quantkit_{name} {v}"]
-        out += self.ttft.render("quantkit_time_to_first_token_seconds", "Arrival to first token.")
-        out += self.tpot.render("quantkit_time_per_output_token_seconds", "Mean time between output tokens.")
-        out += self.e2e.render("quantkit_e2e_request_latency_seconds", "Arrival to last token.")
-        gauges = {"num_requests_running": (len(engine.running) if engine else 0, "Requests holding a slot."),
-                  "num_requests_waiting": (len(engine.waiting) if engine else 0, "Requests queued for a slot."),
-                  "kv_pages_used": (engine.pages_used if engine else 0, "KV cache pages in use."),
-                  "kv_pages_total": (engine.pool.total if engine else 0, "KV cache pages."),
-                  "kv_pages_cached": (engine.pool.cached_pages if engine else 0,
-                                      "KV cache pages holding a cached prefix (in use or idle).")}
-        for name, (v, help_) in gauges.items():
-            out += [f"# HELP quantkit_{name} {help_}", f"# TYPE quantkit_{name} gauge", f"quantkit_{name} {v}"]
-        return "\n".join(out) + "\n"
+    def __init__(self, kind, name: str, help_: str, registry: CollectorRegistry, model: str, **kw):
+        self.both = (kind(f"quantkit_{name}", help_, registry=registry, **kw),
+                     kind(f"vllm:{name}", help_, ["model_name"], registry=registry, **kw).labels(model))
+
+    def inc(self, v: float) -> None:
+        for m in self.both:
+            m.inc(v)
+
+    def observe(self, v: float) -> None:
+        for m in self.both:
+            m.observe(v)
+
+
+class Metrics:
+    """The server's Prometheus metrics, in a registry of its own: quantkit's names, and vLLM's where vLLM
+    has one, so that vLLM's dashboards work unchanged. Sequences count one by one (a request with n
+    choices or several prompts is several sequences, as in vLLM); HTTP requests count by route and status."""
+
+    def __init__(self, server: "Server"):
+        self.server, model = server, server.name
+        self.registry = r = CollectorRegistry()
+        self.requests = Counter("quantkit_requests", "Finished HTTP requests by route and status.",
+                                ["route", "status"], registry=r)
+        self.prompt_tokens = _Twin(Counter, "prompt_tokens", "Prompt tokens processed.", r, model)
+        self.generation_tokens = _Twin(Counter, "generation_tokens", "Tokens generated.", r, model)
+        self.ttft = _Twin(Histogram, "time_to_first_token_seconds", "Arrival to first token.", r, model,
+                          buckets=LATENCY)
+        self.tpot = _Twin(Histogram, "time_per_output_token_seconds", "Mean time between output tokens.", r, model,
+                          buckets=LATENCY)
+        self.e2e = _Twin(Histogram, "e2e_request_latency_seconds", "Arrival to last token.", r, model,
+                         buckets=LATENCY)
+        self.success = Counter("vllm:request_success", "Finished sequences by finish reason.",
+                               ["model_name", "finished_reason"], registry=r)
+        r.register(self)  # `collect`: the engine's state, read at each scrape
+
+    def finished(self, req: Request, end: float) -> None:
+        n = len(req.out)
+        self.prompt_tokens.inc(len(req.prompt))
+        self.generation_tokens.inc(n)
+        if req.first_token_at is not None:
+            self.ttft.observe(req.first_token_at - req.arrived)
+            if n > 1:
+                self.tpot.observe((end - req.first_token_at) / (n - 1))
+        self.e2e.observe(end - req.arrived)
+        self.success.labels(self.server.name, req.finish_reason or "abort").inc()
+
+    def collect(self):
+        e, model = self.server.engine, self.server.name
+        used, total = (e.pages_used, e.pool.total) if e else (0, 0)
+        for kind, name, v, help_, vllm in (
+                (GaugeMetricFamily, "num_requests_running", len(e.running) if e else 0, "Sequences holding a slot.",
+                 ["num_requests_running"]),
+                (GaugeMetricFamily, "num_requests_waiting", len(e.waiting) if e else 0,
+                 "Sequences queued for a slot.", ["num_requests_waiting"]),
+                (GaugeMetricFamily, "kv_pages_used", used, "KV cache pages in use.", []),
+                (GaugeMetricFamily, "kv_pages_total", total, "KV cache pages.", []),
+                (GaugeMetricFamily, "kv_pages_cached", e.pool.cached_pages if e else 0,
+                 "KV cache pages holding a cached prefix (in use or idle).", []),
+                (GaugeMetricFamily, "kv_cache_usage", used / total if total else 0.0,
+                 "Fraction of KV cache pages in use (1 = 100%).", ["kv_cache_usage_perc", "gpu_cache_usage_perc"]),
+                (CounterMetricFamily, "prefix_cache_queries", e.prefix_queries if e else 0,
+                 "Prompt tokens looked up in the prefix cache.", ["prefix_cache_queries"]),
+                (CounterMetricFamily, "prefix_cache_hits", e.prefix_hits if e else 0,
+                 "Prompt tokens found in the prefix cache (not recomputed).", ["prefix_cache_hits"])):
+            yield kind(f"quantkit_{name}", help_, value=v)
+            for alias in vllm:
+                family = kind(f"vllm:{alias}", help_, labels=["model_name"])
+                family.add_metric([model], v)
+                yield family
 
 
 # ---- request parsing -------------------------------------------------------------------------------------
@@ -120,8 +149,8 @@ def _field(body: dict, name: str, kinds: tuple, default=None, ok=None, rule: str
 
 @dataclass
 class Params:
-    prompt: list[int]
-    prompt_text: str
+    prompts: list[tuple[list[int], str]]  # (token ids, text) of each prompt
+    n: int  # choices per prompt; choice i of each draws with seed + i
     max_tokens: int
     sampling: Sampling
     stop: tuple[str, ...]
@@ -129,6 +158,8 @@ class Params:
     stream: bool
     include_usage: bool
     echo: bool
+    min_tokens: int
+    ignore_eos: bool
 
 
 # ---- the server ------------------------------------------------------------------------------------------
@@ -149,7 +180,7 @@ class Server:
         self.codec = None
         self.status = "starting"
         self.failed: str | None = None
-        self.metrics = Metrics()
+        self.metrics = Metrics(self)
         self.stop = threading.Event()
         self.loop: asyncio.AbstractEventLoop | None = None
         self._lock, self._pending, self._scheduled = threading.Lock(), [], False  # updates for the loop
@@ -221,7 +252,7 @@ class Server:
         return JSONResponse({"status": self.status}, status_code=200 if ok else 503)
 
     async def prometheus(self, request: HttpRequest):
-        return PlainTextResponse(self.metrics.render(self.engine), media_type="text/plain; version=0.0.4")
+        return Response(generate_latest(self.metrics.registry), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     async def models(self, request: HttpRequest):
         return await self._guarded(request, "/v1/models", self._models)
@@ -253,7 +284,7 @@ class Server:
         except Exception as e:  # noqa: BLE001 - never a traceback to the client
             log.error("internal error on %s: %s: %s", route, type(e).__name__, e)
             response = ApiError(500, f"internal error: {type(e).__name__}", kind="internal_error").response()
-        self.metrics.requests[(route, response.status_code)] += 1
+        self.metrics.requests.labels(route, response.status_code).inc()
         return response
 
     # -- generation --
@@ -280,25 +311,27 @@ class Server:
         if model != self.name:
             raise ApiError(404, f"model '{model}' does not exist; this server serves '{self.name}'",
                            param="model", code="model_not_found")
-        if _field(body, "n", (int,), 1) != 1:
-            raise ApiError(400, "only n=1 is supported", param="n")
+        n = _field(body, "n", (int,), 1, lambda v: 1 <= v <= MAX_N, f"must be in [1, {MAX_N}]")
         for name in ("presence_penalty", "frequency_penalty"):
             if _field(body, name, (int, float), 0) != 0:
                 raise ApiError(400, f"'{name}' is not supported", param=name)
         if chat:
             text = self._render_chat(body.get("messages"))
-            prompt = self.codec.encode(text, special=False)
+            prompts = [(self.codec.encode(text, special=False), text)]
         else:
-            prompt, text = self._prompt(body.get("prompt"))
+            prompts = self._prompts(body.get("prompt"))
+        longest = max(len(ids) for ids, _ in prompts)
         limit = self.engine.runner.max_model_len
-        room = limit - len(prompt)
         names = ("max_completion_tokens", "max_tokens") if chat else ("max_tokens",)
-        name = next((n for n in names if body.get(n) is not None), "max_tokens")
-        max_tokens = _field(body, name, (int,), max(room, 1) if chat else 16, lambda v: v >= 1, "must be at least 1")
-        if len(prompt) + max_tokens > limit:
-            raise ApiError(400, f"this model's maximum context length is {limit} tokens, but {len(prompt)} "
-                                f"prompt tokens + {max_tokens} {name} = {len(prompt) + max_tokens}; shorten the "
+        name = next((k for k in names if body.get(k) is not None), "max_tokens")
+        max_tokens = _field(body, name, (int,), max(limit - longest, 1) if chat else 16, lambda v: v >= 1,
+                            "must be at least 1")
+        if longest + max_tokens > limit:
+            raise ApiError(400, f"this model's maximum context length is {limit} tokens, but {longest} "
+                                f"prompt tokens + {max_tokens} {name} = {longest + max_tokens}; shorten the "
                                 f"prompt or lower {name}", param=name)
+        min_tokens = _field(body, "min_tokens", (int,), 0, lambda v: 0 <= v <= max_tokens,
+                            f"must be in [0, {name}={max_tokens}]")
         temperature = _field(body, "temperature", (int, float), 1.0, lambda v: 0 <= v <= 2, "must be in [0, 2]")
         top_p = _field(body, "top_p", (int, float), 1.0, lambda v: 0 < v <= 1, "must be in (0, 1]")
         top_k = _field(body, "top_k", (int,), 0, lambda v: v >= -1, "must be -1, 0 (off) or positive")
@@ -318,15 +351,18 @@ class Server:
                               f"must be in [0, {TOP_LOGPROBS}]")
             echo = _field(body, "echo", (bool,), False)
         options = _field(body, "stream_options", (dict,), {})
-        return Params(prompt, text, max_tokens,
+        return Params(prompts, n, max_tokens,
                       Sampling(float(temperature), max(top_k, 0), float(top_p),
                                seed if seed is not None else uuid.uuid4().int & 0xFFFFFFFF),
                       tuple(stop), logprobs, _field(body, "stream", (bool,), False),
-                      bool(options.get("include_usage")), echo)
+                      bool(options.get("include_usage")), echo, min_tokens, _field(body, "ignore_eos", (bool,), False))
+
+    def _prompts(self, prompt) -> list[tuple[list[int], str]]:
+        """(token ids, text) of each prompt: `prompt` is one (a string or token ids) or a list of them."""
+        many = isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt)
+        return [self._prompt(p) for p in (prompt if many else [prompt])]
 
     def _prompt(self, prompt) -> tuple[list[int], str]:
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-            prompt = prompt[0]  # a batch of one
         if isinstance(prompt, str) and prompt:
             return self.codec.encode(prompt), prompt
         if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool)
@@ -334,8 +370,8 @@ class Server:
             if not all(0 <= t < self.vocab for t in prompt):
                 raise ApiError(400, f"prompt token ids must be in [0, {self.vocab})", param="prompt")
             return prompt, self.codec.decode(prompt)
-        raise ApiError(400, "'prompt' must be a non-empty string or list of token ids (one prompt per request)",
-                       param="prompt")
+        raise ApiError(400, "'prompt' must be a non-empty string, a non-empty list of token ids, or a list of "
+                            "those", param="prompt")
 
     def _render_chat(self, messages) -> str:
         if not isinstance(messages, list) or not messages:
@@ -361,41 +397,54 @@ class Server:
     async def _generate(self, request: HttpRequest, chat: bool):
         p = self._params(await self._body(request), chat)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
-        queue: asyncio.Queue = asyncio.Queue()
-        req = Request(p.prompt, p.max_tokens, p.sampling, self.stop_ids, p.stop, p.logprobs,
-                      lambda update: self._post(queue, update), id=rid)
-        try:
-            self.engine.submit(req)
-        except QueueFull as e:
-            raise ApiError(429, str(e), kind="rate_limit_exceeded") from None
-        except InvalidInput as e:
-            raise ApiError(400, str(e)) from None
+        queue: asyncio.Queue = asyncio.Queue()  # (choice index, update)
+        reqs = []
+        for ids, _ in p.prompts:  # one sequence per choice: choice j answers prompt j // n
+            for i in range(p.n):
+                j = len(reqs)
+                reqs.append(Request(ids, p.max_tokens, replace(p.sampling, seed=p.sampling.seed + i), self.stop_ids,
+                                    p.stop, p.logprobs, lambda update, j=j: self._post(queue, (j, update)),
+                                    id=f"{rid}-{j}", min_tokens=p.min_tokens, ignore_eos=p.ignore_eos))
+        self._submit(reqs)
         shape = _Shape(self, rid, chat, p)
         if p.stream:
-            return StreamingResponse(self._stream(req, queue, shape), media_type="text/event-stream",
+            return StreamingResponse(self._stream(reqs, queue, shape), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
         gone = asyncio.ensure_future(_disconnected(request))
         try:
-            updates = []
-            while not updates or updates[-1].finish_reason is None:
+            updates, live = [[] for _ in reqs], len(reqs)
+            while live:
                 get = asyncio.ensure_future(queue.get())
                 await asyncio.wait({get, gone}, return_when=asyncio.FIRST_COMPLETED)
                 if not get.done():
                     get.cancel()
-                    self.engine.abort(rid)
-                    self._finished(req, "client closed")
+                    self._close(reqs, "client closed")
                     return PlainTextResponse("", status_code=499)
-                updates.append(get.result())
+                j, update = get.result()
+                updates[j].append(update)
+                live -= update.finish_reason is not None
         finally:
             gone.cancel()
-        self._finished(req, "ok")
-        return JSONResponse(shape.whole(_merge(updates), req))
+        self._close(reqs, "ok")
+        return JSONResponse(shape.whole([_merge(us) for us in updates], reqs))
 
-    def _post(self, queue: asyncio.Queue, update: Update) -> None:
+    def _submit(self, reqs: list[Request]) -> None:
+        """Queues every sequence of a request, or none (those queued before a refusal are aborted)."""
+        for k, req in enumerate(reqs):
+            try:
+                self.engine.submit(req)
+            except (QueueFull, InvalidInput) as e:
+                for queued in reqs[:k]:
+                    self.engine.abort(queued.id)
+                if isinstance(e, QueueFull):
+                    raise ApiError(429, str(e), kind="rate_limit_exceeded") from None
+                raise ApiError(400, str(e)) from None
+
+    def _post(self, queue: asyncio.Queue, item) -> None:
         """Engine thread: hands an update to the event loop. One loop wake-up carries every update of an
         engine iteration (a wake-up per request was 9% of the engine thread's time at 16 streams)."""
         with self._lock:
-            self._pending.append((queue, update))
+            self._pending.append((queue, item))
             if self._scheduled:
                 return
             self._scheduled = True
@@ -407,44 +456,46 @@ class Server:
     def _flush(self) -> None:
         with self._lock:
             pending, self._pending, self._scheduled = self._pending, [], False
-        for queue, update in pending:
-            queue.put_nowait(update)
+        for queue, item in pending:
+            queue.put_nowait(item)
 
-    async def _stream(self, req: Request, queue: asyncio.Queue, shape: "_Shape"):
+    async def _stream(self, reqs: list[Request], queue: asyncio.Queue, shape: "_Shape"):
+        """SSE chunks, each of one choice: what its waiting updates carry, merged."""
+        done = False
         try:
             if shape.chat:
-                yield shape.sse(shape.chunk(Update("", [], []), role=True))
-            while True:
-                updates = [await queue.get()]
+                for j in range(len(reqs)):
+                    yield shape.sse(shape.chunk(j, Update("", [], []), role=True))
+            live = len(reqs)
+            while live:
+                items = [await queue.get()]
                 while not queue.empty():
-                    updates.append(queue.get_nowait())
-                u = _merge(updates)
-                if u.text or u.logprobs or u.finish_reason:
-                    yield shape.sse(shape.chunk(u))
-                if u.finish_reason is not None:
-                    break
+                    items.append(queue.get_nowait())
+                by_choice: dict[int, list[Update]] = {}
+                for j, update in items:
+                    by_choice.setdefault(j, []).append(update)
+                for j, updates in sorted(by_choice.items()):
+                    u = _merge(updates)
+                    if u.text or u.logprobs or u.finish_reason:
+                        yield shape.sse(shape.chunk(j, u))
+                    live -= u.finish_reason is not None
+            done = True
             if shape.p.include_usage:
-                yield shape.sse({**shape.head("chunk"), "choices": [], "usage": shape.usage(req)})
+                yield shape.sse({**shape.head("chunk"), "choices": [], "usage": shape.usage(reqs)})
             yield "data: [DONE]\n\n"
-            self._finished(req, "ok")
         finally:
-            if req.finish_reason is None:  # the client went away mid-stream
-                self.engine.abort(req.id)
-                self._finished(req, "client closed")
+            self._close(reqs, "ok" if done else "client closed")
 
-    def _finished(self, req: Request, how: str) -> None:
-        m, n = self.metrics, len(req.out)
-        end = req.finished_at or time.monotonic()
-        m.prompt_tokens += len(req.prompt)
-        m.generation_tokens += n
-        if req.first_token_at is not None:
-            m.ttft.observe(req.first_token_at - req.arrived)
-            if n > 1:
-                m.tpot.observe((end - req.first_token_at) / (n - 1))
-        m.e2e.observe(end - req.arrived)
-        ttft = f"{(req.first_token_at - req.arrived) * 1e3:.0f}" if req.first_token_at else "-"
-        log.warning("%s %s prompt=%d completion=%d finish=%s ttft_ms=%s latency_ms=%.0f", req.id, how,
-                    len(req.prompt), n, req.finish_reason, ttft, (end - req.arrived) * 1e3)
+    def _close(self, reqs: list[Request], how: str) -> None:
+        """Counts and logs every sequence of a request; aborts those still running (the client went away)."""
+        for req in reqs:
+            if req.finish_reason is None:
+                self.engine.abort(req.id)
+            end = req.finished_at or time.monotonic()
+            self.metrics.finished(req, end)
+            ttft = f"{(req.first_token_at - req.arrived) * 1e3:.0f}" if req.first_token_at else "-"
+            log.warning("%s %s prompt=%d completion=%d finish=%s ttft_ms=%s latency_ms=%.0f", req.id, how,
+                        len(req.prompt), len(req.out), req.finish_reason, ttft, (end - req.arrived) * 1e3)
 
 
 async def _disconnected(request: HttpRequest) -> None:
@@ -458,12 +509,13 @@ def _merge(updates: list[Update]) -> Update:
 
 
 class _Shape:
-    """OpenAI response bodies for one request (completion or chat; whole or chunk)."""
+    """OpenAI response bodies for one request (completion or chat; whole or chunk). Choice j answers prompt
+    j // n (OpenAI's order)."""
 
     def __init__(self, server: Server, rid: str, chat: bool, p: Params):
         self.server, self.rid, self.chat, self.p = server, rid, chat, p
         self.created = int(time.time())
-        self.offset = len(p.prompt_text) if p.echo else 0
+        self.offsets = [len(text) if p.echo else 0 for _, text in p.prompts for _ in range(p.n)]  # text_offset
 
     def head(self, kind: str) -> dict:
         obj = {"whole": "chat.completion", "chunk": "chat.completion.chunk"}[kind] if self.chat else "text_completion"
@@ -473,14 +525,15 @@ class _Shape:
     def sse(obj: dict) -> str:
         return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
 
-    def usage(self, req: Request) -> dict:
-        return {"prompt_tokens": len(req.prompt), "completion_tokens": len(req.out),
-                "total_tokens": len(req.prompt) + len(req.out)}
+    def usage(self, reqs: list[Request]) -> dict:
+        """Each prompt counts once, every choice's tokens count (as OpenAI counts them)."""
+        prompt, completion = sum(len(ids) for ids, _ in self.p.prompts), sum(len(r.out) for r in reqs)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
     def _token(self, t: int) -> str:
         return _token_text(self.server.codec, t)
 
-    def logprobs(self, entries: list) -> dict | None:
+    def logprobs(self, j: int, entries: list) -> dict | None:
         if self.p.logprobs is None:
             return None
         if self.chat:
@@ -493,31 +546,31 @@ class _Shape:
         tokens, offsets = [], []
         for t, _, _ in entries:
             tokens.append(self._token(t))
-            offsets.append(self.offset)
-            self.offset += len(tokens[-1])
+            offsets.append(self.offsets[j])
+            self.offsets[j] += len(tokens[-1])
         return {"tokens": tokens, "token_logprobs": [lp for _, lp, _ in entries],
                 "top_logprobs": [{self._token(i): v for i, v in top} for _, _, top in entries],
                 "text_offset": offsets}
 
-    def chunk(self, u: Update, role: bool = False) -> dict:
+    def _choice(self, j: int, u: Update, **content) -> dict:
+        return {"index": j, **content, "logprobs": self.logprobs(j, u.logprobs), "finish_reason": u.finish_reason}
+
+    def chunk(self, j: int, u: Update, role: bool = False) -> dict:
         if self.chat:
             delta = {"role": "assistant", "content": ""} if role else ({"content": u.text} if u.text else {})
-            choice = {"index": 0, "delta": delta, "logprobs": self.logprobs(u.logprobs),
-                      "finish_reason": u.finish_reason}
+            choice = self._choice(j, u, delta=delta)
         else:
-            choice = {"index": 0, "text": u.text, "logprobs": self.logprobs(u.logprobs),
-                      "finish_reason": u.finish_reason}
+            choice = self._choice(j, u, text=u.text)
         return {**self.head("chunk"), "choices": [choice]}
 
-    def whole(self, u: Update, req: Request) -> dict:
+    def whole(self, updates: list[Update], reqs: list[Request]) -> dict:
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": u.text},
-                      "logprobs": self.logprobs(u.logprobs), "finish_reason": u.finish_reason}
+            choices = [self._choice(j, u, message={"role": "assistant", "content": u.text})
+                       for j, u in enumerate(updates)]
         else:
-            text = (self.p.prompt_text if self.p.echo else "") + u.text
-            choice = {"index": 0, "text": text, "logprobs": self.logprobs(u.logprobs),
-                      "finish_reason": u.finish_reason}
-        return {**self.head("whole"), "choices": [choice], "usage": self.usage(req)}
+            echo = [text if self.p.echo else "" for _, text in self.p.prompts]
+            choices = [self._choice(j, u, text=echo[j // self.p.n] + u.text) for j, u in enumerate(updates)]
+        return {**self.head("whole"), "choices": choices, "usage": self.usage(reqs)}
 
 
 @lru_cache(maxsize=65536)

@@ -29,6 +29,8 @@ from quantkit.runtime.sharding import AXIS, cache_sharding, make_mesh, place_row
 
 TOP_LOGPROBS = 20  # the most alternatives a request may ask for (OpenAI's limit)
 STOP, STEP, LOGITS = 0, 1, 2  # what the first process of a multi-process run broadcasts (Runner._call)
+BANNED = 8  # the most token ids a row may forbid its sample (Row.banned); padding: NO_TOKEN, out of range
+NO_TOKEN = np.iinfo(np.int32).max
 
 
 @dataclass(frozen=True)
@@ -82,11 +84,14 @@ def pick(logits: jax.Array, s: dict, next_pos: jax.Array):
     """Token, its log-probability and the top alternatives for logits [b, vocab] (float32).
 
     The key of a draw depends only on the request's seed and the position of the drawn token, so a seeded
-    request gives the same text whatever else shares its batch.
+    request gives the same text whatever else shares its batch. A row's banned ids [BANNED] are never drawn;
+    log-probabilities are those of the unbanned logits (vLLM's raw logprobs).
     """
     keys = jax.vmap(lambda seed, p: jax.random.fold_in(jax.random.PRNGKey(seed), p))(s["seed"], next_pos)
-    tok = jax.lax.cond(jnp.all(s["temperature"] <= 0), lambda: jnp.argmax(logits, axis=-1),
-                       lambda: sample(logits, keys, s["temperature"], s["top_k"], s["top_p"]))
+    allowed = jax.lax.cond(jnp.any(s["banned"] != NO_TOKEN), lambda: jax.vmap(
+        lambda row, ids: row.at[ids].set(-jnp.inf, mode="drop"))(logits, s["banned"]), lambda: logits)
+    tok = jax.lax.cond(jnp.all(s["temperature"] <= 0), lambda: jnp.argmax(allowed, axis=-1),
+                       lambda: sample(allowed, keys, s["temperature"], s["top_k"], s["top_p"]))
     logp = jax.nn.log_softmax(logits, axis=-1)
     b = logits.shape[0]
     top = jax.lax.cond(jnp.any(s["logprobs"]), lambda: tuple(jax.lax.top_k(logp, TOP_LOGPROBS)),
@@ -142,7 +147,8 @@ def token_buckets(max_num_batched_tokens: int, lo: int = 8) -> tuple[int, ...]:
 def sampling_arrays(b: int) -> dict:
     """Greedy sampling parameters for b rows."""
     return {"temperature": np.zeros(b, np.float32), "top_k": np.zeros(b, np.int32),
-            "top_p": np.ones(b, np.float32), "seed": np.zeros(b, np.uint32), "logprobs": np.zeros(b, bool)}
+            "top_p": np.ones(b, np.float32), "seed": np.zeros(b, np.uint32), "logprobs": np.zeros(b, bool),
+            "banned": np.full((b, BANNED), NO_TOKEN, np.int32)}
 
 
 def empty_batch(t: int, s: int, layout: CacheLayout, max_num_seqs: int) -> dict:
@@ -157,7 +163,8 @@ def empty_batch(t: int, s: int, layout: CacheLayout, max_num_seqs: int) -> dict:
 @dataclass
 class Row:
     """One sequence's part of a step: `n` tokens from position `start`; `tokens` given (prompt), or None
-    for one decode token that the device takes from the slot's last sampled token."""
+    for one decode token that the device takes from the slot's last sampled token. `banned`: token ids
+    its sample must not be (at most BANNED)."""
 
     slot: int
     start: int
@@ -165,6 +172,7 @@ class Row:
     tokens: list | None = None
     sampling: Sampling = Sampling()
     logprobs: bool = False
+    banned: tuple = ()
 
 
 @dataclass
@@ -267,6 +275,7 @@ class Runner:
             s, p = b["sampling"], r.sampling
             s["temperature"][i], s["top_k"][i], s["top_p"][i] = p.temperature, p.top_k, p.top_p
             s["seed"][i], s["logprobs"][i] = p.seed & 0xFFFFFFFF, r.logprobs
+            s["banned"][i, :len(r.banned)] = r.banned
         b["cu_q_lens"][len(rows) + 1:] = at
         b["num_seqs"][0] = len(rows)
         return b
