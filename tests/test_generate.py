@@ -52,6 +52,8 @@ def test_greedy_tokens_equal_transformers(checkpoint):
     assert cut.text == r.text[:r.text.index(word)] and cut.finish_reason == "stop"
 
 
+# The claim under test is "no TPU: CPU chosen quietly"; on a TPU host the CPU is rightly not chosen, so the
+# case does not exist there (CI and this machine have no TPU; test_choose_backend covers the TPU branches).
 @pytest.mark.skipif(bool(tpu_chips() or tpu_device_files()), reason="for a machine without a TPU")
 def test_cli_prints_what_generate_returns_and_picks_the_cpu_quietly(checkpoint):
     """Run without JAX_PLATFORMS, as a user would: stdout is the library's completion; stderr is the backend
