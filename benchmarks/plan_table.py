@@ -62,6 +62,7 @@ QWEN3_30B_A3B = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_
 CONFIGS = Path(__file__).resolve().parent / "configs"  # published multimodal config.json files (README there)
 GEMMA4_31B = json.loads((CONFIGS / "gemma-4-31B-it.json").read_text())
 GEMMA4_26B_A4B = json.loads((CONFIGS / "gemma-4-26B-A4B-it.json").read_text())
+QWEN35_35B_A3B = json.loads((CONFIGS / "qwen3.5-35B-A3B.json").read_text())
 ROWS = [  # name, config, scheme, group size, chips (, expert parallel)
     ("Llama-3-8B", LLAMA3_8B, "W4A16", 128, 1), ("Gemma-3-27B", GEMMA3_27B, "W4A16", 128, 1),
     ("Gemma-3-27B", GEMMA3_27B, "W4A16", 32, 1), ("Qwen3-30B-A3B", QWEN3_30B_A3B, "W4A16", 128, 1),
@@ -71,7 +72,10 @@ ROWS = [  # name, config, scheme, group size, chips (, expert parallel)
     ("Gemma-4-26B-A4B", GEMMA4_26B_A4B, "W4A16", 32, 1), ("Gemma-4-31B", GEMMA4_31B, "DENSE", 0, 4),
     # an MoE on 4 chips, its experts split whole (expert parallel; split four ways, the down projection's 6
     # scale groups of 128 inputs would not divide: refused)
-    ("Qwen3-30B-A3B", QWEN3_30B_A3B, "W4A16", 128, 4, True)]
+    ("Qwen3-30B-A3B", QWEN3_30B_A3B, "W4A16", 128, 4, True),
+    # Gated DeltaNet + gated attention + shared-expert MoE: KV for the 10 attention layers, a recurrent state
+    # slot per sequence for the 30 GDN layers (the "state" column)
+    ("Qwen3.5-35B-A3B", QWEN35_35B_A3B, "W4A16", 128, 1)]
 
 
 def main() -> None:
@@ -82,10 +86,10 @@ def main() -> None:
     ap.add_argument("--kv-cache-dtype", nargs="+", default=["auto"], help="each row with each of these KV caches")
     args = ap.parse_args()
     gib = 1 << 30
-    lines = ["| model | weights | KV cache | chips | fits at 16 | weights GiB | KV GiB (16 × 2048) | temporaries GiB | largest "
-             "concurrency at 2048 | plan s (wall, this CPU) | compile s (all programs) | slowest compile s | "
-             "decode step: XLA bytes accessed / floor | decode step, roofline estimate |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| model | weights | KV cache | chips | fits at 16 | weights GiB | KV GiB (16 × 2048) | recurrent state GiB | "
+             "temporaries GiB | largest concurrency at 2048 | plan s (wall, this CPU) | compile s (all programs) | "
+             "slowest compile s | decode step: XLA bytes accessed / floor | decode step, roofline estimate |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     par = ["| model | weights | chips | experts | experts GiB per chip | weights GiB per chip | largest concurrency "
            "at 2048 | expert kernel | collectives per decode step (16 tokens), MiB | floor, MiB |",
            "|---|---|---|---|---|---|---|---|---|---|"]
@@ -106,7 +110,7 @@ def main() -> None:
         results.append({"model": name, "group": group, "wall_seconds": wall, "compiles": list(COMPILES), **r})
         lines.append(f"| {name} | {label} | {r['kv_cache_dtype']} | {r['topology']} | {'yes' if r['fits'] else 'no'} | "
                      f"{h['weights'] / gib:.2f} | "
-                     f"{h['kv_cache'] / gib:.2f} | {h['temporaries'] / gib:.2f} | {r['max_num_seqs_that_fit']} | "
+                     f"{h['kv_cache'] / gib:.2f} | {h['recurrent_state'] / gib:.2f} | {h['temporaries'] / gib:.2f} | {r['max_num_seqs_that_fit']} | "
                      f"{wall:.0f} | {sum(COMPILES):.0f} | {max(COMPILES):.0f} | {cost['bytes_accessed'] / 1e9:.2f} GB / "
                      f"{cost['floor_bytes'] / 1e9:.2f} GB = {cost['ratio_to_floor']:.2f}× | {est['seconds'] * 1e3:.1f} ms → ~{est['output_tokens_per_s']:.0f} "
                      f"tok/s at 16 |")

@@ -41,7 +41,7 @@ from quantkit.formats.compressed_tensors import (
 )
 from quantkit.formats.hf import (
     INDEX_NAME, PACKED_EXPERT_ARCHITECTURES, PACKED_EXPERTS, Checkpoint, classify_module, default_exclusion,
-    group_modules, packed_experts, vision_root,
+    exclusion_pattern, group_modules, packed_experts,
 )
 from quantkit.formats.safetensors_io import DTYPES, FLOAT_DTYPES
 from quantkit.quant.quantize import quantize_rows
@@ -135,9 +135,9 @@ def plan(ckpt: Checkpoint, scheme: str, group_size: int, ignore: list[str],
                 reason = "--ignore"
             if reason is not None:
                 quantize = False
-                root = vision_root(module)
-                if root is not None:  # one pattern per tower: its in-memory names carry other prefixes
-                    ignored.append(f"re:.*{root}\\.")
+                pattern = exclusion_pattern(module)
+                if pattern is not None:  # one pattern per tower or part
+                    ignored.append(pattern)
                 elif not _matches(module, [p for p in ignore if p.startswith("re:")]):
                     ignored.append(module)
         for p, n in pnames.items():

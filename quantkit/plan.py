@@ -75,6 +75,8 @@ def plan(path: str | Path, target: str = "v6e", max_model_len: int = 2048, max_n
         raise Unsupported("plan compiles for TPU with libtpu, which is not installed: pip install 'quantkit[tpu]'")
     import jax
     import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     from quantkit.formats.compressed_tensors import kv_scheme_reason
     from quantkit.kernels.tiling import CHIPS
@@ -119,18 +121,22 @@ def plan(path: str | Path, target: str = "v6e", max_model_len: int = 2048, max_n
         return next(b for b in buckets if b >= min(n, budget))
 
     def cache(n: int, c=cfg) -> dict:
-        """As the Runner's: per kind stacked pages for n sequences."""
-        shapes = cache_layout(c, max_model_len, n, PAGE_SIZE, budget).shapes()
-        return {k: jax.ShapeDtypeStruct(s, kv_dtype, sharding=None if mesh is None else cache_sharding(c, mesh, k))
-                for k, s in shapes.items()}
+        """As the Runner's: per kind stacked pages for n sequences (and Gated DeltaNet state slots)."""
+        def leaf(k, s, d):
+            sh = None if mesh is None else cache_sharding(c, mesh, k) if k != "linear" else NamedSharding(mesh, P())
+            return jax.ShapeDtypeStruct(s, d or kv_dtype, sharding=sh)
+
+        return cache_layout(c, max_model_len, n, PAGE_SIZE, budget).cache(leaf)
 
     def weight_bytes(only_experts: bool = False) -> int:
         return sum(_nbytes(x, lay, chip) for x, lay, e in zip(param_leaves, layouts["params"], experts)
                    if e or not only_experts)
 
-    def kv_bytes(n: int) -> int:
-        leaves = jax.tree_util.tree_leaves(cache(n))
-        return sum(_nbytes(x, lay, chip) for x, lay in zip(leaves, layouts["cache"] or [None] * len(leaves)))
+    def kv_bytes(n: int, states: bool | None = None) -> int:
+        """HBM bytes of the cache for n sequences: KV pages and state slots, or only one (states True/False)."""
+        flat = jax.tree_util.tree_flatten_with_path(cache(n))[0]
+        return sum(_nbytes(x, lay, chip) for (path, x), lay in zip(flat, layouts["cache"] or [None] * len(flat))
+                   if states is None or (path[0].key == "linear") == states)
 
     weight_shapes = _quantized_shapes(params)
 
@@ -155,7 +161,7 @@ def plan(path: str | Path, target: str = "v6e", max_model_len: int = 2048, max_n
         if layouts["cache"] is None:  # the argument layouts XLA chose, in args' order
             formats = [f.layout for f in jax.tree_util.tree_leaves(compiled.input_formats)]
             w = len(param_leaves)
-            layouts["params"], layouts["cache"] = formats[:w], formats[w:w + len(cfg.kinds)]
+            layouts["params"], layouts["cache"] = formats[:w], formats[w:w + len(jax.tree_util.tree_leaves(cache(n)))]
         return compiled.memory_analysis().temp_size_in_bytes, seconds, "", _dequantized(compiled, weight_shapes)
 
     def fits_at(n: int, decode: bool = True) -> tuple[bool, int, float, str, list]:
@@ -185,17 +191,18 @@ def plan(path: str | Path, target: str = "v6e", max_model_len: int = 2048, max_n
     if search:
         best, s = _largest_fit(fits_at, max_num_seqs, fits, temp, chip.hbm_bytes - weights - fixed, per_seq, progress)
         seconds += s
-    kv = kv_bytes(max_num_seqs)
-    # a decode step at full context reads every weight and every cached token once (each chip its share, in
-    # parallel; the all-reduces of a tensor-parallel step are left out)
-    step_bytes = weights + kv
+    kv, state = kv_bytes(max_num_seqs), kv_bytes(max_num_seqs, states=True)
+    # a decode step at full context reads every weight and every cached token once, and reads and writes each
+    # sequence's recurrent state (each chip its share, in parallel; the all-reduces of a tensor-parallel step
+    # are left out)
+    step_bytes = weights + kv + state
     collectives = {k.split(":")[1]: v for k, v in cost.items() if k.startswith("collective:")}
     cost = {k: v for k, v in cost.items() if not k.startswith("collective:")}
     return {
         "path": str(path), "target": target, "scheme": scheme or ("checkpoint" if qc else "DENSE"),
         "max_model_len": max_model_len, "max_num_seqs": max_num_seqs, "tp": tp, "kv_cache_dtype": kv_dtype.name,
         "topology": topology_name(target, tp), "fits": bool(fits),
-        "hbm_bytes": {"weights": weights, "kv_cache": kv, "temporaries": temp,
+        "hbm_bytes": {"weights": weights, "kv_cache": kv - state, "recurrent_state": state, "temporaries": temp,
                       "total": weights + kv + temp, "capacity": chip.hbm_bytes, "of_weights_experts": weight_bytes(True)},
         "expert_parallel": bool(ep and tp > 1),
         "max_num_seqs_that_fit": best,
@@ -241,7 +248,8 @@ def _decode_cost(cfg, compile_layers) -> dict:
     kinds = cfg.layer_kinds
 
     def measure(k: tuple[str, ...]) -> dict:
-        c = dataclasses.replace(cfg, num_layers=len(k), sliding_layers=tuple(x == "sliding" for x in k))
+        c = dataclasses.replace(cfg, num_layers=len(k), sliding_layers=tuple(x == "sliding" for x in k),
+                                linear_layers=tuple(x == "linear" for x in k) if cfg.linear_layers else ())
         compiled = compile_layers(c)
         ca = compiled.cost_analysis()
         ca = (ca[0] if isinstance(ca, (list, tuple)) else ca) or {}
@@ -381,8 +389,10 @@ def print_plan(r: dict, out=sys.stdout) -> None:
     chips += ", experts split whole (expert parallel)" if r["expert_parallel"] else ""
     print(f"{r['path']} on {r['target']}: {r['scheme']}, {r['max_num_seqs']} sequences of {r['max_model_len']} tokens, "
           f"{r['kv_cache_dtype']} KV cache, {chips}", file=out)
-    for k in ("weights", "kv_cache", "temporaries", "total", "capacity"):
-        print(f"  {k:<12}{h[k] / gib:9.2f} GiB", file=out)
+    for k in ("weights", "kv_cache", "recurrent_state", "temporaries", "total", "capacity"):
+        if k == "recurrent_state" and not h[k]:
+            continue
+        print(f"  {k if k != 'recurrent_state' else 'state':<12}{h[k] / gib:9.2f} GiB", file=out)
         if k == "weights" and h["of_weights_experts"]:
             print(f"   (experts {h['of_weights_experts'] / gib:8.2f} GiB)", file=out)
     if (c := r["decode_step_collectives"]) is not None:

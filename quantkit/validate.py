@@ -76,7 +76,7 @@ def _kv_scale_problems(ckpt: Checkpoint, cfg: ModelConfig) -> list[dict]:
     """Every layer's k_scale / v_scale must exist, be finite, positive and one per tensor or per KV head."""
     out = []
     for i, kind in enumerate(cfg.layer_kinds):
-        for name in KV_SCALES:
+        for name in KV_SCALES if kind != "linear" else ():  # Gated DeltaNet layers keep no KV
             tensor = f"{cfg.prefix}layers.{i}.self_attn.{name}"
             if tensor not in ckpt.tensors:
                 out.append(problem("error", tensor, f"kv_cache_scheme is set but {tensor} is missing"))
@@ -117,6 +117,10 @@ def validate_checkpoint(ckpt: Checkpoint) -> Validation:
     cfg, model_problems = _model_config(ckpt)
     problems = [problem("warning", where, w) for w in ckpt.warnings] + model_problems
     problems += [problem(severity, where, message) for severity, message in config_findings(raw, qc)]
+    mtp = sum(name.startswith("mtp.") for name in ckpt.tensors)
+    if mtp:
+        problems.append(problem("warning", "mtp.*", f"{mtp} tensors of the MTP (multi-token prediction) head are "
+                                "not used: quantkit serves the model without speculative decoding"))
     kv = qc.kv_cache_scheme if qc is not None else None
     if cfg is not None and kv is not None and not kv_scheme_reason(kv):  # else reported unsupported already
         problems += _kv_scale_problems(ckpt, cfg)

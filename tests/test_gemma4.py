@@ -10,7 +10,6 @@ each dequantized weight to bf16 (relative 2^-9) while the runtime keeps q * s ex
 import json
 
 import jax.numpy as jnp
-import numpy as np
 import pytest
 import torch
 import transformers as T
@@ -48,20 +47,23 @@ def _multimodal_moe():
     return _perturbed(T.Gemma4ForConditionalGeneration(cfg)).eval()
 
 
-def _linearized(model):
-    """`model` with each layer's packed experts replaced by per-expert gate/up/down Linears (what
+def per_expert_linears(ex) -> torch.nn.ModuleList:
+    """Per-expert gate/up/down Linears (fresh weights) in place of packed 3-D experts `ex` (what
     llm-compressor does before quantizing), so the library's config can target them by name."""
+    n, two_i, h = ex.gate_up_proj.shape
+    mods = torch.nn.ModuleList()
+    for _ in range(n):
+        m = torch.nn.Module()
+        m.gate_proj = torch.nn.Linear(h, two_i // 2, bias=False)
+        m.up_proj = torch.nn.Linear(h, two_i // 2, bias=False)
+        m.down_proj = torch.nn.Linear(two_i // 2, h, bias=False)
+        mods.append(m)
+    return mods
+
+
+def _linearized(model):
     for layer in model.model.language_model.layers:
-        ex = layer.experts
-        n, two_i, h = ex.gate_up_proj.shape
-        mods = torch.nn.ModuleList()
-        for _ in range(n):
-            m = torch.nn.Module()
-            m.gate_proj = torch.nn.Linear(h, two_i // 2, bias=False)
-            m.up_proj = torch.nn.Linear(h, two_i // 2, bias=False)
-            m.down_proj = torch.nn.Linear(two_i // 2, h, bias=False)
-            mods.append(m)
-        layer.experts = mods
+        layer.experts = per_expert_linears(layer.experts)
     return model
 
 

@@ -46,7 +46,8 @@ def _describe(tree):
 @pytest.mark.parametrize("family,scheme,group", [("llama", None, 0), ("llama", "W4A16", 32),
                                                  ("gemma3", "W4A16", -1), ("qwen3_moe", "W4A16", 32),
                                                  ("qwen3", "MXFP4A16", 32), ("llama", "FP8_BLOCK", 0),
-                                                 ("gemma4", "W4A16", 32), ("gemma4_moe", "W4A16", 32)])
+                                                 ("gemma4", "W4A16", 32), ("gemma4_moe", "W4A16", 32),
+                                                 ("qwen3_5_moe", "W4A16", 32)])
 def test_abstract_weights_equal_the_loaded_ones(family, scheme, group, tmp_path):
     torch.manual_seed(0)
     _family(family).to(torch.bfloat16).save_pretrained(tmp_path / "dense")  # convert keeps bf16 scales
@@ -110,6 +111,7 @@ def test_gemma3_27b_bf16_does_not_fit(tmp_path):
 
 
 GEMMA4_31B = Path(__file__).resolve().parents[1] / "benchmarks" / "configs" / "gemma-4-31B-it.json"
+QWEN35_35B = GEMMA4_31B.with_name("qwen3.5-35B-A3B.json")  # Gated DeltaNet + gated attention + shared expert
 
 
 @pytest.mark.slow
@@ -276,11 +278,13 @@ QWEN3_30B_A3B = {"architectures": ["Qwen3MoeForCausalLM"], "hidden_size": 2048, 
                                       ("head-64", {**SMALL, "head_dim": 64, "num_attention_heads": 16}),
                                       ("head-256", {**SMALL, "head_dim": 256, "num_attention_heads": 8}),
                                       ("head-512", {**SMALL, "head_dim": 512, "num_attention_heads": 8,
-                                                    "num_key_value_heads": 2})])
+                                                    "num_key_value_heads": 2}),
+                                      ("qwen3.5-35b-a3b", json.loads(QWEN35_35B.read_text()))])
 def test_step_compiles_deviceless_for_v6e(name, cfg):
     """The serving step (decode bucket, 16 sequences of 2048 tokens, W4A16 g128) compiles for a v6e with
     every quantized matmul on gmm_v2 and attention on the paged-attention kernel, for the families' and
-    Gemma 4's head sizes; its temporaries stay small (the kernel reads pages in place)."""
+    Gemma 4's head sizes and Qwen3.5 (its Gated DeltaNet layers with their state slots); its temporaries
+    stay small (the kernel reads pages in place, a GDN layer updates its 16 rows' states)."""
     import jax.numpy as jnp
 
     from quantkit.formats.compressed_tensors import writable_config
@@ -292,7 +296,7 @@ def test_step_compiles_deviceless_for_v6e(name, cfg):
     c = from_hf(cfg)
     params = abstract(c, parse_quantization_config(writable_config("W4A16", 128, ["lm_head"])))
     layout = cache_layout(c, 2048, 16)
-    kv = {k: jax.ShapeDtypeStruct(s, jnp.bfloat16) for k, s in layout.shapes().items()}
+    kv = layout.cache(lambda k, s, d: jax.ShapeDtypeStruct(s, d or jnp.bfloat16))
     batch = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), empty_batch(16, 16, layout, 16))
     compiled, seconds = compile_for("v6e", step_function(c, 16), params, kv, jax.ShapeDtypeStruct((17,), jnp.int32),
                                     batch, donate=(1, 2), pinned=(0,))

@@ -46,6 +46,10 @@ def _family(name):
             **COMMON, sliding_window=8, layer_types=["sliding_attention", "sliding_attention", "full_attention"]))
     if name.startswith("gemma4"):
         return _perturbed(T.Gemma4ForCausalLM(gemma4_config(moe=name == "gemma4_moe")))
+    if name.startswith("qwen3_5"):  # its own tests: test_qwen3_5.py
+        from test_qwen3_5 import _model
+
+        return _model(name == "qwen3_5_moe")
     raise KeyError(name)
 
 

@@ -206,7 +206,8 @@ _VISION = re.compile(r"(^|\.)(vision_tower|vision_model|visual|vision|image_enco
 # architecture: tensor name -> the per-expert Linears it holds, in order along its out axis. llm-compressor
 # writes them as Linears `experts.{e}.{name}` (gate first: the first half of gate_up_proj).
 PACKED_EXPERTS = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
-PACKED_EXPERT_ARCHITECTURES = frozenset({"Gemma4ForCausalLM", "Gemma4ForConditionalGeneration"})
+PACKED_EXPERT_ARCHITECTURES = frozenset({"Gemma4ForCausalLM", "Gemma4ForConditionalGeneration", "Qwen3_5MoeForCausalLM",
+                                         "Qwen3_5MoeForConditionalGeneration"})
 
 
 def packed_experts(module: str, shape: tuple[int, ...]) -> list[tuple[str, int, tuple[int, int]]]:
@@ -225,11 +226,18 @@ def vision_root(name: str) -> str | None:
     return m.group(2) if m else None
 
 
+# Parts left unquantized as a whole, as llm-compressor's Qwen3.5 / Qwen3-Next recipes leave them: Gated DeltaNet
+# projections (`linear_attn.in_proj_qkv`, ...: small, and their errors feed a recurrence) and the MTP head
+_GROUPS = ((re.compile(r"(^|\.)linear_attn\."), "linear attention (Gated DeltaNet)", "re:.*linear_attn\\."),
+           (re.compile(r"^mtp\."), "MTP head", "re:^mtp\\."))
+
+
 def default_exclusion(name: str) -> str | None:
     """Why a Linear module is never quantized by default (None: it is quantized).
 
     lm_head (quality-sensitive), MoE router gates (tiny, precision-critical: Qwen-MoE/DeepSeek `mlp.gate`,
-    Mixtral `block_sparse_moe.gate`, Qwen2-MoE `shared_expert_gate`), and vision/audio towers.
+    Mixtral `block_sparse_moe.gate`, Qwen2-MoE and Qwen3.5 `shared_expert_gate`), vision/audio towers, Gated
+    DeltaNet projections and the MTP head (Qwen3.5).
     """
     last = name.rsplit(".", 1)[-1]
     if last == "lm_head":
@@ -238,4 +246,13 @@ def default_exclusion(name: str) -> str | None:
         return "MoE router"
     if _VISION.search(name):
         return "vision/audio tower"
-    return None
+    return next((why for pattern, why, _ in _GROUPS if pattern.search(name)), None)
+
+
+def exclusion_pattern(name: str) -> str | None:
+    """The one `ignore` entry that covers a whole excluded part `name` belongs to (a tower, the GDN
+    projections, the MTP head), or None when the module is listed by name."""
+    root = vision_root(name)
+    if root is not None:  # its in-memory names carry other prefixes than the checkpoint's
+        return f"re:.*{root}\\."
+    return next((entry for pattern, _, entry in _GROUPS if pattern.search(name)), None)

@@ -14,6 +14,12 @@ the pool (vLLM's sliding-window manager), so their pool is sized by the window, 
 per sequence ceil(window / ps) + 2 pages (the window straddles one more page boundary, plus one page
 of a chunk's own tokens), plus ceil(max_num_batched_tokens / ps) for the chunks of one step.
 
+Gated DeltaNet layers (Qwen3.5, kind "linear") keep no pages: each sequence has a state slot (its engine
+slot; slot max_num_seqs is the padding rows' scratch) holding per layer the last K - 1 conv inputs
+[K - 1, conv channels] and the recurrent state [Hv, dk, dv], both float32, whatever the sequence's length
+(models/qwen3_5.py). A state is not a function of a page's tokens, so prefix caching does not apply to
+these models (the engine turns it off).
+
 Prefix caching (vLLM's automatic prefix caching): a full page is named by a hash chained over its tokens
 and its parent page's hash (`page_hashes`; the chain's root is salted with what else changes the keys,
 the KV dtype). Pages are reference-counted: a sequence that starts with a cached chain shares those pages
@@ -55,9 +61,9 @@ def with_kv_scales(params: dict, cfg: ModelConfig, scales: dict | None, make=np.
     """The weight pytree with each kind's per-layer KV scales added as `kv_scale` [layers, 2, KVH] float32
     (k then v, per KV head): the checkpoint's (`scales`, per kind) or 1.0, as vLLM does without them.
     make: turns the numpy array into the leaf (jnp.asarray; plan passes a ShapeDtypeStruct maker)."""
-    layers = {}
-    for kind, stack in params["layers"].items():
-        n = cfg.layer_kinds.count(kind)
+    layers = dict(params["layers"])
+    for kind in cfg.paged_kinds:
+        stack, n = layers[kind], cfg.layer_kinds.count(kind)
         s = scales[kind] if scales is not None else np.ones((n, 2, cfg.kv_shape(kind)[0]), np.float32)
         layers[kind] = {**stack, "kv_scale": make(s)}
     return {**params, "layers": layers}
@@ -71,10 +77,19 @@ class CacheLayout:
     layers: dict  # kind -> layers
     widths: dict  # kind -> kv_heads * 2 * head_dim of its layers
     window: int | None  # sliding window of the "sliding" kind
+    states: tuple = ()  # Gated DeltaNet layers: (conv, recurrent) state shapes, float32 (see `cache_layout`)
 
     def shapes(self) -> dict:
         """kind -> shape of its stacked pages."""
         return {k: (self.layers[k], self.pages[k], self.page_size, self.widths[k]) for k in self.layers}
+
+    def cache(self, make) -> dict:
+        """The cache pytree: per paged kind make(kind, shape, None) (None: the KV dtype), and for Gated
+        DeltaNet layers "linear": (make("linear", conv shape, float32), make("linear", recurrent shape, float32))."""
+        out = {k: make(k, s, None) for k, s in self.shapes().items()}
+        if self.states:
+            out["linear"] = tuple(make("linear", s, np.float32) for s in self.states)
+        return out
 
 
 def cache_layout(cfg: ModelConfig, max_model_len: int, max_num_seqs: int, page_size: int = 16,
@@ -82,13 +97,19 @@ def cache_layout(cfg: ModelConfig, max_model_len: int, max_num_seqs: int, page_s
     ps = page_size
     per_seq = -(-max_model_len // ps)
     kinds = cfg.layer_kinds
-    layers = {k: kinds.count(k) for k in cfg.kinds}
+    layers = {k: kinds.count(k) for k in cfg.paged_kinds}
     pages = {"full": 1 + max_num_seqs * per_seq}
     window = cfg.sliding_window if "sliding" in layers else None
     if window is not None:
         pages["sliding"] = min(pages["full"], 1 + max_num_seqs * (-(-window // ps) + 2) + -(-max_num_batched_tokens // ps))
     widths = {k: 2 * math.prod(cfg.kv_shape(k)) for k in layers}
-    return CacheLayout(ps, per_seq, {k: pages[k] for k in layers}, layers, widths, window)
+    states = ()
+    if "linear" in kinds:  # a slot per sequence (engine slot) plus the scratch slot of padding rows
+        n, slots = kinds.count("linear"), max_num_seqs + 1
+        conv = cfg.gdn_dims[0]
+        states = ((n, slots, cfg.conv_kernel - 1, conv),
+                  (n, slots, cfg.linear_v_heads, cfg.linear_k_dim, cfg.linear_v_dim))
+    return CacheLayout(ps, per_seq, {k: pages[k] for k in layers}, layers, widths, window, states)
 
 
 def page_hashes(tokens, page_size: int, parent: bytes, start: int = 0) -> list[bytes]:

@@ -16,8 +16,13 @@ ARCHITECTURES = {  # config.json "architectures"[0] -> family
     "Gemma3ForCausalLM": "gemma3",
     "Gemma4ForCausalLM": "gemma4",
     "Gemma4ForConditionalGeneration": "gemma4",  # the text decoder under model.language_model.
+    "Qwen3_5ForCausalLM": "qwen3_5",
+    "Qwen3_5ForConditionalGeneration": "qwen3_5",
+    "Qwen3_5MoeForCausalLM": "qwen3_5",
+    "Qwen3_5MoeForConditionalGeneration": "qwen3_5",
 }
-PREFIX = {"Gemma4ForConditionalGeneration": "model.language_model."}  # where the decoder's modules live
+PREFIX = {a: "model.language_model." for a in ARCHITECTURES if a.endswith("ForConditionalGeneration")}  # where
+# the decoder's modules live in a multimodal checkpoint
 
 
 @dataclass(frozen=True)
@@ -64,6 +69,18 @@ class ModelConfig:
     norm_offset: float = 0.0
     moe_dense: bool = False
     prefix: str = "model."  # checkpoint name prefix of the decoder (embed_tokens, layers, norm)
+    # Qwen3.5: Gated DeltaNet ("linear") layers beside gated full attention (q_proj doubled: [query | gate]
+    # per head, output times sigmoid(gate)); RoPE on the first rope_dims of each head; a shared expert
+    # (shared_intermediate_size) beside the routed ones, scaled by sigmoid(shared_expert_gate)
+    linear_layers: tuple[bool, ...] = ()  # per layer: a Gated DeltaNet layer
+    linear_k_heads: int = 0
+    linear_v_heads: int = 0
+    linear_k_dim: int = 0
+    linear_v_dim: int = 0
+    conv_kernel: int = 0
+    attn_gate: bool = False
+    rope_dims: int = 0  # 0: the whole head (or rope_partial)
+    shared_intermediate_size: int = 0
 
     @property
     def scale(self) -> float:
@@ -80,14 +97,27 @@ class ModelConfig:
 
     @property
     def layer_kinds(self) -> tuple[str, ...]:
-        """Per layer, its kind: "sliding" (sliding-window attention) or "full". Layers of one kind share
-        their weight shapes and KV cache; each kind's weights are stacked and scanned (models/common.py)."""
-        return tuple("sliding" if self.is_sliding(i) else "full" for i in range(self.num_layers))
+        """Per layer, its kind: "sliding" (sliding-window attention), "full" or "linear" (Gated DeltaNet).
+        Layers of one kind share their weight shapes and cache; each kind's weights are stacked and scanned
+        (models/common.py)."""
+        return tuple("linear" if self.linear_layers and self.linear_layers[i] else
+                     "sliding" if self.is_sliding(i) else "full" for i in range(self.num_layers))
 
     @property
     def kinds(self) -> tuple[str, ...]:
         """The kinds present, in a fixed order."""
-        return tuple(k for k in ("full", "sliding") if k in self.layer_kinds)
+        return tuple(k for k in ("full", "sliding", "linear") if k in self.layer_kinds)
+
+    @property
+    def paged_kinds(self) -> tuple[str, ...]:
+        """The kinds with a paged KV cache (attention); "linear" layers keep a state per sequence instead."""
+        return tuple(k for k in self.kinds if k != "linear")
+
+    @property
+    def gdn_dims(self) -> tuple[int, int]:
+        """(conv channels: q, k and v, one Gated DeltaNet layer's recurrent state elements)."""
+        conv = 2 * self.linear_k_heads * self.linear_k_dim + self.linear_v_heads * self.linear_v_dim
+        return conv, self.linear_v_heads * self.linear_k_dim * self.linear_v_dim
 
 
 def _rope(d: dict, where: str) -> tuple[float, tuple | None]:
@@ -142,7 +172,8 @@ def from_hf(cfg: dict, eos: tuple[int, ...] = ()) -> ModelConfig:
         max_position_embeddings=cfg.get("max_position_embeddings", 4096), rope_theta=theta,
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", family == "gemma3")),
         attention_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
-        rope_scaling=rope_scaling, qk_norm=family in ("qwen3", "qwen3_moe", "gemma3", "gemma4"), eos_token_ids=eos,
+        rope_scaling=rope_scaling, qk_norm=family in ("qwen3", "qwen3_moe", "gemma3", "gemma4", "qwen3_5"),
+        eos_token_ids=eos,
         prefix=PREFIX.get(arch, "model."),
     )
     if family == "qwen3_moe":
@@ -167,7 +198,32 @@ def from_hf(cfg: dict, eos: tuple[int, ...] = ()) -> ModelConfig:
         common.update(norm_offset=1.0)
     if family == "gemma4":
         common.update(_gemma4(cfg, common, glob))
+    if family == "qwen3_5":
+        common.update(_qwen3_5(cfg, common, glob))
     return ModelConfig(**common)
+
+
+def _qwen3_5(cfg: dict, common: dict, rope: dict) -> dict:
+    """Qwen3.5 and Qwen3.5-MoE (transformers models/qwen3_5, qwen3_5_moe): layer_types name the Gated
+    DeltaNet ("linear_attention") layers; zero-centred (1 + w) norms; the MTP head is not used."""
+    types = cfg.get("layer_types") or ["full_attention" if (i + 1) % cfg.get("full_attention_interval", 4) == 0
+                                       else "linear_attention" for i in range(common["num_layers"])]
+    if set(types) - {"full_attention", "linear_attention"}:
+        raise Unsupported(f"Qwen3.5 layer types {sorted(set(types))} are not supported")
+    if cfg.get("hidden_act", "silu") != "silu" or cfg.get("attention_bias"):
+        raise Unsupported("Qwen3.5 with a hidden_act other than silu or attention biases is not supported")
+    partial = float(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 0.25)))
+    out = dict(linear_layers=tuple(t == "linear_attention" for t in types), norm_offset=1.0, attn_gate=True,
+               rope_dims=int(common["head_dim"] * partial), linear_k_heads=cfg.get("linear_num_key_heads", 16),
+               linear_v_heads=cfg.get("linear_num_value_heads", 32), linear_k_dim=cfg.get("linear_key_head_dim", 128),
+               linear_v_dim=cfg.get("linear_value_head_dim", 128), conv_kernel=cfg.get("linear_conv_kernel_dim", 4))
+    if out["linear_v_heads"] % out["linear_k_heads"]:
+        raise Unsupported("Qwen3.5 with value heads that are not a multiple of the key heads is not supported")
+    if cfg.get("num_experts"):
+        out.update(num_experts=cfg["num_experts"], top_k=cfg["num_experts_per_tok"],
+                   moe_intermediate_size=cfg["moe_intermediate_size"], norm_topk_prob=True,
+                   shared_intermediate_size=cfg.get("shared_expert_intermediate_size", 0))
+    return out
 
 
 def _gemma4(cfg: dict, common: dict, full_rope: dict) -> dict:

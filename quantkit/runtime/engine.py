@@ -100,10 +100,11 @@ class Engine:
     def __init__(self, runner: Runner, decode: Callable[[list[int]], str] | None = None, max_waiting: int = 256,
                  prefix_caching: bool = True):
         """max_waiting: requests queued beyond the `runner.max_num_seqs` running ones before `submit` refuses.
-        prefix_caching: reuse cached pages of earlier prompts (and outputs) that a prompt starts with."""
+        prefix_caching: reuse cached pages of earlier prompts (and outputs) that a prompt starts with; off for
+        models with Gated DeltaNet layers, whose per-sequence state no page holds (runtime/cache.py)."""
         self.runner, self.detokenize, self.max_waiting = runner, decode, max_waiting
         self.pool = runner.pool
-        self.prefix_caching = prefix_caching
+        self.prefix_caching = prefix_caching and not runner.layout.states
         self.salt = f"quantkit kv {runner.kv_dtype}".encode()  # what else changes a page's keys and values
         self.prefix_queries = self.prefix_hits = 0  # prompt tokens looked up / found cached
         self.budget = runner.max_num_batched_tokens

@@ -36,7 +36,11 @@ NORMS = {  # family -> pytree key -> module under model.layers.{i}
                "mlp_norm": "pre_feedforward_layernorm", "post_mlp_norm": "post_feedforward_layernorm",
                "q_norm": "self_attn.q_norm", "k_norm": "self_attn.k_norm"},
 }
-NORMS["qwen3_moe"], NORMS["gemma4"] = NORMS["qwen3"], NORMS["gemma3"]
+NORMS["qwen3_moe"], NORMS["gemma4"], NORMS["qwen3_5"] = NORMS["qwen3"], NORMS["gemma3"], NORMS["qwen3"]
+GDN = {"in_qkv": "linear_attn.in_proj_qkv", "in_z": "linear_attn.in_proj_z", "in_b": "linear_attn.in_proj_b",
+       "in_a": "linear_attn.in_proj_a", "out": "linear_attn.out_proj"}  # Qwen3.5's Gated DeltaNet Linears
+SHARED = {"shared_gate": "mlp.shared_expert.gate_proj", "shared_up": "mlp.shared_expert.up_proj",
+          "shared_down": "mlp.shared_expert.down_proj"}
 GEMMA4_MOE_NORMS = {"post_mlp_norm_1": "post_feedforward_layernorm_1", "pre_mlp_norm_2": "pre_feedforward_layernorm_2",
                     "post_mlp_norm_2": "post_feedforward_layernorm_2"}
 
@@ -47,7 +51,8 @@ class Slot:
 
     kinds: "linear" [in, out] (QTensor [1, in, out] when quantized), "experts" [experts, in, out] (modules: one
     per expert), "embed" [vocab, hidden], "bias" [out], "norm" [d] (float32), "router" [hidden, experts]
-    (float32), "tensor" (a bare parameter, float32: Gemma 4's layer_scalar, router scales) and "stack": the
+    (float32), "tensor" (a bare parameter, float32: Gemma 4's layer_scalar, router scales, Qwen3.5's A_log),
+    "conv" (a module's weight as stored, float32: Qwen3.5's conv1d [channels, 1, K]) and "stack": the
     same leaf of every layer of a kind (module: their Slots), stacked along a new leading axis (QTensors
     along their group axis: [layers * groups, in, out]).
     packed (experts only): where a bf16 checkpoint keeps all experts in one 3-D tensor instead (Gemma 4:
@@ -77,6 +82,9 @@ def skeleton(cfg: ModelConfig, widths: tuple[int, int] = (0, 0)) -> dict:
     h, e, m = cfg.hidden_size, cfg.num_experts, widths[1] or cfg.moe_intermediate_size
     layers = []
     for i, kind in enumerate(cfg.layer_kinds):
+        if cfg.family == "qwen3_5":
+            layers.append(_qwen3_5_layer(cfg, f"{cfg.prefix}layers.{i}.", kind, widths[0] or cfg.intermediate_size, m))
+            continue
         kvh, hd = cfg.kv_shape(kind)
         inter = widths[0] or cfg.intermediate_size
         dims = {"q": (h, cfg.num_heads * hd), "k": (h, kvh * hd), "v": (h, kvh * hd), "o": (cfg.num_heads * hd, h),
@@ -111,6 +119,36 @@ def skeleton(cfg: ModelConfig, widths: tuple[int, int] = (0, 0)) -> dict:
     if not cfg.tie_word_embeddings:
         params["lm_head"] = Slot("linear", "lm_head", (h, cfg.vocab_size))
     return params
+
+
+def _qwen3_5_layer(cfg: ModelConfig, pre: str, kind: str, inter: int, m: int) -> dict:
+    """One Qwen3.5 layer's Slots: a Gated DeltaNet ("linear") or gated attention layer, then a SwiGLU MLP or
+    routed experts (per-expert Linears, or a bf16 checkpoint's packed 3-D tensors) with a shared expert."""
+    h, e = cfg.hidden_size, cfg.num_experts
+    layer = {"attn_norm": Slot("norm", pre + "input_layernorm", (h,)),
+             "mlp_norm": Slot("norm", pre + "post_attention_layernorm", (h,))}
+    if kind == "linear":
+        conv, _ = cfg.gdn_dims
+        hv, dv = cfg.linear_v_heads, cfg.linear_v_dim
+        dims = {"in_qkv": (h, conv), "in_z": (h, hv * dv), "in_b": (h, hv), "in_a": (h, hv), "out": (hv * dv, h)}
+        layer |= {key: Slot("linear", pre + mod, dims[key]) for key, mod in GDN.items()}
+        layer |= {"conv": Slot("conv", pre + "linear_attn.conv1d", (conv, 1, cfg.conv_kernel)),
+                  "A_log": Slot("tensor", pre + "linear_attn.A_log", (hv,)),
+                  "dt_bias": Slot("tensor", pre + "linear_attn.dt_bias", (hv,)),
+                  "gdn_norm": Slot("norm", pre + "linear_attn.norm", (dv,))}
+    else:
+        q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        dims = {"q": (h, 2 * q), "k": (h, kv), "v": (h, kv), "o": (q, h)}
+        layer |= {key: Slot("linear", pre + mod, dims[key]) for key, mod in LINEARS.items()}
+        layer |= {key: Slot("norm", pre + f"self_attn.{key}", (cfg.head_dim,)) for key in ("q_norm", "k_norm")}
+    if not e:
+        return layer | {key: Slot("linear", pre + mod, d) for (key, mod), d in
+                        zip(MLP.items(), ((h, inter), (h, inter), (inter, h)))}
+    s = cfg.shared_intermediate_size
+    layer |= {f"experts_{k}": v for k, v in _experts(pre + "mlp.experts.", e, h, m, True).items()}
+    layer |= {key: Slot("linear", pre + mod, d) for (key, mod), d in zip(SHARED.items(), ((h, s), (h, s), (s, h)))}
+    return layer | {"router": Slot("router", pre + "mlp.gate", (h, e)),
+                    "shared_expert_gate": Slot("router", pre + "mlp.shared_expert_gate", (h, 1))}
 
 
 def lane_widths(cfg: ModelConfig, qc: QuantConfig | None) -> tuple[int, int]:
@@ -151,7 +189,7 @@ def abstract(cfg: ModelConfig, qc: QuantConfig | None, dtype=jnp.bfloat16) -> di
         scheme = qc.scheme_for(s.module[0] if s.kind == "experts" else s.module, "Linear") if qc else None
         quantized = s.kind in ("linear", "experts") and weight_qtype(scheme) != "dense"
         if not quantized:
-            return jax.ShapeDtypeStruct(s.shape, jnp.float32 if s.kind in ("norm", "router", "tensor") else dtype)
+            return jax.ShapeDtypeStruct(s.shape, jnp.float32 if s.kind in ("norm", "router", "tensor", "conv") else dtype)
         *g, k, n = s.shape
         scales, sdtype, qtype, group = kernel_shapes(scheme, (n, k))
         g = g[0] if g else 1
@@ -366,7 +404,7 @@ def load(path: str | Path, dtype=jnp.bfloat16, check: bool = True, mesh=None, ep
         quantized = isinstance(first, HostQ)
         if not quantized:
             shape = (n, *first.shape) if s.kind == "stack" else first.shape
-            wdtype = jnp.float32 if entries[0].kind in ("norm", "router", "tensor") else dtype
+            wdtype = jnp.float32 if entries[0].kind in ("norm", "router", "tensor", "conv") else dtype
             sh, split = (one, "") if mesh is None else shardings(key, cfg, mesh, shape, kind, ep)
             outs = [(shape, wdtype, sh)]
         else:
@@ -407,8 +445,9 @@ def load(path: str | Path, dtype=jnp.bfloat16, check: bool = True, mesh=None, ep
     if qc is not None and qc.kv_cache_scheme is not None:
         per_layer = [np.stack([kv_head_scales(ckpt.read(name), cfg.kv_shape(kind)[0], name)
                                for n in KV_SCALES for name in [f"{cfg.prefix}layers.{i}.self_attn.{n}"]])
-                     for i, kind in enumerate(cfg.layer_kinds)]
-        kv_scales = {kind: np.stack([s for s, k in zip(per_layer, cfg.layer_kinds) if k == kind]) for kind in cfg.kinds}
+                     if kind != "linear" else None for i, kind in enumerate(cfg.layer_kinds)]
+        kv_scales = {kind: np.stack([s for s, k in zip(per_layer, cfg.layer_kinds) if k == kind])
+                     for kind in cfg.paged_kinds}
     return LoadedModel(path, cfg, params, jnp.dtype(dtype), kv_scales, mesh, ep and mesh is not None)
 
 

@@ -228,7 +228,9 @@ class Server:
             devices = f"{r.tp} devices" + (" (experts split whole)" if r.ep else "") if r.mesh is not None else "1 device"
             log.warning("ready in %.1f s: %s on %s, max_model_len %d, max_num_seqs %d, KV cache %s, prefix caching "
                         "%s, %d step programs compiled", time.monotonic() - t0, self.name, devices, limit,
-                        self.max_num_seqs, r.kv_dtype, "on" if self.prefix_caching else "off", len(engine.shapes()))
+                        self.max_num_seqs, r.kv_dtype, "on" if engine.prefix_caching else
+                        "off (a recurrent state per sequence: Gated DeltaNet layers)" if self.prefix_caching else "off",
+                        len(engine.shapes()))
         except Exception as e:  # noqa: BLE001 - reported as one line, the process then exits 1
             self.failed = f"{type(e).__name__}: {e}" if not isinstance(e, InvalidInput) else str(e)
             self.status = "failed"

@@ -219,11 +219,16 @@ class Runner:
                 raise InvalidInput(f"the model was placed on {self.mesh.shape[AXIS]} devices, not --tp {self.tp}")
             self.tp, self.ep = self.mesh.shape[AXIS], self.ep or self.model.ep
         mesh, rep = self.mesh, None if self.mesh is None else NamedSharding(self.mesh, P())
-        kv_sharding = {k: None if mesh is None else cache_sharding(cfg, mesh, k) for k in self.layout.layers}
+        # KV pages with their heads split when they divide the mesh; Gated DeltaNet states replicated
+        shard = lambda k: None if mesh is None else cache_sharding(cfg, mesh, k) if k != "linear" else rep  # noqa: E731
+        kv_sharding = self.layout.cache(lambda k, s, d: shard(k))
         # float32 on CPU: XLA:CPU upcasts a bf16 (or fp8) scatter and so copies the whole cache on every write
         dtype = jnp.float32 if jax.default_backend() == "cpu" else fp8 or self.model.dtype
-        self.kv = {k: jnp.zeros(s, dtype, device=kv_sharding[k]) for k, s in self.layout.shapes().items()}
-        self.last = jnp.zeros(self.max_num_seqs + 1, jnp.int32, device=rep)
+        # committed to a device from the start: the step's outputs are, and an uncommitted first argument
+        # would make the first two calls of every program two compilations
+        here = jax.local_devices()[0]
+        self.kv = self.layout.cache(lambda k, s, d: jnp.zeros(s, d or dtype, device=shard(k) or here))
+        self.last = jnp.zeros(self.max_num_seqs + 1, jnp.int32, device=rep or here)
         self.params = self.model.params
         if fp8 is not None:
             self.params = with_kv_scales(self.params, cfg, self.model.kv_scales, np.asarray if mesh else jnp.asarray)

@@ -12,6 +12,10 @@ def forward_for(family: str):
         from quantkit.runtime.models import qwen3_moe
 
         return qwen3_moe.forward
+    if family == "qwen3_5":
+        from quantkit.runtime.models import qwen3_5
+
+        return qwen3_5.forward
     if family in ("gemma3", "gemma4"):
         from quantkit.runtime.models import gemma
 

@@ -175,7 +175,7 @@ def rope_frequencies(cfg: ModelConfig, kind: str = "full") -> jax.Array:
     rope_partial of the dims rotate, at frequencies over the whole head size; the rest get 0: unrotated);
     sliding-window layers rope_local_theta unscaled (Gemma 3 and 4)."""
     local = kind == "sliding"
-    d = cfg.kv_shape(kind)[1]
+    d = cfg.rope_dims or cfg.kv_shape(kind)[1]  # Qwen3.5: frequencies over the rotated dims only
     theta = cfg.rope_local_theta if local else cfg.rope_theta
     inv = 1.0 / (theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
     if local:
@@ -196,14 +196,16 @@ def rope_frequencies(cfg: ModelConfig, kind: str = "full") -> jax.Array:
 
 
 def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
-    """Rotates x [T, heads, d] by positions [T] (rotate-half convention of Hugging Face)."""
-    angles = positions[:, None].astype(jnp.float32) * inv_freq  # [T, d/2]
+    """Rotates x [T, heads, d] by positions [T] (rotate-half convention of Hugging Face) over its first
+    2 * len(inv_freq) dims; the rest pass unrotated (Qwen3.5's partial RoPE)."""
+    angles = positions[:, None].astype(jnp.float32) * inv_freq  # [T, r/2]
     cos = jnp.concatenate([jnp.cos(angles)] * 2, axis=-1)[:, None, :]
     sin = jnp.concatenate([jnp.sin(angles)] * 2, axis=-1)[:, None, :]
-    xf = x.astype(jnp.float32)
-    half = x.shape[-1] // 2
-    rotated = jnp.concatenate([-xf[..., half:], xf[..., :half]], axis=-1)
-    return (xf * cos + rotated * sin).astype(x.dtype)
+    r = 2 * inv_freq.shape[0]
+    xf = x[..., :r].astype(jnp.float32)
+    rotated = jnp.concatenate([-xf[..., r // 2:], xf[..., :r // 2]], axis=-1)
+    out = (xf * cos + rotated * sin).astype(x.dtype)
+    return out if r == x.shape[-1] else jnp.concatenate([out, x[..., r:]], axis=-1)
 
 
 def attention_block(p: dict, x: jax.Array, kv: jax.Array, i, batch: dict, cfg: ModelConfig, kind: str
@@ -217,7 +219,9 @@ def attention_block(p: dict, x: jax.Array, kv: jax.Array, i, batch: dict, cfg: M
     t = x.shape[0]
     h, (kvh, d) = cfg.num_heads, cfg.kv_shape(kind)
     eps, offset = cfg.rms_norm_eps, cfg.norm_offset
-    q = linear(x, p["q"], p.get("q_bias")).reshape(t, h, d)
+    q = linear(x, p["q"], p.get("q_bias")).reshape(t, h, -1)
+    if cfg.attn_gate:  # Qwen3.5: [query | gate] per head
+        q, gate = q[..., :d], q[..., d:].reshape(t, h * d)
     k = linear(x, p["k"], p.get("k_bias")).reshape(t, kvh, d)
     v = linear(x, p["v"], p.get("v_bias")).reshape(t, kvh, d) if "v" in p else k
     if cfg.qk_norm:
@@ -238,7 +242,10 @@ def attention_block(p: dict, x: jax.Array, kv: jax.Array, i, batch: dict, cfg: M
                     scale=cfg.scale, sliding_window=cfg.sliding_window if sliding else None, mesh=batch.get("mesh"))
     if ks is not None:
         out = (out.astype(jnp.float32) * ks[1, head][:, None]).astype(out.dtype)
-    return linear(out.reshape(t, h * d), p["o"]), kv
+    out = out.reshape(t, h * d)
+    if cfg.attn_gate:
+        out = out * jax.nn.sigmoid(gate)
+    return linear(out, p["o"]), kv
 
 
 def logits(params: dict, h: jax.Array, cfg: ModelConfig) -> jax.Array:

@@ -1,0 +1,259 @@
+"""Qwen3.5 and Qwen3.5-MoE (Gated DeltaNet + gated attention, shared-expert MoE) against transformers, and
+the per-sequence state slots through the Runner and the Engine.
+
+Tolerances as in test_runtime.py: float32 runtime vs float32 transformers 1e-4 (measured ~6e-7: the same
+maths, summed in another order; the chunked delta rule here is aligned to each step's tokens, transformers'
+to the whole prompt, which changes only rounding); quantized checkpoints vs transformers on the library's
+decompressed weights 1e-2 (the library rounds each dequantized weight to bf16). A state equality between
+runs of the same model is 1e-5: the same sums in other chunk groupings.
+"""
+
+import json
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import transformers as T
+from compressed_tensors.quantization import QuantizationConfig, apply_quantization_config
+from safetensors.torch import save_file
+
+from ct_oracle import library_convert_dequantize, library_decompress, make_checkpoint
+from quantkit.convert import convert
+from quantkit.inspect import inspect_checkpoint
+from quantkit.runtime.engine import Engine, Request, Runner
+from quantkit.runtime.loader import load
+from test_gemma4 import per_expert_linears
+from test_runtime import _rel
+
+SMALL = dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
+             head_dim=32, max_position_embeddings=512, linear_num_key_heads=2, linear_num_value_heads=4,
+             linear_key_head_dim=16, linear_value_head_dim=24, linear_conv_kernel_dim=4)
+# what llm-compressor's Qwen3.5 / Qwen3-Next examples leave unquantized
+LLMC_IGNORE = ("lm_head", "re:.*mlp.gate$", "re:.*mlp.shared_expert_gate$", "re:.*linear_attn.*")
+
+
+def _model(moe: bool, **kw):
+    """A tiny random Qwen3.5 (3 GDN layers, then gated attention): norms drawn in [0, 0.5] (zero-centred:
+    scale 1 + w; transformers initialises them to 0, where w vs 1 + w would not show), the GDN output
+    norm's weight in [0.5, 1.5] (scale w)."""
+    torch.manual_seed(0)
+    if moe:
+        cfg = T.Qwen3_5MoeTextConfig(**SMALL, moe_intermediate_size=64, shared_expert_intermediate_size=96,
+                                     num_experts=8, num_experts_per_tok=kw.pop("top_k", 2), **kw)
+        model = T.Qwen3_5MoeForCausalLM(cfg)
+    else:
+        model = T.Qwen3_5ForCausalLM(T.Qwen3_5TextConfig(**SMALL, intermediate_size=256, **kw))
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("linear_attn.norm.weight"):
+                p.copy_(torch.rand(p.shape, generator=g) + 0.5)
+            elif "norm" in name:
+                p.copy_(torch.rand(p.shape, generator=g) * 0.5)
+    return model.eval()
+
+
+def _saved(name: str, tmp_path_factory):
+    model = _model(name == "moe")
+    path = tmp_path_factory.mktemp(f"qwen3_5_{name}")
+    model.save_pretrained(path)
+    return name, path, model
+
+
+@pytest.fixture(scope="module", params=["dense", "moe"])
+def ckpt(request, tmp_path_factory):
+    return _saved(request.param, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def moe_ckpt(tmp_path_factory):
+    return _saved("moe", tmp_path_factory)
+
+
+def _parity(path, ref, tol, cuts=(13, 30), prompt_len=40, steps=10, dtype=jnp.float32, greedy=True):
+    """The prompt prefilled in steps split at `cuts`, then `steps` greedy decode steps: logits vs the
+    reference's on the whole sequence, and (`greedy`) the greedy tokens vs transformers' generate (its own
+    cache)."""
+    runner = Runner(load(path, dtype=dtype), max_model_len=256, page_size=8, weights="packed", scan=True)
+    ids = np.random.default_rng(0).integers(0, 256, prompt_len).tolist()
+    bounds = [0, *cuts, prompt_len]
+    ours = [x for a, b in zip(bounds, bounds[1:]) for x in runner.forward([(0, ids[a:b], a)])]
+    for i in range(steps):
+        ids.append(int(ours[-1][-1].argmax()))
+        ours += runner.forward([(0, [ids[-1]], prompt_len + i)])
+    with torch.no_grad():
+        theirs = ref(torch.tensor([ids])).logits[0].float().numpy()
+    assert _rel(np.concatenate(ours), theirs) < tol
+    if greedy:
+        prompt = torch.tensor([ids[:prompt_len]])  # the mask given: generate masks pad_token_id otherwise
+        with torch.no_grad():
+            hf = ref.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=steps,
+                              do_sample=False, eos_token_id=None, pad_token_id=0)[0, prompt_len:].tolist()
+        assert ids[prompt_len:] == hf
+    return runner
+
+
+def test_float32_parity_chunked_prefill_and_decode(ckpt):
+    _, path, ref = ckpt
+    _parity(path, ref, 1e-4)
+
+
+def test_long_prompt_runs_several_delta_rule_chunks(ckpt):
+    """150 prompt tokens: a 113-token step holds two 64-token chunks of the delta rule (state carried from
+    chunk to chunk inside the step), after a 37-token step (carried between steps)."""
+    _, path, ref = ckpt
+    _parity(path, ref, 1e-4, cuts=(37,), prompt_len=150, steps=3)
+
+
+def test_packed_experts_of_a_bf16_checkpoint(tmp_path):
+    """Qwen3.5-MoE saved as transformers holds it in memory: each layer's experts as 3-D gate_up_proj
+    [experts, 2 * inter, hidden] and down_proj tensors. The loader splits them (gate first) and matches."""
+    model = _model(True)
+    tmp_path.mkdir(exist_ok=True)
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, tmp_path / "model.safetensors",
+              metadata={"format": "pt"})
+    model.config.architectures = ["Qwen3_5MoeForCausalLM"]
+    model.config.save_pretrained(tmp_path)
+    assert "model.layers.0.mlp.experts.gate_up_proj" in model.state_dict()
+    _parity(tmp_path, model, 1e-4, steps=3)
+
+
+@pytest.mark.parametrize("moe", [False, True])
+def test_w4a16_made_by_the_library(moe, tmp_path):
+    """W4A16 (group 32) by compressed-tensors with llm-compressor's Qwen3.5 ignore list: attention, MLP,
+    experts and the shared expert int4, GDN projections, router and shared-expert gate dense. Every expert
+    routed (top-k = all 8) in the MoE model, so bf16 rounding of the library's weights cannot flip a top-k
+    near-tie (a flip moves a token's logits far more than the tolerance). The experts are per-expert Linears,
+    as llm-compressor makes them before quantizing. Logits only, through chunked prefill and decode: the
+    models' top-2 logit gaps go down to 0.008 (measured) against per-token errors up to 0.0075 from the
+    library's bf16 rounding, so greedy identity would test rounding luck (the float32 tests check it)."""
+    model = _model(moe, **({"top_k": 8} if moe else {})).to(torch.bfloat16)
+    for layer in model.model.layers if moe else ():
+        layer.mlp.experts = per_expert_linears(layer.mlp.experts).to(torch.bfloat16)
+    q = make_checkpoint(tmp_path / "q", "W4A16_G32", model=model, ignore=LLMC_IGNORE)
+    library_convert_dequantize(q, tmp_path / "dense")
+    ref = T.AutoModelForCausalLM.from_pretrained(tmp_path / "dense", dtype=torch.float32).eval()
+    runner = _parity(q, ref, 1e-2, greedy=False)
+    layers = runner.model.params["layers"]
+    assert type(layers["full"]["q"]).__name__ == "QTensor" and type(layers["linear"]["in_qkv"]).__name__ != "QTensor"
+    key = "experts_gate" if moe else "gate"
+    assert type(layers["linear"][key]).__name__ == "QTensor"
+
+
+def test_mixed_padded_steps_equal_each_sequence_alone(ckpt):
+    """One ragged step with a prompt continuing after 5 tokens, a first chunk, and two decode tokens,
+    padded to its token bucket with padding rows (6 slots, 4 rows): each sequence's logits equal its run
+    alone (one sequence a step); then the same slots go on after a step that did not include them (their
+    states must not move), and a finished slot reused by a new prompt starts from a zero state."""
+    name, path, _ = ckpt
+    model = load(path, dtype=jnp.float32)
+    rng = np.random.default_rng(2)
+    seqs = [rng.integers(0, 256, n).tolist() for n in (16, 5, 14, 10)]
+    cut = [5, 0, 13, 9]
+    extra = [[7, 8], [9], [10, 11, 12], [13]]
+    one = Runner(model, max_model_len=64, max_num_seqs=5, page_size=4, scan=True)  # each sequence alone
+    solo = []
+    for i, (s, c, e) in enumerate(zip(seqs, cut, extra)):
+        if c:
+            one.forward([(i, s[:c], 0)])
+        solo.append((one.forward([(i, s[c:], c)])[0], one.forward([(i, e, len(s))])[0]))
+    r = Runner(model, max_model_len=64, max_num_seqs=6, page_size=4, scan=True)
+    r.forward([(i, s[:c], 0) for i, (s, c) in enumerate(zip(seqs, cut)) if c])
+    mixed = r.forward([(3, seqs[3][9:], 9), (0, seqs[0][5:], 5), (2, seqs[2][13:], 13), (1, seqs[1], 0)])
+    for got, i in zip(mixed, (3, 0, 2, 1)):
+        assert got.shape == solo[i][0].shape and _rel(got, solo[i][0]) < 1e-5, name
+    r.forward([(4, [1, 2, 3], 0)])  # another slot only
+    later = r.forward([(i, e, len(s)) for i, (s, e) in enumerate(zip(seqs, extra))])
+    for i, got in enumerate(later):
+        assert _rel(got, solo[i][1]) < 1e-5, (name, i)
+    fresh = one.forward([(4, seqs[2], 0)])[0]
+    r.pool.release(0)
+    assert _rel(r.forward([(0, seqs[2], 0)])[0], fresh) < 1e-5  # slot 0 held sequence 0's state
+
+
+def test_engine_serves_staggered_requests_without_prefix_caching(moe_ckpt):
+    """Six requests of different lengths through four slots, one newcomer every other step, prompts
+    chunked by a 16-token budget: each output equals its greedy run alone; prefix caching is off (no
+    page holds a GDN state) even when asked for, and every slot comes back. (The MoE model: its layers
+    hold everything the dense one's do.)"""
+    _, path, _ = moe_ckpt
+    model = load(path, dtype=jnp.float32)
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(3, 256, int(n)).tolist() for n in rng.integers(3, 40, 6)]
+    lengths = [5, 12, 9, 20, 3, 15]
+    one = Runner(model, max_model_len=128, max_num_seqs=6, page_size=8, scan=True)
+
+    def alone(slot, p, n):
+        logits, out = one.forward([(slot, p, 0)])[0][-1], []
+        for i in range(n):
+            out.append(int(np.argmax(logits)))
+            logits = one.forward([(slot, [out[-1]], len(p) + i)])[0][-1]
+        return out
+
+    engine = Engine(Runner(model, max_model_len=128, max_num_seqs=4, page_size=8, max_num_batched_tokens=16,
+                           scan=True), prefix_caching=True)
+    assert not engine.prefix_caching
+    reqs = []
+    for p, n in zip(prompts, lengths):
+        reqs.append(engine.submit(Request(p, n)))
+        engine.step()
+        engine.step()
+    while engine.busy():
+        engine.step()
+    for i, (r, p, n) in enumerate(zip(reqs, prompts, lengths)):
+        assert r.out == alone(i, p, n)
+    assert engine.pages_used == 0 and sorted(engine.free_slots) == [0, 1, 2, 3]
+
+
+def test_multimodal_checkpoint_serves_its_text_decoder(tmp_path):
+    """Qwen3_5ForConditionalGeneration: the decoder under model.language_model., the vision tower and the
+    MTP head (ignored, as transformers' CausalLM ignores `mtp.*`) left aside."""
+    text = _model(False)
+    vision = T.Qwen3_5VisionConfig(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=128)
+    full = T.Qwen3_5ForConditionalGeneration(T.Qwen3_5Config(text_config=text.config.to_dict(),
+                                                             vision_config=vision.to_dict()))
+    full.model.language_model.load_state_dict(text.model.state_dict())
+    full.lm_head.load_state_dict(text.lm_head.state_dict())
+    state = {k: v.contiguous() for k, v in full.state_dict().items()}
+    state["mtp.fc.weight"] = torch.zeros(128, 256)  # what a published checkpoint carries beside the decoder
+    save_file(state, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    full.config.architectures = ["Qwen3_5ForConditionalGeneration"]
+    full.config.save_pretrained(tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["architectures"] == ["Qwen3_5ForConditionalGeneration"]
+    _parity(tmp_path, text, 1e-4, steps=2)
+
+
+def test_convert_and_inspect_as_llm_compressor_leaves_it(tmp_path):
+    """quantkit convert W4A16 (g32) of a bf16 Qwen3.5-MoE with packed 3-D experts and an MTP head: attention,
+    the shared expert and every expert (split per expert) are int4; the Gated DeltaNet projections (one
+    `ignore` pattern), the routers and shared-expert gates, lm_head and the MTP head stay bf16; the library
+    marks exactly the modules we quantized; inspect accepts it and warns that the MTP head is unused; the
+    runtime on it matches transformers on the library's decompressed weights."""
+    model = _model(True, top_k=8)
+    state = {k: v.to(torch.bfloat16).contiguous() for k, v in model.state_dict().items()}
+    state["mtp.fc.weight"] = torch.zeros(128, 256, dtype=torch.bfloat16)
+    (tmp_path / "src").mkdir()
+    save_file(state, tmp_path / "src" / "model.safetensors", metadata={"format": "pt"})
+    model.config.architectures = ["Qwen3_5MoeForCausalLM"]
+    model.config.save_pretrained(tmp_path / "src")
+    report = convert(tmp_path / "src", tmp_path / "w4", "W4A16", 32)
+    qc = json.loads((tmp_path / "w4" / "config.json").read_text())["quantization_config"]
+    assert {"re:.*linear_attn\\.", "re:^mtp\\.", "lm_head"} <= set(qc["ignore"])
+    assert all(p.endswith(("mlp.gate", "shared_expert_gate")) for p in set(qc["ignore"]) - {
+        "re:.*linear_attn\\.", "re:^mtp\\.", "lm_head"})
+    dense = library_decompress(tmp_path / "w4")
+    ours = {n.removesuffix(".weight") for n in dense}
+    full = model.config.layer_types.count("full_attention")  # q k v o
+    assert report["quantized_tensors"] == len(ours) == 4 * full + model.config.num_hidden_layers * (3 + 3 * 8)
+    fresh = _model(True, top_k=8)
+    for layer in fresh.model.layers:
+        layer.mlp.experts = per_expert_linears(layer.mlp.experts)
+    apply_quantization_config(fresh, QuantizationConfig.model_validate(qc))
+    marked = {n for n, m in fresh.named_modules() if isinstance(m, torch.nn.Linear) and hasattr(m, "quantization_scheme")}
+    assert marked == ours and not any("linear_attn" in n for n in ours)
+    r = inspect_checkpoint(tmp_path / "w4", "v6e")
+    assert r["servable"] and any(p["where"] == "mtp.*" and p["severity"] == "warning" for p in r["problems"])
+    library_convert_dequantize(tmp_path / "w4", tmp_path / "dense")
+    ref = T.AutoModelForCausalLM.from_pretrained(tmp_path / "dense", dtype=torch.float32).eval()
+    _parity(tmp_path / "w4", ref, 1e-2, greedy=False)
