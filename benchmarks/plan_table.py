@@ -10,6 +10,7 @@ buffers the compiled decode step all-reduces or gathers across chips beside the 
 decode_step_collectives).
 
 Usage: .venv/bin/python benchmarks/plan_table.py [--max-model-len 2048] [--max-num-seqs 16] [--only NAME:SCHEME:TP]
+       [--no-search]
        (expert parallel rows: NAME:W4A16g128:EP:TP)
 """
 
@@ -84,6 +85,7 @@ def main() -> None:
     ap.add_argument("--max-num-seqs", type=int, default=16)
     ap.add_argument("--only", nargs="*", help="rows to run, as NAME:SCHEME:TP (e.g. Gemma-3-27B:bf16:4)")
     ap.add_argument("--kv-cache-dtype", nargs="+", default=["auto"], help="each row with each of these KV caches")
+    ap.add_argument("--no-search", action="store_true", help="skip the search for the largest concurrency")
     args = ap.parse_args()
     gib = 1 << 30
     lines = ["| model | weights | KV cache | chips | fits at 16 | weights GiB | KV GiB (16 × 2048) | recurrent state GiB | "
@@ -104,7 +106,7 @@ def main() -> None:
             t0 = time.perf_counter()
             COMPILES.clear()
             r = plan(Path(d) / "config.json", "v6e", args.max_model_len, args.max_num_seqs, tp=tp, scheme=scheme,
-                     group_size=group, kv_cache_dtype=kv, ep=ep)
+                     group_size=group, kv_cache_dtype=kv, ep=ep, search=not args.no_search)
             wall = time.perf_counter() - t0
         h, est, cost = r["hbm_bytes"], r["decode_step_estimate"], r["decode_step_cost"]
         results.append({"model": name, "group": group, "wall_seconds": wall, "compiles": list(COMPILES), **r})
