@@ -305,4 +305,7 @@ def test_step_compiles_deviceless_for_v6e(name, cfg):
     # weights row-major as the Runner places them: left to XLA, Qwen3-30B-A3B's stacked down-proj expert scales
     # [6144, 6, 2048] (6 scale rows per expert) were laid out transposed and copied back for the kernel every
     # step, 151 MB of its 231 MB of temporaries (seen in the HLO)
-    assert compiled.memory_analysis().temp_size_in_bytes < 0.1 * (1 << 30), name
+    # a GDN layer also holds its 16 rows' states as gathered, as updated, and two state-sized intermediates
+    # of the recurrence (float32; 33.5 MB a copy for Qwen3.5-35B-A3B, measured 122 MiB in all)
+    states = 4 * 16 * c.gdn_dims[1] * 4
+    assert compiled.memory_analysis().temp_size_in_bytes < 0.1 * (1 << 30) + states, name
