@@ -99,10 +99,11 @@ def test_float32_parity_chunked_prefill_and_decode(ckpt):
     _parity(path, ref, 1e-4)
 
 
-def test_long_prompt_runs_several_delta_rule_chunks(ckpt):
+def test_long_prompt_runs_several_delta_rule_chunks(moe_ckpt):
     """150 prompt tokens: a 113-token step holds two 64-token chunks of the delta rule (state carried from
-    chunk to chunk inside the step), after a 37-token step (carried between steps)."""
-    _, path, ref = ckpt
+    chunk to chunk inside the step), after a 37-token step (carried between steps). (The MoE model: its
+    GDN layers are the dense model's.)"""
+    _, path, ref = moe_ckpt
     _parity(path, ref, 1e-4, cuts=(37,), prompt_len=150, steps=3)
 
 
@@ -141,12 +142,13 @@ def test_w4a16_made_by_the_library(moe, tmp_path):
     assert type(layers["linear"][key]).__name__ == "QTensor"
 
 
-def test_mixed_padded_steps_equal_each_sequence_alone(ckpt):
+def test_mixed_padded_steps_equal_each_sequence_alone(moe_ckpt):
     """One ragged step with a prompt continuing after 5 tokens, a first chunk, and two decode tokens,
     padded to its token bucket with padding rows (6 slots, 4 rows): each sequence's logits equal its run
     alone (one sequence a step); then the same slots go on after a step that did not include them (their
-    states must not move), and a finished slot reused by a new prompt starts from a zero state."""
-    name, path, _ = ckpt
+    states must not move), and a finished slot reused by a new prompt starts from a zero state. (The MoE
+    model: everything the dense one has, and routing.)"""
+    name, path, _ = moe_ckpt
     model = load(path, dtype=jnp.float32)
     rng = np.random.default_rng(2)
     seqs = [rng.integers(0, 256, n).tolist() for n in (16, 5, 14, 10)]
