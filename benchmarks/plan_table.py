@@ -1,8 +1,9 @@
-"""`quantkit plan` for three published model shapes at W4A16 on a v6e, and Gemma-3-27B on a v6e:2x2 slice
-(deviceless libtpu compilation on this CPU): HBM split (per chip), the largest concurrency at 2048 tokens,
-compile seconds (all programs, and the slowest single one) and the wall time of the whole plan (search
-included), XLA's bytes accessed by the compiled decode step against its floor (weights + KV read once), and
-the decode step's roofline time (an estimate, not a measurement). Configs are the models' published
+"""`quantkit plan` for published model shapes at W4A16 on a v6e, bf16 ones on a v6e:2x2 slice and
+Qwen3.5-397B-A17B on TPU7x (deviceless libtpu compilation on this CPU): HBM split (per chip; per TensorCore on
+a v7x), the largest concurrency at 2048 tokens, compile seconds (all programs, and the slowest single one)
+and the wall time of the whole plan (search included), XLA's bytes accessed by the compiled decode step
+against its floor (weights + KV read once), and the decode step's roofline time (an estimate, not a
+measurement). Configs are the models' published
 config.json values (Gemma 4: the multimodal config.json files in benchmarks/configs/, read as they are).
 
 Rows on several chips and MoE rows also go into a second table: expert bytes per chip, the expert kernel's path, and the
@@ -64,7 +65,8 @@ CONFIGS = Path(__file__).resolve().parent / "configs"  # published multimodal co
 GEMMA4_31B = json.loads((CONFIGS / "gemma-4-31B-it.json").read_text())
 GEMMA4_26B_A4B = json.loads((CONFIGS / "gemma-4-26B-A4B-it.json").read_text())
 QWEN35_35B_A3B = json.loads((CONFIGS / "qwen3.5-35B-A3B.json").read_text())
-ROWS = [  # name, config, scheme, group size, chips (, expert parallel)
+QWEN35_397B_A17B = json.loads((CONFIGS / "qwen3.5-397B-A17B.json").read_text())
+ROWS = [  # name, config, scheme, group size, devices (, expert parallel (, target: v6e unless given))
     ("Llama-3-8B", LLAMA3_8B, "W4A16", 128, 1), ("Gemma-3-27B", GEMMA3_27B, "W4A16", 128, 1),
     ("Gemma-3-27B", GEMMA3_27B, "W4A16", 32, 1), ("Qwen3-30B-A3B", QWEN3_30B_A3B, "W4A16", 128, 1),
     ("Gemma-3-27B", GEMMA3_27B, "DENSE", 0, 4),
@@ -76,7 +78,11 @@ ROWS = [  # name, config, scheme, group size, chips (, expert parallel)
     ("Qwen3-30B-A3B", QWEN3_30B_A3B, "W4A16", 128, 4, True),
     # Gated DeltaNet + gated attention + shared-expert MoE: KV for the 10 attention layers, a recurrent state
     # slot per sequence for the 30 GDN layers (the "state" column)
-    ("Qwen3.5-35B-A3B", QWEN35_35B_A3B, "W4A16", 128, 1)]
+    ("Qwen3.5-35B-A3B", QWEN35_35B_A3B, "W4A16", 128, 1),
+    # 512 experts x 60 layers: ~216 GB at W4A16 g128, more than one TPU7x chip (2 TensorCores of 94.75 GiB):
+    # one chip (2 devices) and two chips (4 devices: tpu7x:1x2x1), experts split whole
+    ("Qwen3.5-397B-A17B", QWEN35_397B_A17B, "W4A16", 128, 2, True, "v7x"),
+    ("Qwen3.5-397B-A17B", QWEN35_397B_A17B, "W4A16", 128, 4, True, "v7x")]
 
 
 def main() -> None:
@@ -96,8 +102,8 @@ def main() -> None:
            "at 2048 | expert kernel | collectives per decode step (16 tokens), MiB | floor, MiB |",
            "|---|---|---|---|---|---|---|---|---|---|"]
     results = []
-    for (name, cfg, scheme, group, tp, *ep), kv in ((row, kv) for row in ROWS for kv in args.kv_cache_dtype):
-        ep = bool(ep and ep[0])
+    for (name, cfg, scheme, group, tp, *rest), kv in ((row, kv) for row in ROWS for kv in args.kv_cache_dtype):
+        ep, target = bool(rest and rest[0]), rest[1] if len(rest) > 1 else "v6e"
         label = (f"{scheme}g{group}" if scheme == "W4A16" else "bf16") + (" EP" if ep else "")
         if args.only and f"{name}:{label.replace(' ', ':')}:{tp}" not in args.only:
             continue
@@ -105,7 +111,7 @@ def main() -> None:
             (Path(d) / "config.json").write_text(json.dumps(cfg))
             t0 = time.perf_counter()
             COMPILES.clear()
-            r = plan(Path(d) / "config.json", "v6e", args.max_model_len, args.max_num_seqs, tp=tp, scheme=scheme,
+            r = plan(Path(d) / "config.json", target, args.max_model_len, args.max_num_seqs, tp=tp, scheme=scheme,
                      group_size=group, kv_cache_dtype=kv, ep=ep, search=not args.no_search)
             wall = time.perf_counter() - t0
         h, est, cost = r["hbm_bytes"], r["decode_step_estimate"], r["decode_step_cost"]

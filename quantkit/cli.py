@@ -359,8 +359,9 @@ def plan(
     target: Annotated[TpuTarget, typer.Option(help="TPU generation to compile for.")] = TpuTarget.v6e,
     max_model_len: Annotated[int, typer.Option(min=16, help="Prompt + output tokens per sequence.")] = 2048,
     max_num_seqs: Annotated[int, typer.Option(min=1, help="Sequences decoded together.")] = 16,
-    tp: Annotated[int, typer.Option(help="Tensor-parallel chips: 1, 2, 4 or 8 (a 1x2, 2x2 or 2x4 slice); "
-                                         "HBM is then reported per chip.")] = 1,
+    tp: Annotated[int, typer.Option(help="Tensor-parallel devices: 1, 2, 4 or 8; HBM is then reported per "
+                                         "device. v5e / v6e: chips (a 1x2, 2x2 or 2x4 slice); v7x: TensorCores, "
+                                         "two a chip (tpu7x 1x1x1, 1x2x1, 2x2x1).")] = 1,
     scheme: Annotated[SchemeName | None, typer.Option(help="How the weights would be stored \\[default: as the "
                                                            "checkpoint says; bf16 without a quantization_config].",
                                                       show_default=False)] = None,
@@ -376,9 +377,10 @@ def plan(
     Examples:  quantkit plan ./gemma-3-27b-it/config.json --scheme W4A16 --group-size 32
                quantkit plan ./gemma-3-27b-it --scheme DENSE --tp 4 --json
                quantkit plan ./Qwen3-30B-A3B/config.json --scheme W4A16 --tp 4 --enable-expert-parallel
+               quantkit plan ./Qwen3.5-397B-A17B --scheme W4A16 --target v7x --tp 4 --enable-expert-parallel
     """
     if tp not in (1, 2, 4, 8):
-        raise typer.BadParameter(f"{tp} chips: plans cover 1, 2, 4 or 8", param_hint="--tp")
+        raise typer.BadParameter(f"{tp} devices: plans cover 1, 2, 4 or 8", param_hint="--tp")
     try:
         from quantkit.plan import plan as run, print_plan
 

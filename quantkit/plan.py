@@ -80,7 +80,7 @@ def plan(path: str | Path, target: str = "v6e", max_model_len: int = 2048, max_n
 
     from quantkit.formats.compressed_tensors import kv_scheme_reason
     from quantkit.kernels.tiling import CHIPS
-    from quantkit.runtime.aot import compile_for, target_mesh, topology_name
+    from quantkit.runtime.aot import chips, compile_for, target_mesh, topology_name
     from quantkit.runtime.config import from_hf
     from quantkit.runtime.cache import cache_layout, kv_fp8_dtype, with_kv_scales
     from quantkit.runtime.loader import abstract
@@ -192,6 +192,8 @@ def plan(path: str | Path, target: str = "v6e", max_model_len: int = 2048, max_n
         best, s = _largest_fit(fits_at, max_num_seqs, fits, temp, chip.hbm_bytes - weights - fixed, per_seq, progress)
         seconds += s
     kv, state = kv_bytes(max_num_seqs), kv_bytes(max_num_seqs, states=True)
+    state_per_seq = kv_bytes(max_num_seqs + 1, states=True) - state  # of per_seq and fixed: the state's part
+    state_fixed = state - max_num_seqs * state_per_seq
     # a decode step at full context reads every weight and every cached token once, and reads and writes each
     # sequence's recurrent state (each chip its share, in parallel; the all-reduces of a tensor-parallel step
     # are left out)
@@ -201,13 +203,14 @@ def plan(path: str | Path, target: str = "v6e", max_model_len: int = 2048, max_n
     return {
         "path": str(path), "target": target, "scheme": scheme or ("checkpoint" if qc else "DENSE"),
         "max_model_len": max_model_len, "max_num_seqs": max_num_seqs, "tp": tp, "kv_cache_dtype": kv_dtype.name,
-        "topology": topology_name(target, tp), "fits": bool(fits),
+        "topology": topology_name(target, tp), "chips": chips(target, tp), "fits": bool(fits),
         "hbm_bytes": {"weights": weights, "kv_cache": kv - state, "recurrent_state": state, "temporaries": temp,
                       "total": weights + kv + temp, "capacity": chip.hbm_bytes, "of_weights_experts": weight_bytes(True)},
         "expert_parallel": bool(ep and tp > 1),
         "max_num_seqs_that_fit": best,
-        "kv_cache_by_dtype": _kv_by_dtype(kv, kv_dtype.itemsize, fp8 is not None, best, search,
-                                          chip.hbm_bytes - weights - temp, fixed, per_seq),
+        "kv_cache_by_dtype": _kv_by_dtype(kv - state, kv_dtype.itemsize, fp8 is not None, best, search,
+                                          chip.hbm_bytes - weights - temp, (fixed - state_fixed, state_fixed),
+                                          (per_seq - state_per_seq, state_per_seq)),
         "compile_seconds": round(seconds, 2), "compiler_message": message,
         "dequantized_weight_buffers": sorted(set(found)),
         "kernels": _kernels(params, chip, max_num_seqs),
@@ -230,12 +233,15 @@ def plan(path: str | Path, target: str = "v6e", max_model_len: int = 2048, max_n
 
 
 def _quantization(raw: dict, scheme: str | None, group_size: int):
-    """The QuantizationConfig the weights would be stored with: `scheme`'s (None for DENSE), else the
-    checkpoint's own (None without one: bf16)."""
+    """The QuantizationConfig the weights would be stored with: `scheme`'s as `convert` writes it (lm_head,
+    GDN projections and MTP left bf16; routers are never quantized), None for DENSE; else the checkpoint's
+    own (None without one: bf16)."""
     from quantkit.formats.compressed_tensors import parse_quantization_config, writable_config
+    from quantkit.formats.hf import GROUP_IGNORE
 
     if scheme is not None:
-        return None if scheme == "DENSE" else parse_quantization_config(writable_config(scheme, group_size, ["lm_head"]))
+        ignore = ["lm_head", *GROUP_IGNORE]
+        return None if scheme == "DENSE" else parse_quantization_config(writable_config(scheme, group_size, ignore))
     return parse_quantization_config(raw["quantization_config"]) if "quantization_config" in raw else None
 
 
@@ -319,18 +325,19 @@ def _kernels(params: dict, chip, m: int) -> list[dict]:
     return kernels
 
 
-def _kv_by_dtype(kv: int, itemsize: int, fp8: bool, best: int | None, search: bool, room: int, fixed: int,
-                 per_seq: int) -> dict:
+def _kv_by_dtype(pages: int, itemsize: int, fp8: bool, best: int | None, search: bool, room: int,
+                 fixed: tuple[int, int], per_seq: tuple[int, int]) -> dict:
     """KV cache bytes and the largest max_num_seqs for bf16 and FP8: the compiled dtype's (`fp8`: the cache
-    was compiled FP8; kv bytes, `best`), the other's scaled from its layout (1 or 2 bytes a value) with this
-    compile's temporaries: an estimate. room: HBM bytes beside the weights and temporaries; fixed, per_seq:
-    the compiled cache's bytes whatever the sequences, and per sequence."""
+    was compiled FP8; its pages' bytes, `best`), the other's scaled from its layout (1 or 2 bytes a value)
+    with this compile's temporaries: an estimate. room: HBM bytes beside the weights and temporaries; fixed,
+    per_seq: the compiled cache's bytes whatever the sequences, and per sequence, each as (KV pages,
+    recurrent state): the float32 Gated DeltaNet state does not change with the KV dtype."""
     by_dtype = {}
     for name, size in (("bf16", 2), ("fp8", 1)):
         f = size / itemsize
         this = (size == 1) == fp8
-        n = best if this else (room - fixed * f) // (per_seq * f) if search else None
-        by_dtype[name] = {"kv_cache": int(kv * f), "max_num_seqs_that_fit": None if n is None else int(n),
+        n = best if this else (room - fixed[0] * f - fixed[1]) // (per_seq[0] * f + per_seq[1]) if search else None
+        by_dtype[name] = {"kv_cache": int(pages * f), "max_num_seqs_that_fit": None if n is None else int(n),
                           "compiled": this}
     return by_dtype
 
@@ -385,7 +392,9 @@ def _named(params: dict):
 def print_plan(r: dict, out=sys.stdout) -> None:
     gib = 1 << 30
     h = r["hbm_bytes"]
-    chips = f"{r['tp']} chips ({r['topology']}), HBM per chip" if r["tp"] > 1 else r["topology"]
+    unit = "TensorCore" if r["target"] == "v7x" else "chip"  # a v7x chip is two devices (runtime/aot.py)
+    chips = f"{r['tp']} {unit}s ({r['topology']}), HBM per {unit}" if r["tp"] > 1 else (
+        f"{r['topology']}, one TensorCore" if unit == "TensorCore" else r["topology"])
     chips += ", experts split whole (expert parallel)" if r["expert_parallel"] else ""
     print(f"{r['path']} on {r['target']}: {r['scheme']}, {r['max_num_seqs']} sequences of {r['max_model_len']} tokens, "
           f"{r['kv_cache_dtype']} KV cache, {chips}", file=out)

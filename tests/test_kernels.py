@@ -169,7 +169,13 @@ def test_chip_of_maps_known_device_kinds_and_sends_the_rest_to_xla():
         warnings.simplefilter("error")
         for kind, chip, version in known:
             assert chip_of(kind) == chip, kind
-            assert CHIPS[chip].vmem_bytes == pltpu.get_tpu_info_for_chip(version, 1).vmem_capacity_bytes, kind
+            info, c = pltpu.get_tpu_info_for_chip(version, 1), CHIPS[chip]
+            assert c.vmem_bytes == info.vmem_capacity_bytes, kind
+            # per logical device (one TensorCore of a v7x): HBM usable below jax's capacity by at most 3%
+            # (v6e 31.25 of 32.04 GiB; v7x 94.75 of 95.93, libtpu's limit), bandwidth and bf16 peak within 1%
+            assert 0.97 * info.hbm_capacity_bytes <= c.hbm_bytes <= info.hbm_capacity_bytes, kind
+            assert abs(c.hbm_bytes_per_s / info.mem_bw_bytes_per_second - 1) < 0.01, kind
+            assert abs(c.bf16_flops / info.bf16_ops_per_second - 1) < 0.01, kind
     for kind in ("TPU v4", "TPU v4 lite", "TPU v5", "TPU v5p", "TPU v3", "TPU8i", "TPU v9000"):
         with pytest.warns(UserWarning, match="XLA path"):
             assert chip_of(kind) is None, kind

@@ -33,7 +33,8 @@ def _env(devices: int) -> dict:
 def models(tmp_path_factory):
     """A dense Llama (8 heads, 2 KV heads: split at tp 2, replicated at 4 and 8) and a Qwen3-MoE (8 experts)
     converted to W4A16 g32 by quantkit, experts included, both with a tokenizer; test_runtime's tiny
-    Gemma 4 MoE (8 experts beside the dense MLP, 4 heads)."""
+    Gemma 4 MoE (8 experts beside the dense MLP, 4 heads) and Qwen3.5-MoE (Gated DeltaNet layers and their
+    state slots, gated attention with 4 heads / 2 KV heads, 8 experts and a shared expert; W4A16 g32)."""
     from quantkit.convert import convert
 
     tmp = tmp_path_factory.mktemp("parallel")
@@ -47,7 +48,9 @@ def models(tmp_path_factory):
 
     torch.manual_seed(0)
     _family("gemma4_moe").save_pretrained(tmp / "gemma4-moe")  # bf16 experts packed in 3-D tensors
-    return {"dense": dense, "moe": tmp / "moe-w4", "gemma4_moe": tmp / "gemma4-moe"}
+    _family("qwen3_5_moe").save_pretrained(tmp / "qwen3_5-moe")
+    convert(tmp / "qwen3_5-moe", tmp / "qwen3_5-moe-w4", "W4A16", 32)  # GDN projections left bf16, replicated
+    return {"dense": dense, "moe": tmp / "moe-w4", "gemma4_moe": tmp / "gemma4-moe", "qwen3_5_moe": tmp / "qwen3_5-moe-w4"}
 
 
 RUNNER_SCRIPT = r"""
@@ -75,10 +78,11 @@ RUNS = {  # (tp, expert parallel, weights): the dense model has no quantized wei
     "moe": [(1, False, "packed"), (1, False, "dense"), (2, False, "packed"), (2, True, "packed"), (4, False, "packed"),
             (4, True, "packed"), (8, True, "packed"), (8, True, "dense"), (8, False, "dense")],
     "gemma4_moe": [(1, False, "auto"), (2, False, "auto"), (2, True, "auto"), (4, False, "auto"), (4, True, "auto")],
+    "qwen3_5_moe": [(1, False, "packed"), (2, False, "packed"), (4, True, "packed")],  # 4: KV heads replicated
 }
 
 
-@pytest.mark.parametrize("name", ["dense", "moe", "gemma4_moe"])
+@pytest.mark.parametrize("name", ["dense", "moe", "gemma4_moe", "qwen3_5_moe"])
 def test_two_four_eight_devices_give_one_devices_tokens(models, name):
     """Tensor parallel (and for the MoEs, expert parallel too), with packed int4 weights (the grouped matmul per
     shard / on each device's own experts) and dequantized dense ones, and Gemma 4's bf16 experts: the

@@ -18,6 +18,7 @@ import torch
 from quantkit.convert import convert
 from quantkit.errors import InvalidInput
 from quantkit.formats.compressed_tensors import parse_quantization_config
+from quantkit.plan import _quantization
 from quantkit.quant.qtensor import QTensor
 from quantkit.runtime.loader import abstract, load
 from test_runtime import _family
@@ -58,6 +59,9 @@ def test_abstract_weights_equal_the_loaded_ones(family, scheme, group, tmp_path)
     model = load(path)
     raw = json.loads((path / "config.json").read_text()).get("quantization_config")
     assert _describe(abstract(model.cfg, parse_quantization_config(raw) if raw else None)) == _describe(model.params)
+    # `plan CONFIG --scheme S` plans what `convert --scheme S` writes (Qwen3.5: GDN projections left bf16)
+    planned = _quantization(json.loads((tmp_path / "dense" / "config.json").read_text()), scheme, group)
+    assert _describe(abstract(model.cfg, planned)) == _describe(model.params)
 
 
 def _plan(tmp_path, *flags, config=None):
@@ -262,6 +266,42 @@ def test_qwen3_30b_a3b_expert_parallel_on_a_2x2_slice(tmp_path):
     assert c["floor_bytes"] <= c["total"] < 2 * c["floor_bytes"], c
     with pytest.raises(InvalidInput, match="down: 6 scale groups along the input features do not split over 4"):
         plan(tmp_path / "config.json", "v6e", 2048, 16, tp=4, scheme="W4A16", group_size=128, search=False)
+
+
+LLAMA_70B = {**SMALL, "hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80, "num_attention_heads": 64,
+             "num_key_value_heads": 8, "vocab_size": 128256, "rope_theta": 500000.0}
+
+
+def test_v7x_plans_count_tensorcores(tmp_path):
+    """A v7x chip is two JAX devices (TensorCores) with 94.75 GiB each, libtpu's own limit: a Llama-3-70B-shaped
+    bf16 model (80 x (2 x 8192 x 8192 + 2 x 8192 x 1024 + 3 x 8192 x 28672) + 2 x 128256 x 8192 parameters x 2
+    bytes = 141.1 GB) does not fit one TensorCore (libtpu refuses the program: exit 4) although it is below a
+    chip's 192 GiB; --tp 4 is two chips (tpu7x:1x2x1), a quarter of the weights on each TensorCore."""
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA_70B))
+    cmd = [sys.executable, "-m", "quantkit.cli", "plan", str(tmp_path / "config.json"), "--target", "v7x",
+           "--scheme", "DENSE", "--max-model-len", "128", "--max-num-seqs", "4", "--no-search", "--json"]
+    env = {"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"}
+    one, four = (subprocess.run(cmd + ["--tp", tp], capture_output=True, text=True, timeout=900, env=env)
+                 for tp in ("1", "4"))
+    assert one.returncode == 4 and four.returncode == 0, (one.stderr[-2000:], four.stderr[-2000:])
+    one, four = json.loads(one.stdout), json.loads(four.stdout)
+    assert not one["fits"] and "HBM" in one["compiler_message"] and "94.75G" in one["compiler_message"]
+    assert four["fits"] and four["topology"] == "tpu7x:1x2x1" and four["chips"] == 2
+    assert four["hbm_bytes"]["capacity"] == int(94.75 * (1 << 30))
+    weights = (80 * (2 * 8192 * 8192 + 2 * 8192 * 1024 + 3 * 8192 * 28672) + 2 * 128256 * 8192) * 2
+    assert abs(four["hbm_bytes"]["weights"] - weights / 4) < 0.01 * weights / 4
+
+
+def test_fp8_estimate_scales_the_kv_pages_not_the_recurrent_state():
+    """kv_cache_by_dtype's other-dtype estimate: KV pages take half the bytes in FP8, a Gated DeltaNet state
+    slot (float32) the same; with 10 GiB of room, 1 GiB fixed (0.5 pages + 0.5 state) and 0.1 GiB a sequence
+    (0.06 pages + 0.04 state), bf16 -> fp8 fits (10 - 0.25 - 0.5) / (0.03 + 0.04) = 132 sequences."""
+    from quantkit.plan import _kv_by_dtype
+
+    g = 1 << 30
+    by = _kv_by_dtype(4 * g, 2, False, 90, True, 10 * g, (g // 2, g // 2), (int(0.06 * g), int(0.04 * g)))
+    assert by["bf16"] == {"kv_cache": 4 * g, "max_num_seqs_that_fit": 90, "compiled": True}
+    assert by["fp8"] == {"kv_cache": 2 * g, "max_num_seqs_that_fit": 132, "compiled": False}
 
 
 LLAMA_8B = {**SMALL, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,

@@ -230,6 +230,7 @@ def vision_root(name: str) -> str | None:
 # projections (`linear_attn.in_proj_qkv`, ...: small, and their errors feed a recurrence) and the MTP head
 _GROUPS = ((re.compile(r"(^|\.)linear_attn\."), "linear attention (Gated DeltaNet)", "re:.*linear_attn\\."),
            (re.compile(r"^mtp\."), "MTP head", "re:^mtp\\."))
+GROUP_IGNORE = tuple(entry for _, _, entry in _GROUPS)  # what a converted config's `ignore` holds for them
 
 
 def default_exclusion(name: str) -> str | None:

@@ -11,7 +11,8 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class Chip:
-    """One accelerator generation. `hbm_bytes` is what XLA can use, `mxu` the MXU column count."""
+    """One accelerator generation, per JAX device (a v7x chip is two). `hbm_bytes` is what XLA can use, `mxu`
+    the MXU column count."""
 
     name: str
     hbm_bytes: int
@@ -27,8 +28,11 @@ GIB = 1 << 30
 CHIPS: dict[str, Chip] = {
     "v5e": Chip("v5e", 16 * GIB, 819e9, 197e12, 128, 128 << 20, fp8_mxu=False),
     "v6e": Chip("v6e", int(31.25 * GIB), 1.64e12, 918e12, 256, 128 << 20, fp8_mxu=True),
-    # v7x bandwidth: Google Cloud Ironwood announcement (7.37 TB/s per chip).
-    "v7x": Chip("v7x", 192 * 10**9, 7.37e12, 2307e12, 256, 64 << 20, fp8_mxu=True),
+    # v7x: per TensorCore, which JAX sees as one device (two a chip). Google Cloud's Ironwood figures are per
+    # chip (192 GiB, 7.37 TB/s, 2307 TFLOP/s bf16), split in half as jax's own TPU7x facts have them
+    # (pallas tpu_info: 103 GB, 3.7 TB/s, 1155 TFLOP/s a logical device); 94.75 GiB is what libtpu lets one
+    # device's programs use (its out-of-memory message, deviceless `tpu7x:1x1x1`).
+    "v7x": Chip("v7x", int(94.75 * GIB), 7.37e12 / 2, 2307e12 / 2, 256, 64 << 20, fp8_mxu=True),
     # The XLA path on the host: no tiling, arrays stored densely.
     "cpu": Chip("cpu", 0, 0.0, 0.0, 0, 0, fp8_mxu=False, tpu=False),
 }

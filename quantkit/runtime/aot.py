@@ -14,19 +14,21 @@ TOPOLOGIES = {  # chip -> (topology name prefix, accelerator type of one chip)
     "v6e": ("v6e", "v6e-1"),
     "v7x": ("tpu7x", "tpu7x-2"),
 }
-GRIDS = {1: (1, 1), 2: (1, 2), 4: (2, 2), 8: (2, 4)}  # chips -> chip grid of a v5e / v6e slice
+# devices -> chip grid. A v5e / v6e chip is one JAX device; a v7x chip has two TensorCores, each its own device
+# (libtpu: `tpu7x:1x1x1` lists 2 devices, `tpu7x:1x2x1` 4, `tpu7x:2x2x1` 8), so 1 or 2 devices take one chip.
+GRIDS = {1: (1, 1), 2: (1, 2), 4: (2, 2), 8: (2, 4)}
+V7X_GRIDS = {1: (1, 1), 2: (1, 1), 4: (1, 2), 8: (2, 2)}
 
 
 @cache
 def tpu_devices(chip: str, tp: int = 1) -> tuple:
-    """The devices of a `tp`-chip topology of `chip` (needs libtpu: `pip install quantkit[tpu]`).
-
-    v7x: one chip (its first TensorCore; multi-chip v7x topologies are not offered)."""
+    """`tp` devices of the smallest topology of `chip` that has them (needs libtpu: `pip install
+    quantkit[tpu]`): `tp` chips of a v5e / v6e; `tp` TensorCores of a v7x, two a chip (one: half a chip)."""
     accel = TOPOLOGIES[chip][1]
-    if tp not in GRIDS or chip == "v7x" and tp > 1:
+    if tp not in GRIDS:
         from quantkit.errors import Unsupported
 
-        raise Unsupported(f"--tp {tp} on {chip}: plans cover 1, 2, 4 or 8 chips of v5e / v6e, and one v7x chip")
+        raise Unsupported(f"--tp {tp} on {chip}: plans cover 1, 2, 4 or 8 devices")
     # libtpu reads these when it first loads; they tell it not to look for real hardware, and (deviceless
     # compilation touches no chip) not to take the one-process lockfile that another compiling process holds.
     for key, value in (("TPU_SKIP_MDS_QUERY", "1"), ("TPU_ACCELERATOR_TYPE", accel),
@@ -35,14 +37,22 @@ def tpu_devices(chip: str, tp: int = 1) -> tuple:
         os.environ.setdefault(key, value)
     from jax.experimental import topologies
 
-    x, y = GRIDS[tp]
+    x, y = (V7X_GRIDS if chip == "v7x" else GRIDS)[tp]
     return tuple(topologies.get_topology_desc(platform="tpu", topology_name=topology_name(chip, tp),
                                               chips_per_host_bounds=(x, y, 1)).devices[:tp])
 
 
 def topology_name(chip: str, tp: int) -> str:
+    if chip == "v7x":
+        x, y = V7X_GRIDS[tp]
+        return f"tpu7x:{x}x{y}x1"
     x, y = GRIDS[tp]
-    return "tpu7x:1x1x1" if chip == "v7x" else f"{TOPOLOGIES[chip][0]}:{x}x{y}"
+    return f"{TOPOLOGIES[chip][0]}:{x}x{y}"
+
+
+def chips(chip: str, tp: int) -> int:
+    """How many chips `tp` devices of `chip` take."""
+    return (tp + 1) // 2 if chip == "v7x" else tp
 
 
 @cache
@@ -55,7 +65,7 @@ def target_mesh(chip: str, tp: int):
 
 
 def compile_for(chip: str, fn, *args, donate: tuple[int, ...] = (), pinned: tuple[int, ...] = (), tp: int = 1):
-    """Compiles `fn` for `tp` chips of `chip` on abstract args (pytrees of jax.ShapeDtypeStruct; those
+    """Compiles `fn` for `tp` devices of `chip` on abstract args (pytrees of jax.ShapeDtypeStruct; those
     without a sharding go on the one device, or are replicated over the mesh); `donate`: argument positions
     whose buffers the outputs may reuse (the KV cache); `pinned`: argument positions laid out row-major, as
     the Runner places weights (runtime/sharding.py row_major); the others in layouts XLA chooses.
