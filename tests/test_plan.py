@@ -272,6 +272,7 @@ LLAMA_70B = {**SMALL, "hidden_size": 8192, "intermediate_size": 28672, "num_hidd
              "num_key_value_heads": 8, "vocab_size": 128256, "rope_theta": 500000.0}
 
 
+@pytest.mark.slow
 def test_v7x_plans_count_tensorcores(tmp_path):
     """A v7x chip is two JAX devices (TensorCores) with 94.75 GiB each, libtpu's own limit: a Llama-3-70B-shaped
     bf16 model (80 x (2 x 8192 x 8192 + 2 x 8192 x 1024 + 3 x 8192 x 28672) + 2 x 128256 x 8192 parameters x 2
