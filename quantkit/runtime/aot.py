@@ -37,17 +37,18 @@ def tpu_devices(chip: str, tp: int = 1) -> tuple:
         os.environ.setdefault(key, value)
     from jax.experimental import topologies
 
-    x, y = (V7X_GRIDS if chip == "v7x" else GRIDS)[tp]
+    x, y = _grid(chip, tp)
     return tuple(topologies.get_topology_desc(platform="tpu", topology_name=topology_name(chip, tp),
                                               chips_per_host_bounds=(x, y, 1)).devices[:tp])
 
 
+def _grid(chip: str, tp: int) -> tuple[int, int]:
+    return (V7X_GRIDS if chip == "v7x" else GRIDS)[tp]
+
+
 def topology_name(chip: str, tp: int) -> str:
-    if chip == "v7x":
-        x, y = V7X_GRIDS[tp]
-        return f"tpu7x:{x}x{y}x1"
-    x, y = GRIDS[tp]
-    return f"{TOPOLOGIES[chip][0]}:{x}x{y}"
+    x, y = _grid(chip, tp)
+    return f"tpu7x:{x}x{y}x1" if chip == "v7x" else f"{TOPOLOGIES[chip][0]}:{x}x{y}"
 
 
 def chips(chip: str, tp: int) -> int:
