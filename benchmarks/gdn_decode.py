@@ -1,4 +1,4 @@
-"""One Gated DeltaNet layer's decode step (runtime/models/qwen3_5.py `gdn_block`), compiled deviceless for a
+"""One Gated DeltaNet layer's decode step (runtime/models/gdn.py `gdn_block`), compiled deviceless for a
 TPU: XLA's bytes accessed against the analytic minimum (the layer's weights once, each row's conv and
 recurrent state read once and written once, the activations in and out), per published Qwen3.5 shape.
 
@@ -23,10 +23,10 @@ import jax.numpy as jnp  # noqa: E402
 
 from quantkit.runtime.aot import compile_for  # noqa: E402
 from quantkit.runtime.cache import cache_layout  # noqa: E402
-from quantkit.runtime.config import from_hf  # noqa: E402
+from quantkit.runtime.models import from_hf  # noqa: E402
 from quantkit.runtime.loader import abstract  # noqa: E402
 from quantkit.runtime.models.common import layer_params  # noqa: E402
-from quantkit.runtime.models.qwen3_5 import gdn_block  # noqa: E402
+from quantkit.runtime.models.gdn import gdn_block  # noqa: E402
 from quantkit.runtime.step import empty_batch  # noqa: E402
 
 CONFIGS = Path(__file__).resolve().parent / "configs"

@@ -11,6 +11,7 @@ from typing import Annotated
 import typer
 
 from quantkit.errors import InvalidInput, QuantkitError
+from quantkit.formats.ct_writer import SCHEMES
 
 app = typer.Typer(
     name="quantkit",
@@ -162,13 +163,7 @@ def inspect(
     raise typer.Exit(code)
 
 
-class SchemeName(str, Enum):
-    W4A16 = "W4A16"
-    FP8 = "FP8"
-    FP8_DYNAMIC = "FP8_DYNAMIC"
-    FP8_BLOCK = "FP8_BLOCK"
-    MXFP4A16 = "MXFP4A16"
-    DENSE = "DENSE"
+SchemeName = Enum("SchemeName", {s: s for s in SCHEMES}, type=str)  # convert's and plan's --scheme
 
 
 class Observer(str, Enum):

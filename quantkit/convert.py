@@ -1,7 +1,7 @@
 """`quantkit convert`: stream a checkpoint tensor by tensor into compressed-tensors (or back to bf16).
 
 Design:
-1. Plan from headers only: validate SRC as inspect does (quantkit.validate), decide per tensor what to do
+1. Plan from headers only: validate SRC as inspect does (quantkit.runtime.validate), decide per tensor what to do
    (quantize / copy / dequantize), and compute every output tensor's dtype and shape, hence every
    shard's header and every tensor's byte offset, before any data is read.
 2. Write into a temporary sibling directory: shard files are preallocated (a full disk fails at once),
@@ -34,26 +34,32 @@ import numpy as np
 
 from quantkit.errors import InvalidInput, QuantkitError, Unsupported
 from quantkit.formats import packing
-from quantkit.formats.compressed_tensors import (
-    Scheme, can_dequantize, dequantize, logical_shape, match_name, output_config, parse_quantization_config,
-    unsupported_reason,
-    stored_layout, stored_row_range, stored_rows, writable_spec,
-)
+from quantkit.formats.compressed_tensors import Scheme, match_name, parse_quantization_config
+from quantkit.formats.ct_tensors import can_dequantize, dequantize, logical_shape
+from quantkit.formats.ct_writer import SCHEMES, output_config, stored_layout, stored_row_range, stored_rows, writable_group
 from quantkit.formats.hf import (
-    INDEX_NAME, PACKED_EXPERT_ARCHITECTURES, PACKED_EXPERTS, Checkpoint, classify_module, default_exclusion,
+    INDEX_NAME, PACKED_EXPERTS, Checkpoint, classify_module, default_exclusion,
     exclusion_pattern, group_modules, packed_experts,
 )
 from quantkit.formats.safetensors_io import DTYPES, FLOAT_DTYPES
-from quantkit.quant.quantize import quantize_rows
-from quantkit.validate import validate_checkpoint
+from quantkit.quant.quantize import QuantSpec, quantize_rows
+from quantkit.runtime.models import ARCHITECTURES
+from quantkit.runtime.validate import unsupported_reason, validate_checkpoint
 
-SCHEMES = ("W4A16", "FP8", "FP8_DYNAMIC", "FP8_BLOCK", "MXFP4A16", "DENSE")
 CHUNK_BYTES = 4 << 20  # float32 bytes of input per row chunk: small enough to stay in cache
 REPORT_NAME = "quantkit_report.json"
 # Each worker holds one row chunk and its temporaries: at most ~50 MB (measured: the mse observer on a
 # 14336-wide bf16 chunk). 8 keep the peak under ~0.4 GB on any machine; more threads rarely help,
 # since reading and writing share one disk.
 MAX_DEFAULT_WORKERS = 8
+
+
+def writable_spec(scheme: str, group_size: int) -> QuantSpec:
+    """The QuantSpec that produces the weights writable_group(scheme, group_size) declares."""
+    w = writable_group(scheme, group_size)["weights"]
+    kind = "int" if w["type"] == "int" else "fp8" if w["num_bits"] == 8 else "mxfp4"
+    block = w.get("block_structure")
+    return QuantSpec(kind, w["num_bits"], w.get("group_size") or -1, tuple(block) if block else None)
 
 
 def default_workers() -> int:
@@ -107,6 +113,8 @@ def plan(ckpt: Checkpoint, scheme: str, group_size: int, ignore: list[str],
         raise InvalidInput(f"{ckpt.root}: not a compressed-tensors checkpoint; --scheme DENSE dequantizes one")
     jobs: list[Job] = []
     ignored: list[str] = [p for p in ignore if p.startswith("re:")]
+    family = ARCHITECTURES.get(ckpt.architecture)
+    packs_experts = family is not None and family.packed_experts  # its 3-D expert tensors: split per expert
     for module, pnames in group_modules(ckpt.tensors).items():
         params = {p: ckpt.tensors[n] for p, n in pnames.items()}
         kind, cls = classify_module(module, params)
@@ -119,7 +127,7 @@ def plan(ckpt: Checkpoint, scheme: str, group_size: int, ignore: list[str],
                      for p, n in pnames.items() if p not in ("input_scale", "k_scale", "v_scale", "q_scale")]
             continue
         packed = params.get("tensor")
-        if (packed is not None and ckpt.architecture in PACKED_EXPERT_ARCHITECTURES and len(packed.shape) == 3
+        if (packed is not None and packs_experts and len(packed.shape) == 3
                 and module.rpartition(".")[2] in PACKED_EXPERTS and packed.dtype in FLOAT_DTYPES
                 and not _matches(module, ignore)):  # split into per-expert Linears, as llm-compressor does
             jobs += [_quantize_job(name, pnames["tensor"], shape, packed.dtype, scheme, group_size, row0)

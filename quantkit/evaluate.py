@@ -1,11 +1,12 @@
 """`quantkit eval`: what quantization cost, measured on text, with paired-bootstrap intervals.
 
 Both checkpoints run through the JAX runtime (float32 activations, so what is measured is the weights)
-on the same non-overlapping token windows. Per predicted token: the KL divergence of the candidate's
-next-token distribution from the reference's, each model's negative log-likelihood of the actual next
-token, and whether both put the same token first. Intervals come from one paired bootstrap: blocks of
-consecutive tokens are resampled (tokens within a block are correlated), the same draw for every
-statistic, so the reference and candidate perplexities vary together as they should.
+on the same non-overlapping token windows, one after the other, so that memory never holds both. Per
+predicted token: the KL divergence of the candidate's next-token distribution from the reference's, each
+model's negative log-likelihood of the actual next token, and whether both put the same token first.
+Intervals come from one paired bootstrap: blocks of consecutive tokens are resampled (tokens within a
+block are correlated), the same draw for every statistic, so the reference and candidate perplexities
+vary together as they should.
 """
 
 from __future__ import annotations
@@ -65,11 +66,59 @@ def _token_stats(ref_logits: np.ndarray, cand_logits: np.ndarray, targets: np.nd
             "agree": (lr.argmax(-1) == lc.argmax(-1)).astype(np.float64)}
 
 
+def _model_config(path: Path):
+    """The ModelConfig of a checkpoint from its headers and config.json alone (no weights read), after
+    the validation `runtime.loader.load` does: so that a candidate that cannot be served, or that does not
+    match the reference, fails before the reference has run."""
+    from quantkit.errors import Unsupported
+    from quantkit.formats.hf import Checkpoint
+    from quantkit.runtime.models import from_hf
+    from quantkit.runtime.validate import validate_checkpoint
+
+    ckpt = Checkpoint.open(path)
+    problems = validate_checkpoint(ckpt).all_problems()
+    for severity, exc in (("error", InvalidInput), ("unsupported", Unsupported)):
+        probs = [p for p in problems if p["severity"] == severity]
+        if probs:
+            more = f" (and {len(probs) - 1} more; see `quantkit inspect`)" if len(probs) > 1 else ""
+            raise exc(f"{path}: {probs[0]['where']}: {probs[0]['message']}{more}")
+    if ckpt.config is None:
+        raise InvalidInput(f"{path}: no config.json")
+    return from_hf(ckpt.config)
+
+
+def _release(*trees) -> None:
+    """Frees the device buffers of every array in `trees` now (a model's weights, its KV cache), rather
+    than whenever the last Python reference goes: eval loads the candidate only once the reference is gone."""
+    import gc
+
+    import jax
+
+    for leaf in jax.tree_util.tree_leaves(trees):
+        if isinstance(leaf, jax.Array) and not leaf.is_deleted():
+            leaf.delete()
+    gc.collect()
+    try:  # glibc keeps freed heap pages for reuse; the candidate's buffers have other sizes: give them back
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
+
+
 def evaluate(reference: Path, candidate: Path, text: str | None = None, max_tokens: int = 4096,
              window: int = 512, progress=None, kv_cache_dtype: str = "auto", tp: int = 1, ep: bool = False) -> dict:
     """Runs both checkpoints on the same windows of `text` (tokenized with the reference's tokenizer);
     the candidate with a `kv_cache_dtype` cache (runtime/cache.py), the reference with its own default;
     both over `tp` devices (`ep`: experts split whole; runtime/sharding.py).
+
+    One model at a time, so that memory holds one model's float32 weights, never two (an 8B model is
+    32 GB in float32): the reference runs over every window first and only its float32 logits of the
+    predicted tokens are kept (KL needs its whole next-token distribution), then it is freed and the
+    candidate runs. Those logits are tokens x vocab x 4 bytes: --max-tokens 4096 of a 128,256-token
+    vocabulary (Llama 3) is 2.1 GB, of a 262,144-token one (Gemma 3) 4.3 GB, against 32 GB and 108 GB
+    of float32 weights for Llama-3.1-8B and Gemma-3-27B. They are the very arrays the per-token
+    statistics were computed from when both models ran side by side, so every figure is unchanged.
 
     Returns the report (CLI.md keys): tokens, ppl_reference, ppl_candidate, kl {mean, median, p99, max,
     ci95}, top1_agreement {value, ci95}, plus the intervals of both perplexities.
@@ -83,25 +132,49 @@ def evaluate(reference: Path, candidate: Path, text: str | None = None, max_toke
     from quantkit.runtime.tokenizer import TextCodec
 
     ids = TextCodec(reference).encode(default_text() if text is None else text)[:max_tokens]
-    mesh = start(tp)
-    models = [load(p, dtype=jnp.float32, mesh=mesh, ep=ep) for p in (reference, candidate)]
-    if models[0].cfg.vocab_size != models[1].cfg.vocab_size:
-        raise InvalidInput(f"vocabularies differ: {models[0].cfg.vocab_size} vs {models[1].cfg.vocab_size} "
+    cfgs = [_model_config(p) for p in (reference, candidate)]  # headers only: fail before any weight is read
+    if cfgs[0].vocab_size != cfgs[1].vocab_size:
+        raise InvalidInput(f"vocabularies differ: {cfgs[0].vocab_size} vs {cfgs[1].vocab_size} "
                            "tokens; compare checkpoints of the same model")
-    window = min(window, min(m.cfg.max_position_embeddings for m in models))
+    window = min(window, min(c.max_position_embeddings for c in cfgs))
     spans = [ids[i:i + window] for i in range(0, len(ids), window)]
     spans = [s for s in spans if len(s) >= 2]
     if not spans:
         raise InvalidInput(f"the text has {len(ids)} tokens; eval needs at least 2")
-    runners = [Runner(m, max_model_len=window, max_num_batched_tokens=window, kv_cache_dtype=kv)
-               for m, kv in zip(models, ("auto", kv_cache_dtype))]
+    mesh = start(tp)
+
+    def run(path: Path, kv: str, each):
+        """Loads `path`, runs every span through it (each(i, float32 logits of the span's predicted
+        tokens)), and returns (devices holding its weights, whether experts were split whole), having freed
+        the model."""
+        model = load(path, dtype=jnp.float32, mesh=mesh, ep=ep, check=False)  # validated by _model_config
+        runner = Runner(model, max_model_len=window, max_num_batched_tokens=window, kv_cache_dtype=kv)
+        for i, span in enumerate(spans):
+            each(i, runner.forward([(0, span, 0)])[0][:-1])
+            done[0] += 1
+            if progress is not None:  # windows run, over both models
+                progress(done[0], 2 * len(spans))
+        devices = max(len(x.sharding.device_set) for x in jax.tree_util.tree_leaves(model.params))
+        placed = (devices, runner.ep)
+        _release(runner.params, runner.kv, runner.last, model.params)
+        del runner, model
+        return placed
+
+    done = [0]
+    ref_logits: list[np.ndarray] = [None] * len(spans)
+
+    def keep(i, logits):  # a copy: the step's output also holds the bucket's padding rows
+        ref_logits[i] = np.array(logits, dtype=np.float32)
+
     cols: dict[str, list] = {}
-    for done, span in enumerate(spans):
-        ref, cand = (r.forward([(0, span, 0)])[0][:-1] for r in runners)
-        for k, v in _token_stats(ref, cand, np.array(span[1:])).items():
+
+    def compare(i, logits):
+        for k, v in _token_stats(ref_logits[i], logits, np.array(spans[i][1:])).items():
             cols.setdefault(k, []).append(v)
-        if progress is not None:
-            progress(done + 1, len(spans))
+        ref_logits[i] = None  # done with it
+
+    run(reference, "auto", keep)
+    devices, expert_parallel = run(candidate, kv_cache_dtype, compare)
     c = {k: np.concatenate(v) for k, v in cols.items()}
     ci = bootstrap_ci(c, {"kl": lambda d: d["kl"].mean(), "agree": lambda d: d["agree"].mean(),
                           "ppl_ref": lambda d: math.exp(d["nll_ref"].mean()),
@@ -118,8 +191,8 @@ def evaluate(reference: Path, candidate: Path, text: str | None = None, max_toke
                "max": float(kl.max()), "ci95": ci["kl"]},
         "top1_agreement": {"value": float(c["agree"].mean()), "ci95": ci["agree"]},
         # where the weights ran: devices holding them (--tp), experts split whole (--enable-expert-parallel)
-        "devices": max(len(x.sharding.device_set) for x in jax.tree_util.tree_leaves(models[1].params)),
-        "expert_parallel": runners[1].ep,
+        "devices": devices,
+        "expert_parallel": expert_parallel,
     }
 
 

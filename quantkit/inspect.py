@@ -10,27 +10,16 @@ from collections.abc import Callable
 from pathlib import Path
 
 from quantkit.errors import InvalidInput
-from quantkit.formats.compressed_tensors import check_module_data, weight_qtype
+from quantkit.formats.compressed_tensors import weight_qtype
+from quantkit.formats.ct_tensors import check_module_data
 from quantkit.formats.hf import Checkpoint
 from quantkit.formats.safetensors_io import DTYPES, FLOAT_DTYPES
-from quantkit.kernels.dispatch import weight_path
-from quantkit.kernels.tiling import CHIPS, LANES, Chip, hbm_bytes, round_up
-from quantkit.validate import ModuleCheck, Validation, problem, validate_checkpoint
+from quantkit.kernels.tiling import CHIPS, Chip, hbm_bytes
+from quantkit.runtime.layout import served_shapes
+from quantkit.runtime.validate import ModuleCheck, Validation, problem, validate_checkpoint, weight_path
 
 TARGETS = tuple(CHIPS)
 LAYER_KINDS = ("linear", "moe_experts")
-
-
-def _served_shape(module: str, shape: tuple[int, ...] | None) -> tuple[int, ...] | None:
-    """The [..., out, in] the runtime serves: an MLP's or expert's intermediate width (gate/up out, down in)
-    rounded up to 128 lanes, as the loader pads it (runtime/loader.py lane_widths)."""
-    last = module.rsplit(".", 1)[-1]
-    if shape is None or len(shape) < 2 or last not in ("gate_proj", "up_proj", "down_proj"):
-        return shape
-    axis = -1 if last == "down_proj" else -2
-    padded = list(shape)
-    padded[axis] = round_up(shape[axis], LANES)
-    return tuple(padded)
 
 
 def _device_bytes(qtype: str, params: dict, shape: tuple[int, ...] | None, chip: Chip) -> int:
@@ -55,9 +44,10 @@ def _device_bytes(qtype: str, params: dict, shape: tuple[int, ...] | None, chip:
     return total
 
 
-def _inspect_module(ckpt: Checkpoint, m: ModuleCheck, chip: Chip, deep: bool) -> tuple[dict, list[dict]]:
+def _inspect_module(ckpt: Checkpoint, m: ModuleCheck, chip: Chip, deep: bool, served: dict) -> tuple[dict, list[dict]]:
     """One module's row of the report and its problems: the validation's verdict, the --deep findings, the
-    serving path on `chip` and its HBM bytes."""
+    serving path on `chip` (judged on the shape the runtime serves: `served`, layout.served_shapes) and its
+    HBM bytes."""
     shape, probs = m.shape, [problem("error", m.name, e) for e in m.errors]
     if deep and not m.errors:
         shape, found = check_module_data(m.name, m.scheme, m.params, ckpt.read, shape)
@@ -65,7 +55,7 @@ def _inspect_module(ckpt: Checkpoint, m: ModuleCheck, chip: Chip, deep: bool) ->
     if m.reason or not m.has_weight:
         path, reason = None, m.reason or ""
     else:
-        v = weight_path(m.scheme, _served_shape(m.name, shape), chip)
+        v = weight_path(m.scheme, served.get(m.name, shape), chip)
         path, reason = v.path, v.reason
     if path is None and reason:
         probs.append(problem("unsupported", m.name, reason))
@@ -154,8 +144,9 @@ def inspect_checkpoint(path: str | Path, target: str = "v6e", deep: bool = False
     checked = validate_checkpoint(ckpt)
     problems, layers = list(checked.problems), []
     done, total = 0, sum(i.nbytes for i in ckpt.tensors.values())
+    served = served_shapes(checked.cfg, checked.qc) if checked.cfg is not None else {}
     for m in checked.modules:
-        layer, probs = _inspect_module(ckpt, m, CHIPS[target], deep)
+        layer, probs = _inspect_module(ckpt, m, CHIPS[target], deep, served)
         layers.append(layer)
         problems += probs
         done += layer["bytes_on_disk"]

@@ -78,10 +78,10 @@ def plan(path: str | Path, target: str = "v6e", max_model_len: int = 2048, max_n
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from quantkit.formats.compressed_tensors import kv_scheme_reason
+    from quantkit.runtime.validate import kv_scheme_reason
     from quantkit.kernels.tiling import CHIPS
     from quantkit.runtime.aot import chips, compile_for, target_mesh, topology_name
-    from quantkit.runtime.config import from_hf
+    from quantkit.runtime.models import from_hf
     from quantkit.runtime.cache import cache_layout, kv_fp8_dtype, with_kv_scales
     from quantkit.runtime.loader import abstract
     from quantkit.runtime.sharding import is_expert
@@ -236,7 +236,8 @@ def _quantization(raw: dict, scheme: str | None, group_size: int):
     """The QuantizationConfig the weights would be stored with: `scheme`'s as `convert` writes it (lm_head,
     GDN projections and MTP left bf16; routers are never quantized), None for DENSE; else the checkpoint's
     own (None without one: bf16)."""
-    from quantkit.formats.compressed_tensors import parse_quantization_config, writable_config
+    from quantkit.formats.compressed_tensors import parse_quantization_config
+    from quantkit.formats.ct_writer import writable_config
     from quantkit.formats.hf import GROUP_IGNORE
 
     if scheme is not None:

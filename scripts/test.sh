@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# Creates .venv if needed, installs quantkit with its test oracles, runs the whole test suite.
+# Creates .venv if needed, installs quantkit with its test oracles, runs the whole test suite on every core
+# (pytest-xdist; one persistent JAX compilation cache shared by the workers, tests/conftest.py).
 # torch==2.13.0 is installed first so that pip takes the local CPU build, not a multi-GB CUDA one.
+# Extra arguments go to pytest; --exhaustive also runs the full matrices behind the representative CI cases.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 [ -x .venv/bin/python ] || python3 -m venv .venv
 .venv/bin/pip install -q --disable-pip-version-check torch==2.13.0
 .venv/bin/pip install -q --disable-pip-version-check -e '.[dev]'
-exec .venv/bin/python -m pytest -q "$@"
+exec .venv/bin/python -m pytest -q -n auto "$@"

@@ -31,7 +31,7 @@ import make_tiny_model  # noqa: E402
 import numpy as np  # noqa: E402
 
 from quantkit.formats.safetensors_io import write_safetensors  # noqa: E402
-from quantkit.runtime.config import from_hf  # noqa: E402
+from quantkit.runtime.models import from_hf  # noqa: E402
 from quantkit.runtime.models.llama import forward  # noqa: E402
 
 CONFIG = make_tiny_model.CONFIG | {"rope_theta": 10000.0}  # the tiny model's shape: 5.25M parameters

@@ -7,7 +7,6 @@ exactly quantkit's own dequantization, and transformers must load and run it.
 
 import json
 import os
-import random
 import signal
 import socket
 import subprocess
@@ -21,6 +20,7 @@ from compressed_tensors.quantization import QuantizationConfig, apply_quantizati
 from safetensors.torch import load_file, save_file
 
 from ct_oracle import library_decompress_torch, make_checkpoint, read_tensors, tiny_llama
+from helpers import rel_err
 from quantkit.convert import convert
 from quantkit.errors import InvalidInput, Unsupported
 from quantkit.inspect import inspect_checkpoint
@@ -286,27 +286,87 @@ def test_workers_default_to_the_available_cores_at_most_8(src, tmp_path, monkeyp
         assert convert(src, tmp_path / f"cores{len(cores)}", "W4A16")["workers"] == expected
 
 
+def _tensors_written(shard: Path) -> tuple[int, int]:
+    """(tensors holding data, tensors) of a shard convert is writing. Shards are preallocated (zeros) with
+    their header written first; a tensor that still reads all zero has had nothing written (a quantized
+    weight, a scale, a norm or an embedding of a random model is never all zero)."""
+    import numpy as np
+
+    with open(shard, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        try:
+            header = json.loads(f.read(n)) if n else {}
+        except ValueError:  # caught between the file's creation and its header's write
+            return 0, 0
+    tensors = [v["data_offsets"] for k, v in header.items() if k != "__metadata__"]
+    written = sum(bool(np.fromfile(shard, np.uint8, b - a, offset=8 + n + a).any()) for a, b in tensors)
+    return written, len(tensors)
+
+
+def _shards_written(tmp: Path, known: set | None = None) -> tuple[int, int]:
+    """(shards whose every tensor holds data, shards) in a convert's temporary directory; `known`: shards
+    already found written, not read again (and those found now are added)."""
+    known = set() if known is None else known
+    files = sorted(tmp.glob("*.safetensors"))
+    for f in files:
+        if f not in known:
+            written, tensors = _tensors_written(f)
+            if written == tensors > 0:
+                known.add(f)
+    return len(known & set(files)), len(files)
+
+
 @pytest.mark.slow
-def test_killed_mid_convert_never_leaves_a_dst_inspect_accepts(tmp_path):
-    """SIGKILL at random moments: DST either does not exist or is complete and valid."""
+def test_killed_mid_convert_never_leaves_a_dst_and_the_next_one_completes(tmp_path):
+    """SIGKILL once one shard has been written, then once half of them have, each while others are still
+    being written: DST never exists; each convert to the same DST removes the temporary the killed one left,
+    and the one left to finish publishes a complete checkpoint."""
     src = tmp_path / "src"
     tiny_llama(0, hidden=512, intermediate=2048, layers=4, vocab=4096).save_pretrained(src)
-    rng = random.Random(0)
-    outcomes = set()
-    for i in range(6):
-        dst = tmp_path / f"dst{i}"
-        p = subprocess.Popen([*QUANTKIT, "convert", str(src), str(dst), "--observer", "mse"],
-                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        time.sleep(rng.uniform(0.3, 3.0))
-        p.send_signal(signal.SIGKILL)
-        p.wait()
-        if dst.exists():
-            outcomes.add("complete")
-            assert inspect_checkpoint(dst, deep=True)["exit_code"] == 0
-            assert (dst / "quantkit_report.json").exists()
-        else:
-            outcomes.add("absent")
-    assert "absent" in outcomes
+    dst = tmp_path / "dst"
+    cmd = [*QUANTKIT, "convert", str(src), str(dst), "--observer", "mse", "--max-shard-size", "1MB"]  # 14 shards
+
+    def temps() -> set[Path]:
+        return set(tmp_path.glob(".dst.quantkit-tmp-*"))
+
+    dead = []
+    for kill_after in (1, 7):
+        p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        try:
+            deadline, known = time.time() + 120, set()
+            while True:  # the temporary appears once the source is planned; its shards right after
+                tmp = [t for t in temps() if t not in dead]
+                if tmp and _shards_written(tmp[0], known)[0] >= kill_after:
+                    break
+                assert p.poll() is None, f"convert ended before it could be killed: {p.stderr.read()}"
+                assert time.time() < deadline, "no shard written within 120 s"
+                time.sleep(0.01)
+            p.send_signal(signal.SIGKILL)
+            p.wait(timeout=60)
+        finally:
+            p.kill()
+            p.wait()
+        assert p.returncode == -signal.SIGKILL
+        assert not dst.exists()
+        (tmp,) = [t for t in temps() if t not in dead]
+        done, total = _shards_written(tmp)
+        assert total == 14 and kill_after <= done < total, (done, total)  # killed while writing, not after
+        assert not (tmp / "quantkit_report.json").exists()
+        for earlier in dead:
+            assert not earlier.exists()  # this convert removed it before writing its own
+        dead.append(tmp)
+
+    p = subprocess.run([*cmd, "--json"], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    r = json.loads(p.stdout)
+    assert [t["path"] for t in r["removed_stale"]] == [str(dead[-1])]
+    assert f"removed stale temporary {dead[-1]}" in p.stderr
+    assert temps() == set()
+    assert inspect_checkpoint(dst, deep=True)["exit_code"] == 0 and (dst / "quantkit_report.json").exists()
+    shards = sorted(dst.glob("*.safetensors"))
+    index = json.loads((dst / "model.safetensors.index.json").read_text())["weight_map"]
+    assert r["num_shards"] == len(shards) == 14 and set(index.values()) == {f.name for f in shards}
+    assert _shards_written(dst) == (14, 14)
 
 
 def test_sigterm_cleans_up(tmp_path, big_src):
@@ -400,7 +460,10 @@ FAMILIES = ["qwen2", "qwen3", "mistral", "gemma2", "gemma3", "mixtral", "deepsee
 @pytest.mark.parametrize("family", FAMILIES)
 def test_families_quantize_exactly_what_the_library_targets(family, tmp_path):
     """Every Linear of the language model is quantized except lm_head and MoE routers; applying our
-    config with the library to the same model marks exactly the modules we quantized; transformers runs it."""
+    config with the library to the same model marks exactly the modules we quantized; transformers runs it,
+    close to the bf16 model: relative logit error within 0.33 (measured 0.14-0.25, gemma2/gemma3 the
+    highest, plus about 30% headroom, as in test_transformers_loads_and_runs_dst; another model's weights
+    give ~1.4)."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
@@ -423,7 +486,8 @@ def test_families_quantize_exactly_what_the_library_targets(family, tmp_path):
     ids = torch.randint(0, 256, (1, 8), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         logits = AutoModelForCausalLM.from_pretrained(tmp_path / "dst", dtype=torch.bfloat16)(ids).logits
-    assert torch.isfinite(logits).all()
+        want = model.eval()(ids).logits
+    assert logits.shape == want.shape and rel_err(logits.float(), want.float()) < 0.33
 
 
 def test_vision_tower_stays_dense_and_transformers_loads_multimodal(tmp_path):
@@ -436,7 +500,8 @@ def test_vision_tower_stays_dense_and_transformers_loads_multimodal(tmp_path):
     cfg = T.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4, image_token_index=299,
                          boi_token_index=297, eoi_token_index=298)
     torch.manual_seed(0)
-    T.Gemma3ForConditionalGeneration(cfg).to(torch.bfloat16).save_pretrained(tmp_path / "src")
+    src = T.Gemma3ForConditionalGeneration(cfg).to(torch.bfloat16)
+    src.save_pretrained(tmp_path / "src")
     r = convert(tmp_path / "src", tmp_path / "dst", "W4A16", 32)
     qc = json.loads((tmp_path / "dst" / "config.json").read_text())["quantization_config"]
     assert qc["ignore"] == ["re:.*vision_tower\\.", "lm_head"] and r["quantized_tensors"] == 14
@@ -448,7 +513,9 @@ def test_vision_tower_stays_dense_and_transformers_loads_multimodal(tmp_path):
     with torch.no_grad():
         logits = T.Gemma3ForConditionalGeneration.from_pretrained(tmp_path / "dst", dtype=torch.bfloat16)(
             input_ids=ids).logits
-    assert logits.shape == (1, 8, 300) and torch.isfinite(logits).all()
+        want = src.eval()(input_ids=ids).logits
+    # close to the bf16 model: measured 0.23 relative (W4A16 g32 of a random model), plus ~30% headroom
+    assert logits.shape == (1, 8, 300) and rel_err(logits.float(), want.float()) < 0.3
 
 
 @pytest.mark.parametrize("case", [("W4A16", 128), ("W4A16", -1), ("FP8_DYNAMIC", 128), ("MXFP4A16", 128)],

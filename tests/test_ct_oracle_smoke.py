@@ -20,6 +20,7 @@ from ct_oracle import (  # noqa: E402
     MIXED_GROUPS,
     SCHEMES,
 )
+from helpers import rel_err  # noqa: E402
 
 # relative Frobenius error bound of the library's dequantized weight per scheme
 REL_ERR = {
@@ -47,10 +48,6 @@ def original():
 @pytest.fixture(scope="module")
 def linear_modules():
     return ct_oracle.linear_names(ct_oracle.tiny_llama(0))
-
-
-def _rel_err(ref: np.ndarray, got: np.ndarray) -> float:
-    return float(np.linalg.norm(ref - got) / np.linalg.norm(ref))
 
 
 @pytest.mark.parametrize("scheme", SCHEMES)
@@ -108,7 +105,7 @@ def test_checkpoint_is_real(scheme, tmp_path, original, linear_modules):
         bound = REL_ERR[scheme]
         if scheme == "MIXED" and ".self_attn." in name:
             bound = 0.1
-        err = _rel_err(original[name], w)
+        err = rel_err(w, original[name])
         assert 0 < err < bound, (name, err)
 
 

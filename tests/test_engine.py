@@ -323,3 +323,33 @@ def test_prefix_caching_with_sliding_window_layers(gemma):
     for r, p in zip(reqs, prompts):
         assert r.out == _reference(gemma, p, 5)
     assert engine.pages_used == 0
+
+
+def test_runners_of_one_configuration_compile_each_step_once(tmp_path):
+    """A second Runner of the same configuration (here: the same checkpoint loaded again) reuses the first
+    one's jitted step programs: the step is traced once per token bucket in all, and both give the same
+    logits. Counted with JAX's own trace events; fails if every Runner wraps a fresh jax.jit."""
+    import jax
+
+    path = tmp_path / "llama"
+    torch.manual_seed(3)  # shapes of their own (hidden 96), so no earlier test's programs are reused
+    T.LlamaForCausalLM(T.LlamaConfig(hidden_size=96, intermediate_size=128, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, vocab_size=128, head_dim=24,
+                                     max_position_embeddings=128)).save_pretrained(path)
+    traced = []
+
+    def listen(event, _seconds, fun_name="", **_):
+        if event == "/jax/core/compile/jaxpr_trace_duration" and fun_name == "step":
+            traced.append(fun_name)
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        rows = [(0, [5, 6, 7, 8, 9], 0)]
+        first = Runner(load(path, dtype=jnp.float32), max_model_len=64, page_size=8).forward(rows)[0]
+        once = len(traced)
+        second = Runner(load(path, dtype=jnp.float32), max_model_len=64, page_size=8).forward(rows)[0]
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+    assert once == 1, traced
+    assert len(traced) == once, "the second Runner traced (and compiled) the step again"
+    np.testing.assert_array_equal(first, second)

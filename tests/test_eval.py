@@ -9,6 +9,8 @@ float64 moves the mean by 1.4e-5 and the max by 8e-5 (measured), which they catc
 """
 
 import json
+import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -23,6 +25,7 @@ from quantkit.evaluate import bootstrap_ci, evaluate
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 import make_tiny_model  # noqa: E402
+from ct_oracle import tiny_llama  # noqa: E402
 
 TEXT = ("The value of this list is the type of the file. Return the model of the data, or none if the test "
         "fails. This class is for the token and the error of the value. ") * 12
@@ -115,3 +118,58 @@ def test_bad_inputs(models, tmp_path):
     p = subprocess.run([sys.executable, "-m", "quantkit.cli", "eval", str(dense), str(other)], capture_output=True,
                        text=True, env=env)
     assert p.returncode == 1 and "vocabularies differ: 4096 vs 512" in p.stderr
+
+
+ONE_MODEL = """
+import sys
+
+import jax.numpy as jnp
+
+from quantkit.evaluate import default_text
+from quantkit.runtime.engine import Runner
+from quantkit.runtime.loader import load
+from quantkit.runtime.tokenizer import TextCodec
+
+path, max_tokens, window = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+ids = TextCodec(path).encode(default_text())[:max_tokens]
+runner = Runner(load(path, dtype=jnp.float32), max_model_len=window, max_num_batched_tokens=window)
+for i in range(0, len(ids), window):
+    runner.forward([(0, ids[i:i + window], 0)])
+"""
+
+
+def test_eval_holds_one_float32_model_at_a_time(tmp_path):
+    """The peak memory of `quantkit eval` is that of one model run alone, not two: a 4-layer model of 268 MB
+    in float32 (134 MB bf16 on disk, 94% of it in the layers, which the CPU Runner holds twice: the loader's
+    stacks and its per-layer copies). Peak RSS measured on this 2-core CPU: one model alone 938 MB, eval
+    962 MB; eval holding both models at once (as it did before) 1487 MB, over the bound of one model +
+    1.5 x 268 MB = 1349 MB."""
+    ref, cand = tmp_path / "ref", tmp_path / "cand"
+    kw = {"hidden": 1024, "intermediate": 4096, "layers": 4, "heads": 16, "kv_heads": 8, "vocab": 2048}
+    tiny_llama(0, **kw).save_pretrained(ref)
+    tiny_llama(1, **kw).save_pretrained(cand)  # another draw of the weights: a candidate unlike the reference
+    make_tiny_model.train_tokenizer(make_tiny_model.pseudo_text(0), ref, 2048)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(ref / f, cand / f)
+    fp32 = 2 * (ref / "model.safetensors").stat().st_size  # bf16 on disk
+    assert fp32 > 200e6
+    one, _ = _peak(sys.executable, "-c", ONE_MODEL, str(ref), "512", "128")
+    both, out = _peak(sys.executable, "-m", "quantkit.cli", "eval", str(ref), str(cand), "--max-tokens", "512",
+                      "--window", "128", "--json")
+    r = json.loads(out)
+    assert r["tokens"] == 512 - 4 and r["kl"]["mean"] > 0
+    assert both < one + 1.5 * fp32, f"eval peak {both / 1e6:.0f} MB, one model {one / 1e6:.0f} MB, " \
+                                    f"one model's float32 weights {fp32 / 1e6:.0f} MB"
+
+
+def _peak(*cmd: str) -> tuple[int, str]:
+    """(peak resident memory of the command's process in bytes, its stdout); it must succeed."""
+    import tempfile
+
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        p = subprocess.Popen(cmd, stdout=out, stderr=err, env={"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"})
+        _, status, usage = os.wait4(p.pid, 0)  # this child's own rusage (RUSAGE_CHILDREN would mix in others)
+        p.returncode = os.waitstatus_to_exitcode(status)
+        out.seek(0), err.seek(0)
+        assert p.returncode == 0, err.read()
+        return usage.ru_maxrss * 1024, out.read()  # Linux reports KiB

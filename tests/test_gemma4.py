@@ -16,9 +16,9 @@ import transformers as T
 from compressed_tensors.quantization import QuantizationConfig, apply_quantization_config
 
 from ct_oracle import library_convert_dequantize, library_decompress, make_checkpoint
+from helpers import gemma4_config, greedy_parity, per_expert_linears, perturbed, rel_err
 from quantkit.convert import convert
 from quantkit.inspect import inspect_checkpoint
-from test_runtime import _greedy_parity, _perturbed, _rel, gemma4_config
 
 
 @pytest.mark.parametrize("scheme", ["W4A16_G32", "W4A16_CHANNEL", "FP8_DYNAMIC", "MXFP4A16"])
@@ -26,11 +26,11 @@ def test_checkpoints_quantized_by_the_library_match_transformers(scheme, tmp_pat
     """Dense Gemma 4 (k_eq_v full layers of their own head size) quantized by compressed-tensors: the runtime
     on the compressed checkpoint against transformers on the library's decompressed weights."""
     torch.manual_seed(0)
-    model = _perturbed(T.Gemma4ForCausalLM(gemma4_config())).to(torch.bfloat16).eval()
+    model = perturbed(T.Gemma4ForCausalLM(gemma4_config())).to(torch.bfloat16).eval()
     q = make_checkpoint(tmp_path / "q", scheme, model=model)
     library_convert_dequantize(q, tmp_path / "dense")
     ref = T.Gemma4ForCausalLM.from_pretrained(tmp_path / "dense", dtype=torch.float32).eval()
-    m = _greedy_parity(q, ref, jnp.float32, 1e-2)
+    m = greedy_parity(q, ref, jnp.float32, 1e-2)
     assert type(m.params["layers"]["full"]["k"]).__name__ == "QTensor" and "v" not in m.params["layers"]["full"]
 
 
@@ -44,21 +44,7 @@ def _multimodal_moe():
     text = gemma4_config(moe=True, top_k_experts=8, intermediate_size=224)
     cfg = T.Gemma4Config(text_config=text, vision_config=vision, audio_config=None)
     torch.manual_seed(0)
-    return _perturbed(T.Gemma4ForConditionalGeneration(cfg)).eval()
-
-
-def per_expert_linears(ex) -> torch.nn.ModuleList:
-    """Per-expert gate/up/down Linears (fresh weights) in place of packed 3-D experts `ex` (what
-    llm-compressor does before quantizing), so the library's config can target them by name."""
-    n, two_i, h = ex.gate_up_proj.shape
-    mods = torch.nn.ModuleList()
-    for _ in range(n):
-        m = torch.nn.Module()
-        m.gate_proj = torch.nn.Linear(h, two_i // 2, bias=False)
-        m.up_proj = torch.nn.Linear(h, two_i // 2, bias=False)
-        m.down_proj = torch.nn.Linear(two_i // 2, h, bias=False)
-        mods.append(m)
-    return mods
+    return perturbed(T.Gemma4ForConditionalGeneration(cfg)).eval()
 
 
 def _linearized(model):
@@ -107,7 +93,7 @@ def test_convert_splits_packed_experts_of_a_multimodal_checkpoint(tmp_path):
         for proj, want in (("gate_proj", ex0.gate_up_proj[e, :i]), ("up_proj", ex0.gate_up_proj[e, i:]),
                            ("down_proj", ex0.down_proj[e])):
             got = dense[f"model.language_model.layers.0.experts.{e}.{proj}.weight"]
-            assert _rel(got, want.detach().float().numpy()) < 0.15  # int4 g32 error of a random weight: ~0.1
+            assert rel_err(got, want.detach().float().numpy()) < 0.15  # int4 g32 error of a random weight: ~0.1
     ref = _multimodal_moe().to(torch.bfloat16).float()  # the non-quantized weights as the checkpoint has them
     with torch.no_grad():
         for name, w in dense.items():
@@ -120,7 +106,7 @@ def test_convert_splits_packed_experts_of_a_multimodal_checkpoint(tmp_path):
             packed, rows = (ex.down_proj, slice(None)) if proj == "down_proj" else \
                 (ex.gate_up_proj, slice(0, i) if proj == "gate_proj" else slice(i, 2 * i))
             packed[int(e), rows] = torch.from_numpy(w)
-    _greedy_parity(tmp_path / "w4", ref, jnp.float32, 1e-2)
+    greedy_parity(tmp_path / "w4", ref, jnp.float32, 1e-2)
 
 
 def test_runtime_reads_packed_bf16_experts_of_a_multimodal_checkpoint(tmp_path):
@@ -128,7 +114,7 @@ def test_runtime_reads_packed_bf16_experts_of_a_multimodal_checkpoint(tmp_path):
     vision tower beside): float32 parity with transformers."""
     src = _multimodal_moe()
     src.save_pretrained(tmp_path / "m")
-    m = _greedy_parity(tmp_path / "m", src, jnp.float32, 1e-4)
+    m = greedy_parity(tmp_path / "m", src, jnp.float32, 1e-4)
     # 5 sliding layers x 8 experts [hidden 128, intermediate 64 zero-padded to 128 lanes (loader.lane_widths)]
     assert m.params["layers"]["sliding"]["experts_gate"].shape == (5, 8, 128, 128)
     assert m.params["layers"]["full"]["down"].shape == (2, 256, 128)  # the dense MLP: 224 -> 256

@@ -11,10 +11,10 @@ import pytest
 import torch
 import transformers as T
 
+from helpers import with_tokenizer
 from quantkit.generate import generate
 from quantkit.runtime.backend import choose_backend, tpu_chips, tpu_device_files
 from quantkit.runtime.tokenizer import TextCodec
-from test_runtime import _with_tokenizer
 
 PROMPT = "hello world, the quick"
 
@@ -27,7 +27,7 @@ def checkpoint(tmp_path_factory):
                                              num_attention_heads=4, num_key_value_heads=2, vocab_size=320,
                                              head_dim=16, max_position_embeddings=256))
     model.save_pretrained(path)
-    _with_tokenizer(path)
+    with_tokenizer(path)
     return path, model.eval()
 
 

@@ -19,7 +19,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ct_oracle import EXPECTED_FORMAT, SCHEMES, library_decompress_torch, make_checkpoint
-from quantkit.formats.compressed_tensors import dequantize, parse_quantization_config
+from quantkit.formats.compressed_tensors import parse_quantization_config
+from quantkit.formats.ct_tensors import dequantize
 from quantkit.formats.hf import Checkpoint, classify_module, group_modules
 from quantkit.inspect import inspect_checkpoint
 
@@ -339,3 +340,49 @@ def test_architecture_the_runtime_lacks_is_unsupported(ckpts, tmp_path):
     assert r["exit_code"] == 3
     assert any("'GPT2LMHeadModel' is not supported by the runtime; supported: LlamaForCausalLM" in p["message"]
                for p in r["problems"])
+
+
+@pytest.mark.parametrize("name,scheme,group", [("llama", "W4A16", 32), ("gemma4_moe", "W4A16", -1),
+                                               ("qwen3_5_moe", "W4A16", 32), ("qwen3_moe", "MXFP4A16", 32),
+                                               ("gemma3", "FP8_BLOCK", 0)])
+def test_inspect_reports_the_path_plan_compiles(name, scheme, group, tmp_path):
+    """For every quantized weight of a converted tiny model, the path `inspect --target v6e` reports is the
+    one the runtime takes in the step `plan` compiles: gmm_v2 exactly where the kernel accepts the weight as
+    the abstract pytree holds it (lane-padded, stacked, one layer's groups per call), else the XLA path.
+    The widths make both happen: 64-wide experts are padded to 128 lanes (gmm_v2), Qwen3.5's 96-wide shared
+    expert is not (the loader pads only the routed and dense MLP widths: XLA), 64-wide k/v projections are
+    XLA; inspect once padded every *_proj by its name and reported the shared expert on gmm_v2."""
+    import torch
+
+    from helpers import family
+    from quantkit.convert import convert
+    from quantkit.kernels.gmm_v2 import check_gmm_v2
+    from quantkit.kernels.tiling import CHIPS
+    from quantkit.quant.qtensor import QTensor
+    from quantkit.runtime.models import from_hf
+    from quantkit.runtime.layout import lane_widths, skeleton, slots
+    from quantkit.runtime.loader import abstract
+
+    torch.manual_seed(0)
+    family(name).to(torch.bfloat16).save_pretrained(tmp_path / "dense")
+    convert(tmp_path / "dense", tmp_path / "q", scheme, group)
+    report = inspect_checkpoint(tmp_path / "q", target="v6e")
+    reported = {layer["name"]: layer["path"] for layer in report["layers"] if layer["path"] in ("gmm_v2", "xla")}
+    config = json.loads((tmp_path / "q" / "config.json").read_text())
+    cfg, qc = from_hf(config), parse_quantization_config(config["quantization_config"])
+    params, sk = abstract(cfg, qc), skeleton(cfg, lane_widths(cfg, qc))
+    compiled = {}
+    for kind, stack in params["layers"].items():
+        for key, leaf in stack.items():
+            if isinstance(leaf, QTensor):
+                per_layer = slots(sk["layers"][kind][key])
+                groups = len(per_layer[0].module) if per_layer[0].kind == "experts" else 1  # one layer's, per call
+                tiles, _ = check_gmm_v2((256, leaf.shape[1]), leaf, CHIPS["v6e"], groups)
+                modules = [m for s in per_layer for m in (s.module if s.kind == "experts" else (s.module,))]
+                compiled |= dict.fromkeys(modules, "gmm_v2" if tiles else "xla")
+    assert compiled
+    assert reported == compiled
+    experts = {p for m, p in compiled.items() if ".experts." in m}
+    assert experts == ({"gmm_v2"} if "moe" in name else set())  # 64 wide, padded to 128
+    shared = {p for m, p in compiled.items() if ".shared_expert." in m}
+    assert shared == ({"xla"} if name == "qwen3_5_moe" else set())  # 96 wide, left unpadded

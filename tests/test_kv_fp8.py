@@ -24,6 +24,7 @@ import torch
 from safetensors.numpy import load_file, save_file
 
 import ct_oracle
+from helpers import gemma4_config, perturbed, rel_err
 from quantkit.errors import InvalidInput, Unsupported
 from quantkit.inspect import inspect_checkpoint
 from quantkit.runtime.engine import Runner
@@ -77,10 +78,6 @@ def _runtime_logits(path, kv_cache_dtype="auto"):
     return runner.kv_dtype, runner.forward([(0, PROMPT, 0)])[0]
 
 
-def _rel(a, b):
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
-
-
 @pytest.mark.parametrize("strategy", ["tensor", "attn_head"])
 def test_checkpoint_kv_scales_match_transformers_with_rounded_kv(tmp_path, strategy):
     scales = _calibrated(strategy == "attn_head")
@@ -91,8 +88,8 @@ def test_checkpoint_kv_scales_match_transformers_with_rounded_kv(tmp_path, strat
     per_head = [tuple(np.broadcast_to(np.float32(x), (2,)).copy() for x in s) for s in scales]
     want = _oracle_logits(per_head, FP8["e4m3"])
     assert dtype == "float8_e4m3fn"
-    assert _rel(got, want) < 2e-3, _rel(got, want)
-    assert _rel(want, _oracle_logits(None, None)) > 1e-2  # the rounding is what was matched
+    assert rel_err(got, want) < 2e-3, rel_err(got, want)
+    assert rel_err(want, _oracle_logits(None, None)) > 1e-2  # the rounding is what was matched
 
 
 @pytest.mark.parametrize("name,fmt", [("fp8_e5m2", "e5m2"), ("fp8", "e4m3")])
@@ -104,8 +101,8 @@ def test_fp8_without_checkpoint_scales_uses_one(tmp_path, name, fmt):
     assert dtype == {"e4m3": "float8_e4m3fn", "e5m2": "float8_e5m2"}[fmt]
     ones = [(np.ones(2), np.ones(2))] * MODEL["layers"]
     want = _oracle_logits(ones, FP8[fmt])
-    assert _rel(got, want) < 2e-3, _rel(got, want)
-    assert _rel(want, _oracle_logits(None, None)) > 1e-2
+    assert rel_err(got, want) < 2e-3, rel_err(got, want)
+    assert rel_err(want, _oracle_logits(None, None)) > 1e-2
     assert _runtime_logits(path)[0] == "float32"  # auto without a kv_cache_scheme: the model's dtype
 
 
@@ -114,16 +111,14 @@ def test_gemma4_fp8_cache_with_kinds_of_their_own_heads(tmp_path):
     its own scales, [layers, 2, kv_heads] per kind): E5M2 with scale 1 against the rounded oracle."""
     import transformers as T
 
-    from test_runtime import _perturbed, gemma4_config
-
     torch.manual_seed(0)
-    model = _perturbed(T.Gemma4ForCausalLM(gemma4_config())).eval()
+    model = perturbed(T.Gemma4ForCausalLM(gemma4_config())).eval()
     model.save_pretrained(tmp_path / "g4")
     dtype, got = _runtime_logits(tmp_path / "g4", "fp8_e5m2")
     heads = [2 if t == "sliding_attention" else 1 for t in model.config.layer_types]
     want = _oracle_logits([(np.ones(n), np.ones(n)) for n in heads], FP8["e5m2"], model)
-    assert dtype == "float8_e5m2" and _rel(got, want) < 2e-3, _rel(got, want)
-    assert _rel(want, _oracle_logits(None, None, model)) > 1e-2
+    assert dtype == "float8_e5m2" and rel_err(got, want) < 2e-3, rel_err(got, want)
+    assert rel_err(want, _oracle_logits(None, None, model)) > 1e-2
 
 
 def test_w4a16_checkpoint_with_kv_scheme_loads_its_scales(tmp_path):

@@ -44,7 +44,7 @@ def models(tmp_path_factory):
                                           norm_topk_prob=True)).save_pretrained(tmp / "moe")
     make_tiny_model.train_tokenizer(make_tiny_model.pseudo_text(), tmp / "moe", SHAPE["vocab_size"])
     convert(tmp / "moe", tmp / "moe-w4", "W4A16", 32)
-    from test_runtime import _family
+    from helpers import family as _family
 
     torch.manual_seed(0)
     _family("gemma4_moe").save_pretrained(tmp / "gemma4-moe")  # bf16 experts packed in 3-D tensors

@@ -15,13 +15,13 @@ import jax
 import pytest
 import torch
 
+from helpers import family as _family
 from quantkit.convert import convert
 from quantkit.errors import InvalidInput
 from quantkit.formats.compressed_tensors import parse_quantization_config
 from quantkit.plan import _quantization
 from quantkit.quant.qtensor import QTensor
 from quantkit.runtime.loader import abstract, load
-from test_runtime import _family
 
 GEMMA_27B = {
     "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "hidden_size": 5376,
@@ -260,7 +260,7 @@ def test_qwen3_30b_a3b_expert_parallel_on_a_2x2_slice(tmp_path):
     h = ep["hbm_bytes"]
     assert ep["fits"] and ep["expert_parallel"] and abs(h["of_weights_experts"] - experts / 4) < 0.01 * experts / 4
     kernels = {k["name"]: (k["shape"], k["path"]) for k in ep["kernels"]}
-    assert kernels["layers.*.gate"] == ([32, 2048, 768], "gmm_v2") and kernels["layers.*.down"] == ([32, 768, 2048], "gmm_v2")
+    assert kernels["layers.*.experts_gate"] == ([32, 2048, 768], "gmm_v2") and kernels["layers.*.experts_down"] == ([32, 768, 2048], "gmm_v2")
     assert ep["dequantized_weight_buffers"] == []
     c = ep["decode_step_collectives"]
     assert c["floor_bytes"] <= c["total"] < 2 * c["floor_bytes"], c
@@ -328,10 +328,10 @@ def test_step_compiles_deviceless_for_v6e(name, cfg):
     stay small (the kernel reads pages in place, a GDN layer updates its 16 rows' states)."""
     import jax.numpy as jnp
 
-    from quantkit.formats.compressed_tensors import writable_config
+    from quantkit.formats.ct_writer import writable_config
     from quantkit.runtime.aot import compile_for
     from quantkit.runtime.cache import cache_layout
-    from quantkit.runtime.config import from_hf
+    from quantkit.runtime.models import from_hf
     from quantkit.runtime.step import empty_batch, step_function
 
     c = from_hf(cfg)

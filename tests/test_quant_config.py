@@ -15,10 +15,10 @@ from hypothesis import strategies as st
 from safetensors.numpy import save_file
 
 from quantkit.errors import InvalidInput, QuantkitError
-from quantkit.formats.compressed_tensors import (
-    PRESETS, STRATEGIES, check_module_tensors, config_findings, kv_scheme_reason, parse_quantization_config,
-    unsupported_reason, weight_qtype, writable_config,
-)
+from quantkit.formats.compressed_tensors import PRESETS, STRATEGIES, parse_quantization_config, weight_qtype
+from quantkit.formats.ct_tensors import check_module_tensors
+from quantkit.formats.ct_writer import writable_config
+from quantkit.runtime.validate import config_findings, kv_scheme_reason, unsupported_reason
 from quantkit.formats.hf import classify_module, group_modules
 from quantkit.formats.safetensors_io import TensorInfo
 
@@ -302,7 +302,7 @@ def test_cli_inspect_names_the_bad_field_in_one_line(tmp_path, where, key, value
 
 
 def test_loader_validates_without_the_inspect_command(tmp_path, monkeypatch):
-    """The runtime validates through quantkit.validate, never by importing the `inspect` command module."""
+    """The runtime validates through quantkit.runtime.validate, never by importing the `inspect` command module."""
     from quantkit.runtime.loader import load
 
     path = _checkpoint(tmp_path / "ckpt", _w4a16_with("weights", "num_bits", None))

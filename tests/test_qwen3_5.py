@@ -19,43 +19,18 @@ from compressed_tensors.quantization import QuantizationConfig, apply_quantizati
 from safetensors.torch import save_file
 
 from ct_oracle import library_convert_dequantize, library_decompress, make_checkpoint
+from helpers import per_expert_linears, qwen3_5_model, rel_err
 from quantkit.convert import convert
 from quantkit.inspect import inspect_checkpoint
 from quantkit.runtime.engine import Engine, Request, Runner
 from quantkit.runtime.loader import load
-from test_gemma4 import per_expert_linears
-from test_runtime import _rel
 
-SMALL = dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
-             head_dim=32, max_position_embeddings=512, linear_num_key_heads=2, linear_num_value_heads=4,
-             linear_key_head_dim=16, linear_value_head_dim=24, linear_conv_kernel_dim=4)
 # what llm-compressor's Qwen3.5 / Qwen3-Next examples leave unquantized
 LLMC_IGNORE = ("lm_head", "re:.*mlp.gate$", "re:.*mlp.shared_expert_gate$", "re:.*linear_attn.*")
 
 
-def _model(moe: bool, **kw):
-    """A tiny random Qwen3.5 (3 GDN layers, then gated attention): norms drawn in [0, 0.5] (zero-centred:
-    scale 1 + w; transformers initialises them to 0, where w vs 1 + w would not show), the GDN output
-    norm's weight in [0.5, 1.5] (scale w)."""
-    torch.manual_seed(0)
-    if moe:
-        cfg = T.Qwen3_5MoeTextConfig(**SMALL, moe_intermediate_size=64, shared_expert_intermediate_size=96,
-                                     num_experts=8, num_experts_per_tok=kw.pop("top_k", 2), **kw)
-        model = T.Qwen3_5MoeForCausalLM(cfg)
-    else:
-        model = T.Qwen3_5ForCausalLM(T.Qwen3_5TextConfig(**SMALL, intermediate_size=256, **kw))
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("linear_attn.norm.weight"):
-                p.copy_(torch.rand(p.shape, generator=g) + 0.5)
-            elif "norm" in name:
-                p.copy_(torch.rand(p.shape, generator=g) * 0.5)
-    return model.eval()
-
-
 def _saved(name: str, tmp_path_factory):
-    model = _model(name == "moe")
+    model = qwen3_5_model(name == "moe")
     path = tmp_path_factory.mktemp(f"qwen3_5_{name}")
     model.save_pretrained(path)
     return name, path, model
@@ -84,7 +59,7 @@ def _parity(path, ref, tol, cuts=(13, 30), prompt_len=40, steps=10, dtype=jnp.fl
         ours += runner.forward([(0, [ids[-1]], prompt_len + i)])
     with torch.no_grad():
         theirs = ref(torch.tensor([ids])).logits[0].float().numpy()
-    assert _rel(np.concatenate(ours), theirs) < tol
+    assert rel_err(np.concatenate(ours), theirs) < tol
     if greedy:
         prompt = torch.tensor([ids[:prompt_len]])  # the mask given: generate masks pad_token_id otherwise
         with torch.no_grad():
@@ -110,7 +85,7 @@ def test_long_prompt_runs_several_delta_rule_chunks(moe_ckpt):
 def test_packed_experts_of_a_bf16_checkpoint(tmp_path):
     """Qwen3.5-MoE saved as transformers holds it in memory: each layer's experts as 3-D gate_up_proj
     [experts, 2 * inter, hidden] and down_proj tensors. The loader splits them (gate first) and matches."""
-    model = _model(True)
+    model = qwen3_5_model(True)
     tmp_path.mkdir(exist_ok=True)
     save_file({k: v.contiguous() for k, v in model.state_dict().items()}, tmp_path / "model.safetensors",
               metadata={"format": "pt"})
@@ -129,7 +104,7 @@ def test_w4a16_made_by_the_library(moe, tmp_path):
     as llm-compressor makes them before quantizing. Logits only, through chunked prefill and decode: the
     models' top-2 logit gaps go down to 0.008 (measured) against per-token errors up to 0.0075 from the
     library's bf16 rounding, so greedy identity would test rounding luck (the float32 tests check it)."""
-    model = _model(moe, **({"top_k": 8} if moe else {})).to(torch.bfloat16)
+    model = qwen3_5_model(moe, **({"top_k": 8} if moe else {})).to(torch.bfloat16)
     for layer in model.model.layers if moe else ():
         layer.mlp.experts = per_expert_linears(layer.mlp.experts).to(torch.bfloat16)
     q = make_checkpoint(tmp_path / "q", "W4A16_G32", model=model, ignore=LLMC_IGNORE)
@@ -164,14 +139,14 @@ def test_mixed_padded_steps_equal_each_sequence_alone(moe_ckpt):
     r.forward([(i, s[:c], 0) for i, (s, c) in enumerate(zip(seqs, cut)) if c])
     mixed = r.forward([(3, seqs[3][9:], 9), (0, seqs[0][5:], 5), (2, seqs[2][13:], 13), (1, seqs[1], 0)])
     for got, i in zip(mixed, (3, 0, 2, 1)):
-        assert got.shape == solo[i][0].shape and _rel(got, solo[i][0]) < 1e-5, name
+        assert got.shape == solo[i][0].shape and rel_err(got, solo[i][0]) < 1e-5, name
     r.forward([(4, [1, 2, 3], 0)])  # another slot only
     later = r.forward([(i, e, len(s)) for i, (s, e) in enumerate(zip(seqs, extra))])
     for i, got in enumerate(later):
-        assert _rel(got, solo[i][1]) < 1e-5, (name, i)
+        assert rel_err(got, solo[i][1]) < 1e-5, (name, i)
     fresh = one.forward([(4, seqs[2], 0)])[0]
     r.pool.release(0)
-    assert _rel(r.forward([(0, seqs[2], 0)])[0], fresh) < 1e-5  # slot 0 held sequence 0's state
+    assert rel_err(r.forward([(0, seqs[2], 0)])[0], fresh) < 1e-5  # slot 0 held sequence 0's state
 
 
 def test_engine_serves_staggered_requests_without_prefix_caching(moe_ckpt):
@@ -211,7 +186,7 @@ def test_engine_serves_staggered_requests_without_prefix_caching(moe_ckpt):
 def test_multimodal_checkpoint_serves_its_text_decoder(tmp_path):
     """Qwen3_5ForConditionalGeneration: the decoder under model.language_model., the vision tower and the
     MTP head (ignored, as transformers' CausalLM ignores `mtp.*`) left aside."""
-    text = _model(False)
+    text = qwen3_5_model(False)
     vision = T.Qwen3_5VisionConfig(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=128)
     full = T.Qwen3_5ForConditionalGeneration(T.Qwen3_5Config(text_config=text.config.to_dict(),
                                                              vision_config=vision.to_dict()))
@@ -232,7 +207,7 @@ def test_convert_and_inspect_as_llm_compressor_leaves_it(tmp_path):
     `ignore` pattern), the routers and shared-expert gates, lm_head and the MTP head stay bf16; the library
     marks exactly the modules we quantized; inspect accepts it and warns that the MTP head is unused; the
     runtime on it matches transformers on the library's decompressed weights."""
-    model = _model(True, top_k=8)
+    model = qwen3_5_model(True, top_k=8)
     state = {k: v.to(torch.bfloat16).contiguous() for k, v in model.state_dict().items()}
     state["mtp.fc.weight"] = torch.zeros(128, 256, dtype=torch.bfloat16)
     (tmp_path / "src").mkdir()
@@ -248,7 +223,7 @@ def test_convert_and_inspect_as_llm_compressor_leaves_it(tmp_path):
     ours = {n.removesuffix(".weight") for n in dense}
     full = model.config.layer_types.count("full_attention")  # q k v o
     assert report["quantized_tensors"] == len(ours) == 4 * full + model.config.num_hidden_layers * (3 + 3 * 8)
-    fresh = _model(True, top_k=8)
+    fresh = qwen3_5_model(True, top_k=8)
     for layer in fresh.model.layers:
         layer.mlp.experts = per_expert_linears(layer.mlp.experts)
     apply_quantization_config(fresh, QuantizationConfig.model_validate(qc))

@@ -13,7 +13,6 @@ Greedy tokens must be identical over ten decode steps (prefill + decode through 
 Everything runs through the one ragged step (runtime/step.py) with scanned layers.
 """
 
-import json
 import re
 
 import jax
@@ -25,98 +24,16 @@ import torch
 import transformers as T
 
 from ct_oracle import library_convert_dequantize, make_checkpoint
+from helpers import COMMON, family, gemma4_config, greedy_parity, perturbed, rel_err, with_tokenizer
 from quantkit.errors import InvalidInput, Unsupported
 from quantkit.runtime.engine import Runner, Sampling, generate
 from quantkit.runtime.loader import load
-
-COMMON = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=3, num_attention_heads=4,
-              num_key_value_heads=2, vocab_size=256, head_dim=32, max_position_embeddings=256)
-
-
-def _family(name):
-    if name == "llama":
-        return T.LlamaForCausalLM(T.LlamaConfig(**COMMON))
-    if name == "qwen3":
-        return T.Qwen3ForCausalLM(T.Qwen3Config(**COMMON))
-    if name == "qwen3_moe":
-        return T.Qwen3MoeForCausalLM(T.Qwen3MoeConfig(**COMMON, moe_intermediate_size=64, num_experts=8,
-                                                      num_experts_per_tok=2, norm_topk_prob=True))
-    if name == "gemma3":  # sliding window 8 < prompt length, so local layers really slide
-        return T.Gemma3ForCausalLM(T.Gemma3TextConfig(
-            **COMMON, sliding_window=8, layer_types=["sliding_attention", "sliding_attention", "full_attention"]))
-    if name.startswith("gemma4"):
-        return _perturbed(T.Gemma4ForCausalLM(gemma4_config(moe=name == "gemma4_moe")))
-    if name.startswith("qwen3_5"):  # its own tests: test_qwen3_5.py
-        from test_qwen3_5 import _model
-
-        return _model(name == "qwen3_5_moe")
-    raise KeyError(name)
-
-
-def gemma4_config(moe: bool = False, **kw):
-    """A tiny Gemma 4 text config: the default 5:1 pattern over 7 layers (the last forced full), full
-    layers with their own head size (64) and one KV head shared by K and V (attention_k_eq_v), sliding
-    window 8 < prompt length, logit soft-capping; `moe`: a routed expert block in every layer."""
-    args = {**COMMON, "num_hidden_layers": 7, "sliding_window": 8, "global_head_dim": 64,
-            "num_global_key_value_heads": 1, "attention_k_eq_v": True, "hidden_size_per_layer_input": 0,
-            "final_logit_softcapping": 30.0}
-    if moe:
-        args |= dict(enable_moe_block=True, num_experts=8, top_k_experts=2, moe_intermediate_size=64)
-    return T.Gemma4TextConfig(**{**args, **kw})
-
-
-def _perturbed(model):
-    """transformers initialises norms, layer scalars and router scales to 1, where a bug in how they
-    apply (w vs 1 + w, which tensor a scalar multiplies) would not show: draw them at random. q/k norm
-    weights in [0.1, 0.4]: Gemma 4 does not scale attention logits by 1/sqrt(d), and with weights near 1 the
-    logits of these random heads reach ~50, a softmax so sharp that bf16 rounding of one weight moves the
-    output logits by 15% (measured): a test of quantized weights would then measure chaos, not the code.
-    Router weights x20, for the same reason."""
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith(("q_norm.weight", "k_norm.weight")):
-                p.copy_(torch.rand(p.shape, generator=g) * 0.3 + 0.1)
-            elif "norm" in name or name.endswith(("router.scale", "per_expert_scale")):
-                p.copy_(torch.rand(p.shape, generator=g) + 0.5)
-            elif name.endswith("router.proj.weight"):  # router logits spread ~5, not ~0.2: no near-ties in
-                p.mul_(20.0)  # the top-k that bf16 rounding would flip (one flip moves a token's logits ~50%)
-        for name, b in model.named_buffers():
-            if name.endswith("layer_scalar"):
-                b.copy_(torch.rand(b.shape, generator=g) + 0.5)
-    return model
-
-
-def _rel(a, b) -> float:
-    return float(np.linalg.norm(np.asarray(a, np.float64) - b) / np.linalg.norm(b))
-
-
-def _greedy_parity(path, ref_model, dtype, tol, prompt_len=20, steps=10):
-    """Prefill and `steps` greedy decode steps through the paged cache vs the reference's logits
-    (quantized weights kept packed: the XLA path of the quantized matmul; layers scanned as on a TPU)."""
-    model = load(path, dtype=dtype)
-    runner = Runner(model, max_model_len=64, page_size=8, weights="packed", scan=True)
-    rng = np.random.default_rng(0)
-    ids = [int(x) for x in rng.integers(0, 256, prompt_len)]
-    ours = runner.forward([(0, ids, 0)])
-    for i in range(steps):
-        ids.append(int(ours[-1][-1].argmax()))
-        ours += runner.forward([(0, [ids[-1]], prompt_len + i)])
-    with torch.no_grad():
-        ref = ref_model(torch.tensor([ids])).logits[0].float().numpy()  # [prompt + steps, vocab]
-    mine = np.concatenate(ours)  # same rows: prompt logits, then one per decode step
-    assert _rel(mine[: prompt_len + steps], ref[: prompt_len + steps]) < tol
-    with torch.no_grad():
-        hf = ref_model.generate(torch.tensor([ids[:prompt_len]]), max_new_tokens=steps, do_sample=False,
-                                eos_token_id=None, pad_token_id=0)[0, prompt_len:].tolist()
-    assert ids[prompt_len:] == hf
-    return model
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen3", "qwen3_moe", "gemma3", "gemma4", "gemma4_moe"])
 def family_ckpt(request, tmp_path_factory):
     torch.manual_seed(0)
-    model = _family(request.param).eval()
+    model = family(request.param).eval()
     path = tmp_path_factory.mktemp(request.param)
     model.save_pretrained(path)
     return request.param, path, model
@@ -124,7 +41,7 @@ def family_ckpt(request, tmp_path_factory):
 
 def test_float32_parity_prefill_and_decode(family_ckpt):
     _, path, ref = family_ckpt
-    _greedy_parity(path, ref, jnp.float32, 1e-4)
+    greedy_parity(path, ref, jnp.float32, 1e-4)
 
 
 def test_bfloat16_logits_close(family_ckpt):
@@ -139,9 +56,9 @@ def test_bfloat16_logits_close(family_ckpt):
     with torch.no_grad():
         theirs = ref(torch.tensor(ids)).logits[0].numpy()
     if name == "gemma4_moe":
-        assert np.median([_rel(a, b) for a, b in zip(ours, theirs)]) < 4e-2
+        assert np.median([rel_err(a, b) for a, b in zip(ours, theirs)]) < 4e-2
     else:
-        assert _rel(ours, theirs) < 4e-2
+        assert rel_err(ours, theirs) < 4e-2
 
 
 @pytest.mark.parametrize("scheme", ["W4A16", "W4A16_G32", "W4A16_CHANNEL", "FP8_DYNAMIC", "MXFP4A16"])
@@ -149,10 +66,10 @@ def test_quantized_checkpoints_match_transformers_on_decompressed_weights(scheme
     q = make_checkpoint(tmp_path / "q", scheme)
     library_convert_dequantize(q, tmp_path / "dense")
     ref = T.AutoModelForCausalLM.from_pretrained(tmp_path / "dense", dtype=torch.float32).eval()
-    model = _greedy_parity(q, ref, jnp.float32, 1e-2)
+    model = greedy_parity(q, ref, jnp.float32, 1e-2)
     ids = list(range(3, 20))
     packed, dense = (Runner(model, max_model_len=32, weights=w).forward([(0, ids, 0)])[0] for w in ("packed", "dense"))
-    assert _rel(dense, packed) < 1e-5  # dequantized once at load (CPU serving) == dequantized per call
+    assert rel_err(dense, packed) < 1e-5  # dequantized once at load (CPU serving) == dequantized per call
     q = model.params["layers"]["full"]["q"]
     assert type(q).__name__ == "QTensor" and q.values.shape[0] == model.cfg.num_layers  # quantized, stacked
     assert model.weight_bytes < sum(f.stat().st_size for f in (tmp_path / "dense").glob("*.safetensors"))
@@ -178,7 +95,7 @@ def test_mixed_step_of_prompt_chunks_and_decodes_equals_each_alone(family_ckpt):
     r.forward([(i, s[:c], 0) for i, (s, c) in enumerate(zip(seqs, cut)) if c])
     mixed = r.forward([(3, seqs[3][9:], 9), (0, seqs[0][5:], 5), (2, seqs[2][13:], 13), (1, seqs[1], 0)])
     for got, i in zip(mixed, (3, 0, 2, 1)):
-        assert got.shape == solo[i].shape and _rel(got, solo[i]) < 1e-5, name
+        assert got.shape == solo[i].shape and rel_err(got, solo[i]) < 1e-5, name
 
 
 def test_sampling_seed_and_stops(family_ckpt):
@@ -204,7 +121,7 @@ def test_rejected_checkpoint_unknown_architecture_and_long_prompt(tmp_path):
     with pytest.raises(Unsupported, match="GPT2LMHeadModel.*supported: LlamaForCausalLM"):
         load(tmp_path / "gpt2", check=False)
     torch.manual_seed(0)
-    _family("llama").save_pretrained(tmp_path / "llama")
+    family("llama").save_pretrained(tmp_path / "llama")
     runner = Runner(load(tmp_path / "llama"), max_model_len=32)
     with pytest.raises(InvalidInput, match="prompt of 30 tokens \\+ max_tokens 8 exceeds the model length 32"):
         generate(runner, list(range(30)), 8)
@@ -213,31 +130,16 @@ def test_rejected_checkpoint_unknown_architecture_and_long_prompt(tmp_path):
 
 # ---- quantkit generate ------------------------------------------------------------------------------
 
-def _with_tokenizer(path):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE(unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(["hello world, the quick brown fox jumps over the lazy dog"] * 20, trainer)
-    tok.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps({
-        "bos_token": "<s>", "eos_token": "</s>",
-        "chat_template": "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>{% endfor %}"
-                         "{% if add_generation_prompt %}<s>assistant:{% endif %}"}))
-
-
 def test_generate_cli_streams_what_the_library_generates(tmp_path):
     import subprocess
     import sys
 
+    from quantkit.generate import generate as library_generate
     from quantkit.runtime.tokenizer import TextCodec
 
     torch.manual_seed(0)
     T.LlamaForCausalLM(T.LlamaConfig(**{**COMMON, "vocab_size": 320})).save_pretrained(tmp_path / "m")
-    _with_tokenizer(tmp_path / "m")
+    with_tokenizer(tmp_path / "m")
     cmd = [sys.executable, "-m", "quantkit.cli", "generate", str(tmp_path / "m"), "--prompt", "hello world",
            "--max-tokens", "8"]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
@@ -248,6 +150,9 @@ def test_generate_cli_streams_what_the_library_generates(tmp_path):
     chat = subprocess.run(cmd + ["--chat", "--temperature", "0.8", "--seed", "3"], capture_output=True, text=True,
                           timeout=300)
     assert chat.returncode == 0, chat.stderr
+    # the same chat template and sampling through the library (bf16, as the command runs): the same text
+    sampled = library_generate(tmp_path / "m", "hello world", 8, temperature=0.8, seed=3, chat=True)
+    assert chat.stdout == sampled.text + "\n", (chat.stdout, sampled.text)
     (tmp_path / "m" / "tokenizer.json").unlink()
     bad = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert bad.returncode == 1 and "no tokenizer.json" in bad.stderr and "Traceback" not in bad.stderr
@@ -306,11 +211,11 @@ def test_int4_moe_experts_match_transformers(tmp_path):
     from quantkit.convert import convert
 
     torch.manual_seed(0)
-    _family("qwen3_moe").save_pretrained(tmp_path / "moe")
+    family("qwen3_moe").save_pretrained(tmp_path / "moe")
     convert(tmp_path / "moe", tmp_path / "w4", "W4A16", 32)
     ref = T.AutoModelForCausalLM.from_pretrained(tmp_path / "w4", dtype=torch.float32).eval()
-    model = _greedy_parity(tmp_path / "w4", ref, jnp.float32, 1e-2)
-    experts = model.params["layers"]["full"]["gate"]  # 3 layers x 8 experts, stacked
+    model = greedy_parity(tmp_path / "w4", ref, jnp.float32, 1e-2)
+    experts = model.params["layers"]["full"]["experts_gate"]  # 3 layers x 8 experts, stacked
     assert type(experts).__name__ == "QTensor" and experts.values.shape[0] == 3 * 8 and experts.group == 32
 
 
@@ -333,9 +238,9 @@ def test_tpu_kernels_in_interpret_mode_give_the_cpu_path_tokens(name, scheme, tm
     from quantkit.runtime.step import step_function
 
     torch.manual_seed(0)
-    model = _family(name)
+    model = family(name)
     if name == "gemma4":  # full layers: 4 heads x 128, one KV head of 128 (k_eq_v)
-        model = _perturbed(T.Gemma4ForCausalLM(gemma4_config(head_dim=64, global_head_dim=128))).eval()
+        model = perturbed(T.Gemma4ForCausalLM(gemma4_config(head_dim=64, global_head_dim=128))).eval()
     else:
         model = type(model)(type(model.config)(**{**model.config.to_dict(), **TPU_SHAPES})).eval()
     model.save_pretrained(tmp_path / "m")
@@ -353,20 +258,20 @@ def test_tpu_kernels_in_interpret_mode_give_the_cpu_path_tokens(name, scheme, tm
         tokens = generate(tpu, prompt, 6)
         jaxpr = str(jax.make_jaxpr(step_function(m.cfg, 8))(tpu.params, tpu.kv, tpu.last, tpu.empty(8)))
     assert tokens == generate(Runner(m, max_model_len=64, page_size=8, weights="packed"), prompt, 6)
-    assert _rel(tpu_logits, cpu_logits) < (2e-2 if scheme else 1e-4)
+    assert rel_err(tpu_logits, cpu_logits) < (2e-2 if scheme else 1e-4)
     # the kernels really are in the traced step: attention's output is [T, heads, lanes], gmm_v2's [T, n]
     ranks = [dims.count(",") + 1 for dims in re.findall(r"\w+\[([\d,]+)\] = pallas_call\[", jaxpr)]
     assert 3 in ranks and (2 in ranks) == bool(scheme), ranks
 
 
-def test_place_row_major_keeps_row_major_arrays_and_converts_others():
+def test_place_row_major_keeps_row_major_arrays_and_converts_others(seed):
     """Weights are pinned row-major (sharding.row_major) without ever holding a model twice: an array already
     row-major is returned as is (no copy), another layout is converted with its values unchanged."""
     from jax.experimental.layout import Format, Layout
 
     from quantkit.runtime.sharding import place_row_major
 
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(seed)
     x = jnp.asarray(rng.standard_normal((6, 5, 4)), jnp.bfloat16)
     col = jax.device_put(x, Format(Layout((2, 1, 0)), x.sharding))  # dim 0 minor-most
     assert col.format.layout.major_to_minor == (2, 1, 0)

@@ -202,12 +202,10 @@ def classify_module(name: str, params: dict) -> tuple[str, str | None]:
 _VISION = re.compile(r"(^|\.)(vision_tower|vision_model|visual|vision|image_encoder|image_newline|"
                      r"multi_modal_projector|mm_projector|audio_tower|audio_model|embed_vision|embed_audio)(\.|$)")
 
-# Checkpoints that keep a layer's experts in 3-D tensors [experts, out, in] (transformers' Gemma 4), by
-# architecture: tensor name -> the per-expert Linears it holds, in order along its out axis. llm-compressor
+# Checkpoints that keep a layer's experts in 3-D tensors [experts, out, in] (transformers' Gemma 4 and Qwen3.5-MoE;
+# Family.packed_experts): tensor name -> the per-expert Linears it holds, in order along its out axis. llm-compressor
 # writes them as Linears `experts.{e}.{name}` (gate first: the first half of gate_up_proj).
 PACKED_EXPERTS = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
-PACKED_EXPERT_ARCHITECTURES = frozenset({"Gemma4ForCausalLM", "Gemma4ForConditionalGeneration", "Qwen3_5MoeForCausalLM",
-                                         "Qwen3_5MoeForConditionalGeneration"})
 
 
 def packed_experts(module: str, shape: tuple[int, ...]) -> list[tuple[str, int, tuple[int, int]]]:

@@ -1,16 +1,14 @@
-"""Which runtime path serves a weight, or why none can (ARCHITECTURE.md rule 7).
-
-Every predicate returns a verdict with a reason; callers fall back (gmm_v2 -> xla) or refuse, and the
-reason surfaces in `quantkit inspect`. Only kernel feasibility lives here (tiles, chip); whether a scheme is
-one quantkit serves at all is the format's verdict (formats/compressed_tensors.py `unsupported_reason`).
-Imports nothing heavy: `inspect` uses it on its header-only path.
+"""Whether the Pallas gmm_v2 kernel serves a weight of a given kernel layout, or why not (ARCHITECTURE.md
+rule 7): the kernels' feasibility, on qtype, shape, group and chip alone. Every predicate returns a verdict
+with a reason; callers fall back (gmm_v2 -> xla) and the reason surfaces in `quantkit inspect`. Which
+schemes the runtime serves at all, and how a scheme becomes a kernel layout, is decided above this layer
+(runtime/validate.py, formats/ct_tensors.py). Imports nothing heavy: `inspect` uses it on its header-only path.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from quantkit.formats.compressed_tensors import Scheme, unsupported_reason, weight_qtype
 from quantkit.kernels.tiling import LANES, Chip, Tiles, choose_tiles
 
 # Weight types the runtime keeps quantized on device (int4 symmetric, fp8 e4m3, mxfp4).
@@ -55,19 +53,7 @@ def can_use_gmm_v2(qtype: str, k: int, n: int, group_size: int | None, chip: Chi
     return tiles, ""
 
 
-def weight_path(scheme: Scheme | None, shape: tuple[int, ...] | None, chip: Chip) -> Verdict:
-    """The serving path for one module's weight [..., out, in] under `scheme` on `chip`."""
-    reason = unsupported_reason(scheme) if scheme is not None else None  # the format's verdict
-    if reason:
-        return Verdict(None, reason)
-    qtype = weight_qtype(scheme)
-    if qtype == "dense":
-        return Verdict("dense", "")
-    if shape is None or len(shape) < 2:
-        return Verdict(None, "weight shape unknown")
-    out, inp = shape[-2:]
-    w = scheme.weights
-    # The kernel's k-group (quant/qtensor.py): fp8 blocks become groups of the block width.
-    group = w.block_structure[1] if w.strategy == "block" else w.group_size if w.strategy == "group" else inp
-    tiles, why = can_use_gmm_v2(qtype, inp, out, group, chip, scale_bytes=1 if qtype == "mxfp4" else 2)
+def kernel_path(qtype: str, k: int, n: int, group: int, chip: Chip, scale_bytes: int = 2) -> Verdict:
+    """gmm_v2 for a served [k, n] weight of `qtype` with `group` inputs per scale, else the XLA path and why."""
+    tiles, why = can_use_gmm_v2(qtype, k, n, group, chip, scale_bytes=scale_bytes)
     return Verdict("gmm_v2", "") if tiles else Verdict("xla", f"XLA fallback: {why}")

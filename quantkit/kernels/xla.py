@@ -14,17 +14,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from quantkit.formats.packing import e8m0_decode, fp4_decode
 from quantkit.quant.qtensor import QTensor
-
-
-def dequantize(qt: QTensor) -> jax.Array:
-    """float32 [g, k, n]: the production decoding (formats/packing.py), kept apart from quant/reference.py,
-    the oracle the tests hold it to."""
-    mx = qt.qtype == "mxfp4"
-    values = fp4_decode(qt.values, jnp) if mx else qt.values.astype(jnp.float32)  # [g, k, n]
-    scales = e8m0_decode(qt.scales, jnp) if mx else qt.scales.astype(jnp.float32)  # [g, k // group, n]
-    return values * jnp.repeat(scales, qt.group, axis=1)
 
 
 @jax.jit
@@ -37,7 +27,7 @@ def gmm_xla(lhs: jax.Array, rhs: QTensor, group_sizes: jax.Array, group_offset: 
         off = jnp.zeros((), jnp.int32) if group_offset is None else jnp.asarray(group_offset, jnp.int32)
         rhs = QTensor(jax.lax.dynamic_slice_in_dim(rhs.values, off, g),
                       jax.lax.dynamic_slice_in_dim(rhs.scales, off, g), rhs.qtype, rhs.group)
-    w = dequantize(rhs).astype(lhs.dtype)  # [g, k, n]
+    w = rhs.dequantize().astype(lhs.dtype)  # [g, k, n]
     if g == 1:
         out = jnp.dot(lhs, w[0], preferred_element_type=jnp.float32)
         rows = jnp.arange(lhs.shape[0])[:, None] < group_sizes[0]

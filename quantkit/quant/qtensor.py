@@ -26,6 +26,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from quantkit.formats.packing import e8m0_decode, fp4_decode
+
 QTYPES = ("int4", "fp8", "mxfp4")
 STORAGE = {"int4": jnp.int4, "fp8": jnp.float8_e4m3fn, "mxfp4": jnp.int4}
 
@@ -44,6 +46,14 @@ class QTensor:
     @property
     def shape(self) -> tuple[int, int, int]:
         return tuple(self.values.shape)
+
+    def dequantize(self) -> jax.Array:
+        """The logical values, float32 [g, k, n]: decode(values) * scale of each row's group, with the one
+        FP4/E8M0 decoding (formats/packing.py; quant/reference.py keeps an independent one as the oracle)."""
+        mx = self.qtype == "mxfp4"
+        values = fp4_decode(self.values, jnp) if mx else self.values.astype(jnp.float32)  # [g, k, n]
+        scales = e8m0_decode(self.scales, jnp) if mx else self.scales.astype(jnp.float32)  # [g, k // group, n]
+        return values * jnp.repeat(scales, self.group, axis=1)
 
     def nbytes(self) -> int:
         """HBM bytes of values (packed) and scales."""

@@ -17,7 +17,7 @@ of a chunk's own tokens), plus ceil(max_num_batched_tokens / ps) for the chunks 
 Gated DeltaNet layers (Qwen3.5, kind "linear") keep no pages: each sequence has a state slot (its engine
 slot; slot max_num_seqs is the padding rows' scratch) holding per layer the last K - 1 conv inputs
 [K - 1, conv channels] and the recurrent state [Hv, dk, dv], both float32, whatever the sequence's length
-(models/qwen3_5.py). A state is not a function of a page's tokens, so prefix caching does not apply to
+(models/gdn.py). A state is not a function of a page's tokens, so prefix caching does not apply to
 these models (the engine turns it off).
 
 Prefix caching (vLLM's automatic prefix caching): a full page is named by a hash chained over its tokens

@@ -1,8 +1,6 @@
 """Checkpoint -> weight pytree on device. Quantized weights are unpacked once into QTensors (int4 stays
-int4); dense weights become bf16 [in, out] arrays; nothing is ever dequantized.
-
-Name mapping is an explicit table per family (ARCHITECTURE.md rule 8): every pytree leaf names exactly
-one checkpoint module, and a missing module is an error naming it.
+int4); dense weights become bf16 [in, out] arrays; nothing is ever dequantized. Which module fills which
+leaf is runtime/layout.py's skeleton; a missing module is an error naming it.
 """
 
 from __future__ import annotations
@@ -17,162 +15,17 @@ import jax.numpy as jnp
 import numpy as np
 
 from quantkit.errors import InvalidInput, Unsupported
-from quantkit.formats.compressed_tensors import (KV_SCALES, QuantConfig, kernel_layout, kernel_shapes, kv_head_scales,
-                                                 logical_shape, parse_quantization_config, weight_qtype)
-from quantkit.formats.hf import PACKED_EXPERTS, Checkpoint, group_modules
-from quantkit.kernels.tiling import LANES, round_up
+from quantkit.formats.compressed_tensors import QuantConfig, parse_quantization_config, weight_qtype
+from quantkit.formats.ct_tensors import KV_SCALES, kernel_layout, kernel_shapes, kv_head_scales, logical_shape
+from quantkit.formats.hf import Checkpoint, group_modules
 from quantkit.quant.qtensor import STORAGE, QTensor, check_qtensor
-from quantkit.runtime.config import ModelConfig, from_hf
+from quantkit.runtime.config import ModelConfig
+from quantkit.runtime.family import Slot
+from quantkit.runtime.layout import lane_widths, skeleton
+from quantkit.runtime.models import from_hf
 from quantkit.runtime.sharding import AXIS, expert_rows, place_row_major, shardings
-from quantkit.validate import validate_checkpoint
+from quantkit.runtime.validate import validate_checkpoint
 
-LINEARS = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj"}
-MLP = {"gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj"}
-NORMS = {  # family -> pytree key -> module under model.layers.{i}
-    "llama": {"attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm"},
-    "qwen3": {"attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm",
-              "q_norm": "self_attn.q_norm", "k_norm": "self_attn.k_norm"},
-    "gemma3": {"attn_norm": "input_layernorm", "post_attn_norm": "post_attention_layernorm",
-               "mlp_norm": "pre_feedforward_layernorm", "post_mlp_norm": "post_feedforward_layernorm",
-               "q_norm": "self_attn.q_norm", "k_norm": "self_attn.k_norm"},
-}
-NORMS["qwen3_moe"], NORMS["gemma4"], NORMS["qwen3_5"] = NORMS["qwen3"], NORMS["gemma3"], NORMS["qwen3"]
-GDN = {"in_qkv": "linear_attn.in_proj_qkv", "in_z": "linear_attn.in_proj_z", "in_b": "linear_attn.in_proj_b",
-       "in_a": "linear_attn.in_proj_a", "out": "linear_attn.out_proj"}  # Qwen3.5's Gated DeltaNet Linears
-SHARED = {"shared_gate": "mlp.shared_expert.gate_proj", "shared_up": "mlp.shared_expert.up_proj",
-          "shared_down": "mlp.shared_expert.down_proj"}
-GEMMA4_MOE_NORMS = {"post_mlp_norm_1": "post_feedforward_layernorm_1", "pre_mlp_norm_2": "pre_feedforward_layernorm_2",
-                    "post_mlp_norm_2": "post_feedforward_layernorm_2"}
-
-
-@dataclass(frozen=True)
-class Slot:
-    """One leaf of the weight pytree: its kind, checkpoint module(s) and logical shape.
-
-    kinds: "linear" [in, out] (QTensor [1, in, out] when quantized), "experts" [experts, in, out] (modules: one
-    per expert), "embed" [vocab, hidden], "bias" [out], "norm" [d] (float32), "router" [hidden, experts]
-    (float32), "tensor" (a bare parameter, float32: Gemma 4's layer_scalar, router scales, Qwen3.5's A_log),
-    "conv" (a module's weight as stored, float32: Qwen3.5's conv1d [channels, 1, K]) and "stack": the
-    same leaf of every layer of a kind (module: their Slots), stacked along a new leading axis (QTensors
-    along their group axis: [layers * groups, in, out]).
-    packed (experts only): where a bf16 checkpoint keeps all experts in one 3-D tensor instead (Gemma 4:
-    `experts.gate_up_proj` [experts, 2 * inter, hidden]): (tensor module, chunk, chunks along axis 1).
-    """
-
-    kind: str
-    module: str | tuple[str, ...]
-    shape: tuple[int, ...]
-    packed: tuple[str, int, int] | None = None
-
-
-def _experts(pre: str, e: int, h: int, m: int, packed: bool) -> dict:
-    """(gate, up, down) expert Slots: per-expert Linears `{pre}{x}.gate_proj` (llm-compressor's and quantkit
-    convert's layout), or with `packed` a bf16 checkpoint's 3-D tensors (formats/hf.py PACKED_EXPERTS)."""
-    out = {}
-    for key, shape in (("gate", (h, m)), ("up", (h, m)), ("down", (m, h))):
-        proj = f"{key}_proj"
-        src = next((pre + t, parts.index(proj), len(parts)) for t, parts in PACKED_EXPERTS.items() if proj in parts)
-        out[key] = Slot("experts", tuple(f"{pre}{x}.{proj}" for x in range(e)), (e, *shape), src if packed else None)
-    return out
-
-
-def skeleton(cfg: ModelConfig, widths: tuple[int, int] = (0, 0)) -> dict:
-    """The weight pytree of `cfg` with a Slot at every leaf: what `load` fills and `abstract` describes;
-    `widths`: the (dense MLP, experts) intermediate widths (0: as configured; see `lane_widths`)."""
-    h, e, m = cfg.hidden_size, cfg.num_experts, widths[1] or cfg.moe_intermediate_size
-    layers = []
-    for i, kind in enumerate(cfg.layer_kinds):
-        if cfg.family == "qwen3_5":
-            layers.append(_qwen3_5_layer(cfg, f"{cfg.prefix}layers.{i}.", kind, widths[0] or cfg.intermediate_size, m))
-            continue
-        kvh, hd = cfg.kv_shape(kind)
-        inter = widths[0] or cfg.intermediate_size
-        dims = {"q": (h, cfg.num_heads * hd), "k": (h, kvh * hd), "v": (h, kvh * hd), "o": (cfg.num_heads * hd, h),
-                "gate": (h, inter), "up": (h, inter), "down": (inter, h)}
-        pre = f"{cfg.prefix}layers.{i}."
-        linears = {k: v for k, v in LINEARS.items() if not (k == "v" and cfg.k_eq_v and kind == "full")}
-        layer = {key: Slot("linear", pre + mod, dims[key]) for key, mod in linears.items()}
-        if cfg.attention_bias:
-            layer |= {f"{key}_bias": Slot("bias", pre + mod, dims[key][1:])
-                      for key, mod in linears.items() if key != "o"}
-        norms = NORMS[cfg.family] | (GEMMA4_MOE_NORMS if cfg.moe_dense else {})
-        layer |= {key: Slot("norm", pre + mod, (hd,) if key in ("q_norm", "k_norm") else (h,))
-                  for key, mod in norms.items()}
-        if cfg.family == "qwen3_moe":
-            layer["router"] = Slot("router", pre + "mlp.gate", (h, e))
-            layer |= _experts(pre + "mlp.experts.", e, h, m, False)
-        else:
-            layer |= {key: Slot("linear", pre + mod, dims[key]) for key, mod in MLP.items()}
-        if cfg.family == "gemma4":
-            layer["layer_scalar"] = Slot("tensor", pre + "layer_scalar", (1,))
-        if cfg.moe_dense:
-            layer |= {"router": Slot("router", pre + "router.proj", (h, e)),
-                      "router_scale": Slot("tensor", pre + "router.scale", (h,)),
-                      "expert_scale": Slot("tensor", pre + "router.per_expert_scale", (e,))}
-            layer |= {f"experts_{k}": v for k, v in _experts(pre + "experts.", e, h, m, True).items()}
-        layers.append(layer)
-    stacks = {kind: {key: Slot("stack", tuple(layers[i][key] for i in ids), (len(ids), *layers[ids[0]][key].shape))
-                     for key in layers[ids[0]]}
-              for kind in cfg.kinds for ids in [[i for i, k in enumerate(cfg.layer_kinds) if k == kind]]}
-    params = {"embed": Slot("embed", cfg.prefix + "embed_tokens", (cfg.vocab_size, h)), "layers": stacks,
-              "final_norm": Slot("norm", cfg.prefix + "norm", (h,))}
-    if not cfg.tie_word_embeddings:
-        params["lm_head"] = Slot("linear", "lm_head", (h, cfg.vocab_size))
-    return params
-
-
-def _qwen3_5_layer(cfg: ModelConfig, pre: str, kind: str, inter: int, m: int) -> dict:
-    """One Qwen3.5 layer's Slots: a Gated DeltaNet ("linear") or gated attention layer, then a SwiGLU MLP or
-    routed experts (per-expert Linears, or a bf16 checkpoint's packed 3-D tensors) with a shared expert."""
-    h, e = cfg.hidden_size, cfg.num_experts
-    layer = {"attn_norm": Slot("norm", pre + "input_layernorm", (h,)),
-             "mlp_norm": Slot("norm", pre + "post_attention_layernorm", (h,))}
-    if kind == "linear":
-        conv, _ = cfg.gdn_dims
-        hv, dv = cfg.linear_v_heads, cfg.linear_v_dim
-        dims = {"in_qkv": (h, conv), "in_z": (h, hv * dv), "in_b": (h, hv), "in_a": (h, hv), "out": (hv * dv, h)}
-        layer |= {key: Slot("linear", pre + mod, dims[key]) for key, mod in GDN.items()}
-        layer |= {"conv": Slot("conv", pre + "linear_attn.conv1d", (conv, 1, cfg.conv_kernel)),
-                  "A_log": Slot("tensor", pre + "linear_attn.A_log", (hv,)),
-                  "dt_bias": Slot("tensor", pre + "linear_attn.dt_bias", (hv,)),
-                  "gdn_norm": Slot("norm", pre + "linear_attn.norm", (dv,))}
-    else:
-        q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        dims = {"q": (h, 2 * q), "k": (h, kv), "v": (h, kv), "o": (q, h)}
-        layer |= {key: Slot("linear", pre + mod, dims[key]) for key, mod in LINEARS.items()}
-        layer |= {key: Slot("norm", pre + f"self_attn.{key}", (cfg.head_dim,)) for key in ("q_norm", "k_norm")}
-    if not e:
-        return layer | {key: Slot("linear", pre + mod, d) for (key, mod), d in
-                        zip(MLP.items(), ((h, inter), (h, inter), (inter, h)))}
-    s = cfg.shared_intermediate_size
-    layer |= {f"experts_{k}": v for k, v in _experts(pre + "mlp.experts.", e, h, m, True).items()}
-    layer |= {key: Slot("linear", pre + mod, d) for (key, mod), d in zip(SHARED.items(), ((h, s), (h, s), (s, h)))}
-    return layer | {"router": Slot("router", pre + "mlp.gate", (h, e)),
-                    "shared_expert_gate": Slot("router", pre + "mlp.shared_expert_gate", (h, 1))}
-
-
-def lane_widths(cfg: ModelConfig, qc: QuantConfig | None) -> tuple[int, int]:
-    """(dense MLP, experts) intermediate widths on device: each rounded up to 128 lanes, since gmm_v2 serves
-    only [k, n] in multiples of 128 and anything else falls back to dequantizing the weight in HBM every
-    step (Gemma-4-26B-A4B: MLP 2112 -> 2176, experts 704 -> 768; unpadded, its compiled decode step read
-    16x the weights). The padding is zero weights: act(0) * 0 = 0 into zero rows of down_proj, so every
-    output is exactly unchanged. Not padded where the down projection's scale groups do not tile the
-    padded width."""
-    stack = skeleton(cfg)["layers"][cfg.layer_kinds[0]]
-
-    def width(m: int, key: str) -> int:
-        padded = round_up(m, LANES)
-        if padded == m or key not in stack:
-            return m
-        down = stack[key].module[0]  # layer 0's Slot
-        scheme = qc.scheme_for(down.module[0] if down.kind == "experts" else down.module, "Linear") if qc else None
-        if weight_qtype(scheme) == "dense":
-            return padded
-        return padded if padded % kernel_shapes(scheme, (cfg.hidden_size, padded))[3] == 0 else m
-
-    if cfg.family == "qwen3_moe":  # its MLP is the experts
-        return 0, width(cfg.moe_intermediate_size, "down")
-    return width(cfg.intermediate_size, "down"), width(cfg.moe_intermediate_size, "experts_down")
 
 
 def abstract(cfg: ModelConfig, qc: QuantConfig | None, dtype=jnp.bfloat16) -> dict:
@@ -221,20 +74,9 @@ class LoadedModel:
                    for x in jax.tree_util.tree_leaves(self.params, is_leaf=lambda a: isinstance(a, QTensor)))
 
 
-@dataclass(frozen=True)
-class HostQ:
-    """A quantized weight read on the host, before placement: values [g, k, n] (codes), scales
-    [g, k // group, n] (QTensor's invariants)."""
-
-    values: np.ndarray
-    scales: np.ndarray
-    qtype: str
-    group: int
-
-
 class _Reader:
     """Reads one Slot's data from the checkpoint onto the host (numpy): dense [in, out] in the checkpoint's
-    dtype (a view of the file where no padding or stacking copies it), or HostQ."""
+    dtype (a view of the file where no padding or stacking copies it), or a QTensor of numpy arrays."""
 
     def __init__(self, ckpt: Checkpoint, qc: QuantConfig | None):
         self.ckpt, self.qc = ckpt, qc
@@ -265,7 +107,7 @@ class _Reader:
         return values, scales, qtype, group
 
     def linear(self, module: str, shape: tuple[int, int]):
-        """A Linear's weight, zero-padded to `shape` [in, out]: HostQ [1, in, out] if quantized, else dense."""
+        """A Linear's weight, zero-padded to `shape` [in, out]: a QTensor [1, in, out] on the host if quantized, else dense."""
         layout = self._layout(module)
         if layout is None:
             return _pad(self.array(module).T, shape)
@@ -273,7 +115,7 @@ class _Reader:
         return _padded_qtensor(values[None], scales[None], qtype, group, shape)
 
     def experts(self, modules: list[str], packed: tuple[str, int, int] | None, shape: tuple[int, int, int]):
-        """Stacked expert weights, HostQ or dense [experts, in, out], zero-padded to `shape`; from `packed`,
+        """Stacked expert weights, a host QTensor or dense [experts, in, out], zero-padded to `shape`; from `packed`,
         the 3-D tensor [experts, chunks * out, in] of a bf16 checkpoint without per-expert modules, when
         those are absent."""
         if packed is not None and modules[0] not in self.modules:
@@ -311,7 +153,7 @@ def _pad(w: np.ndarray, shape: tuple[int, ...], value=0) -> np.ndarray:
                   constant_values=value)
 
 
-def _padded_qtensor(values, scales, qtype: str, group: int, shape: tuple[int, int]) -> HostQ:
+def _padded_qtensor(values, scales, qtype: str, group: int, shape: tuple[int, int]) -> QTensor:
     """values [g, k, n] and scales [g, k // group, n] zero-padded to [g, *shape] (lane_widths): zero values
     (whatever their scale) add nothing; the new scales are 1 (E8M0 127)."""
     k, n = shape
@@ -319,7 +161,7 @@ def _padded_qtensor(values, scales, qtype: str, group: int, shape: tuple[int, in
     one = 127 if scales.dtype == np.uint8 else 1
     values, scales = _pad(values, shape), _pad(scales, (k // group, n), one)
     check_qtensor(values.shape, scales.shape, qtype, group)
-    return HostQ(values, scales, qtype, group)
+    return QTensor(values, scales, qtype, group)
 
 
 @partial(jax.jit, donate_argnums=0)
@@ -401,7 +243,7 @@ def load(path: str | Path, dtype=jnp.bfloat16, check: bool = True, mesh=None, ep
         entries = s.module if s.kind == "stack" else (s,)
         n = len(entries)
         first = r.slot(entries[0])
-        quantized = isinstance(first, HostQ)
+        quantized = isinstance(first, QTensor)
         if not quantized:
             shape = (n, *first.shape) if s.kind == "stack" else first.shape
             wdtype = jnp.float32 if entries[0].kind in ("norm", "router", "tensor", "conv") else dtype
@@ -456,12 +298,10 @@ def densify(params: dict, dtype) -> dict:
     slot has when unquantized (stacked linears [layers, in, out], experts [layers, experts, in, out],
     lm_head [in, out]). Off TPU this is what serves fastest: the XLA path would otherwise dequantize each
     weight on every call (runtime/step.py `Runner.weights`)."""
-    from quantkit.kernels.xla import dequantize
-
     def dense(key, w, layers=None):
         if not isinstance(w, QTensor):
             return w
-        d = jax.jit(dequantize)(w).astype(dtype)  # [G, k, n]
+        d = jax.jit(QTensor.dequantize)(w).astype(dtype)  # [G, k, n]
         if layers is None:
             return d[0]
         if w.split == "e":  # device-major rows (sharding.expert_rows) back to layer-major

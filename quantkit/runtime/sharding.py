@@ -30,7 +30,7 @@ from quantkit.quant.qtensor import QTensor
 from quantkit.runtime.config import ModelConfig
 
 AXIS = "model"
-EXPERTS = ("experts_gate", "experts_up", "experts_down")  # Gemma 4's; Qwen3-MoE's experts are its gate/up/down
+EXPERTS = ("experts_gate", "experts_up", "experts_down")  # every family's routed experts (runtime/family.py)
 COLUMN = ("q", "k", "v", "q_bias", "k_bias", "v_bias", "gate", "up", "lm_head", "experts_gate", "experts_up")
 ROW = ("o", "down", "experts_down", "embed")
 
@@ -66,7 +66,7 @@ def make_mesh(tp: int, devices=None) -> Mesh:
 
 
 def is_expert(cfg: ModelConfig, key: str) -> bool:
-    return key in EXPERTS or cfg.family == "qwen3_moe" and key in ("gate", "up", "down")
+    return key in EXPERTS
 
 
 def split_of(key: str, cfg: ModelConfig, tp: int, kind: str = "full", ep: bool = False) -> str:

@@ -12,6 +12,7 @@ each row; padding rows: max_num_seqs, dropped) and sampling arrays [S]. Shapes a
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import jax
@@ -136,6 +137,26 @@ def step_function(cfg, page_size: int, all_logits: bool = False, mesh=None, unro
     return step
 
 
+def _frozen(tree) -> tuple:
+    """A pytree of hashable leaves (shardings, formats) as a hashable (treedef, leaves) key."""
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    return treedef, tuple(leaves)
+
+
+@functools.lru_cache(maxsize=16)
+def jitted_step(cfg, page_size: int, mesh, unroll: bool, kv_fp8, ep: bool, formats: tuple, out_shardings,
+                all_logits: bool):
+    """The jitted step of one static configuration, shared by every Runner that has it: a second Runner of
+    the same model (a test, a server restarting its engine, eval's second checkpoint of the same shapes)
+    reuses the compiled programs instead of compiling each token bucket again. `formats`: the weights'
+    row-major placements, `out_shardings` (None on one device): both as `_frozen` keys."""
+    pinned = dict(in_shardings=(jax.tree_util.tree_unflatten(*formats), None, None, None), donate_argnums=(1, 2))
+    if out_shardings is not None:
+        pinned["out_shardings"] = jax.tree_util.tree_unflatten(*out_shardings)
+    fn = step_function(cfg, page_size, all_logits, mesh=mesh, unroll=unroll, kv_fp8=kv_fp8, ep=ep)
+    return jax.jit(fn, **pinned)
+
+
 def token_buckets(max_num_batched_tokens: int, lo: int = 8) -> tuple[int, ...]:
     """8, 16, 32, ... below the budget, then the budget: the step's token counts."""
     out = [lo]
@@ -249,12 +270,9 @@ class Runner:
                 for kind, stack in self.params["layers"].items()}}
         self.params = place_row_major(self.params)  # the loader placed them so; a sharded copy may not be
         formats = jax.tree_util.tree_map(lambda x: row_major(x.sharding, x.ndim), self.params)
-        pinned = dict(in_shardings=(formats, None, None, None), donate_argnums=(1, 2))
-        if mesh is not None:  # outputs replicated: every process can read them
-            pinned["out_shardings"] = (rep, kv_sharding, rep)
-        kw = dict(mesh=mesh, unroll=unroll, kv_fp8=fp8, ep=self.ep)
-        self._step = jax.jit(step_function(cfg, self.page_size, **kw), **pinned)
-        self._logits = jax.jit(step_function(cfg, self.page_size, True, **kw), **pinned)
+        outs = None if mesh is None else _frozen((rep, kv_sharding, rep))  # replicated: every process reads them
+        key = (cfg, self.page_size, mesh, unroll, fp8, self.ep, _frozen(formats), outs)
+        self._step, self._logits = jitted_step(*key, False), jitted_step(*key, True)
 
     def bucket(self, n: int) -> int:
         return next(b for b in self.buckets if b >= n) if n <= self.buckets[-1] else -(-n // 8) * 8

@@ -1,164 +1,81 @@
 """Qwen3.5 and Qwen3.5-MoE (text): three of every four layers are Gated DeltaNet (GDN) linear attention
-with a fixed-size state per sequence, the fourth gated full attention over the paged KV cache; zero-centred
-(1 + w) RMSNorms; a SwiGLU MLP, or routed experts plus a gated shared expert.
-
-A GDN layer (transformers models/qwen3_5, Qwen3_5GatedDeltaNet), per token x [hidden]:
-  qkv = conv(in_proj_qkv x)        depthwise causal conv1d over the last K inputs of the sequence, then SiLU
-  q, k [Hk, dk], v [Hv, dv]        split; q, k L2-normalised (eps 1e-6), q times dk^-1/2; each q/k head
-                                   serves Hv / Hk consecutive v heads
-  beta = sigmoid(in_proj_b x)      [Hv]: how much the token writes
-  g = -exp(A_log) softplus(in_proj_a x + dt_bias)      [Hv]: log decay, <= 0
-  S <- exp(g) S;  S <- S + k (beta (v - S^T k))^T      the delta rule on a float32 state S [Hv, dk, dv]
-  o = S^T q                        [Hv, dv]
-  out_proj(RMSNorm_w(o) * silu(in_proj_z x))          per head, weight w (not 1 + w)
-
-A sequence's state between steps is one slot of the "linear" cache (runtime/cache.py): the last K - 1 conv
-inputs [K - 1, conv channels] and S per layer. A row that starts at position 0 starts from zeros, so a slot
-freed by a finished request needs no clearing; padding rows use the scratch slot max_num_seqs and padding
-tokens are masked out of every state update.
-
-Each row's tokens run in chunks of CHUNK (the chunked delta rule: within a chunk a unit lower-triangular
-solve (I + A) X = B replaces the token loop; the state passes from chunk to chunk and step to step); a step
-whose rows all have one token (decode) runs one recurrence step per row instead (chunks of 1).
-"""
+with a fixed-size state per sequence (runtime/models/gdn.py), the fourth gated full attention over the paged
+KV cache; zero-centred (1 + w) RMSNorms; a SwiGLU MLP, or routed experts plus a gated shared expert."""
 
 from __future__ import annotations
 
-import jax
-import jax.numpy as jnp
-
+from quantkit.errors import Unsupported
 from quantkit.runtime.config import ModelConfig
-from quantkit.runtime.models.common import attention_block, layer_params, linear, rms_norm, routed_experts, run_layers
+from quantkit.runtime.family import MLP, PRE_POST_NORMS, QK_NORMS, Family, Slot, attention, experts, mlp, norms
 
-CHUNK = 64
-HI = jax.lax.Precision.HIGHEST  # the state maths in float32 (TPU's default f32 dot is one bf16 pass)
-
-
-def _l2norm(x: jax.Array) -> jax.Array:
-    return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + 1e-6)
+GDN = {"in_qkv": "linear_attn.in_proj_qkv", "in_z": "linear_attn.in_proj_z", "in_b": "linear_attn.in_proj_b",
+       "in_a": "linear_attn.in_proj_a", "out": "linear_attn.out_proj"}  # the Gated DeltaNet Linears
+SHARED = {"shared_gate": "mlp.shared_expert.gate_proj", "shared_up": "mlp.shared_expert.up_proj",
+          "shared_down": "mlp.shared_expert.down_proj"}
 
 
-def _unit_lower_solve(a: jax.Array, b: jax.Array) -> jax.Array:
-    """(I + a)^-1 b for strictly lower-triangular a [..., C, C]: a is nilpotent (a^C = 0), so
-    (I + a)^-1 = (I - a)(I + a^2)(I + a^4)... over log2(C) factors: matmuls only (the MXU's work; XLA's
-    triangular solve is a sequential loop on a TPU and compiles slowly on a CPU)."""
-    p, x = -a, b
-    for _ in range(max(1, (a.shape[-1] - 1).bit_length())):
-        x = x + jnp.einsum("...tu,...uv->...tv", p, x, precision=HI)
-        p = jnp.einsum("...tu,...uv->...tv", p, p, precision=HI)
-    return x
+def configure(hf: dict, common: dict, rope: dict) -> dict:
+    """Qwen3.5 and Qwen3.5-MoE (transformers models/qwen3_5, qwen3_5_moe): layer_types name the Gated
+    DeltaNet ("linear_attention") layers; zero-centred (1 + w) norms; the MTP head is not used."""
+    types = hf.get("layer_types") or ["full_attention" if (i + 1) % hf.get("full_attention_interval", 4) == 0
+                                      else "linear_attention" for i in range(common["num_layers"])]
+    if set(types) - {"full_attention", "linear_attention"}:
+        raise Unsupported(f"Qwen3.5 layer types {sorted(set(types))} are not supported")
+    if hf.get("hidden_act", "silu") != "silu" or hf.get("attention_bias"):
+        raise Unsupported("Qwen3.5 with a hidden_act other than silu or attention biases is not supported")
+    partial = float(rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 0.25)))
+    out = dict(qk_norm=True, linear_layers=tuple(t == "linear_attention" for t in types), norm_offset=1.0,
+               attn_gate=True, rope_dims=int(common["head_dim"] * partial),
+               linear_k_heads=hf.get("linear_num_key_heads", 16), linear_v_heads=hf.get("linear_num_value_heads", 32),
+               linear_k_dim=hf.get("linear_key_head_dim", 128), linear_v_dim=hf.get("linear_value_head_dim", 128),
+               conv_kernel=hf.get("linear_conv_kernel_dim", 4))
+    if out["linear_v_heads"] % out["linear_k_heads"]:
+        raise Unsupported("Qwen3.5 with value heads that are not a multiple of the key heads is not supported")
+    if hf.get("num_experts"):
+        out.update(num_experts=hf["num_experts"], top_k=hf["num_experts_per_tok"],
+                   moe_intermediate_size=hf["moe_intermediate_size"], norm_topk_prob=True,
+                   shared_intermediate_size=hf.get("shared_expert_intermediate_size", 0))
+    return out
 
 
-def delta_rule_chunk(s0, q, k, v, g, beta):
-    """One chunk of C tokens for each of B = [rows, Hv] independent recurrences.
-
-    s0 [B, dk, dv] state before the chunk; q, k [B, C, dk]; v [B, C, dv]; g, beta [B, C] (a padding token:
-    k = v = beta = g = 0, changes nothing). Returns (o [B, C, dv], state after the chunk)."""
-    c = q.shape[-2]
-    cum = jnp.cumsum(g, axis=-1)  # [B, C]: log decay from the chunk's start through token t
-    lower = jnp.tril(jnp.ones((c, c), bool))
-    pair = jnp.exp(jnp.where(lower, cum[..., :, None] - cum[..., None, :], -jnp.inf))  # [B, C, C], t >= u
-    kb, vb = k * beta[..., None], v * beta[..., None]
-    a = jnp.einsum("...tk,...uk->...tu", kb, k, precision=HI) * pair * (1 - jnp.eye(c))
-    # (I + A) [u | w] = [beta v | beta k exp(cum)]: the chunk's writes, before and after reading s0
-    rhs = jnp.concatenate([vb, kb * jnp.exp(cum)[..., None]], axis=-1)
-    x = _unit_lower_solve(a, rhs)
-    u, w = x[..., :v.shape[-1]], x[..., v.shape[-1]:]
-    v_new = u - jnp.einsum("...tk,...kv->...tv", w, s0, precision=HI)
-    att = jnp.einsum("...tk,...uk->...tu", q, k, precision=HI) * pair
-    o = (jnp.einsum("...tk,...kv->...tv", q * jnp.exp(cum)[..., None], s0, precision=HI)
-         + jnp.einsum("...tu,...uv->...tv", att, v_new, precision=HI))
-    last = cum[..., -1:]
-    s1 = (s0 * jnp.exp(last)[..., None] + jnp.einsum("...tk,...tv->...kv", k * jnp.exp(last - cum)[..., None],
-                                                     v_new, precision=HI))
-    return o, s1
-
-
-def _rows(batch: dict, t: int):
-    """Per token: its row and index in the row; per row: its first token and token count."""
-    cu = batch["cu_q_lens"]
-    tok = jnp.arange(t)
-    row = jnp.minimum(jnp.searchsorted(cu[1:], tok, side="right"), cu.shape[0] - 2)
-    return row, tok - cu[row], cu[:-1], cu[1:] - cu[:-1]
+def layer(cfg: ModelConfig, pre: str, kind: str, widths: tuple[int, int]) -> dict:
+    """A Gated DeltaNet ("linear") or gated attention layer (q_proj doubled: [query | gate] per head), then a
+    SwiGLU MLP or routed experts (per-expert Linears, or a bf16 checkpoint's packed 3-D tensors) with a
+    shared expert."""
+    h, e = cfg.hidden_size, cfg.num_experts
+    out = norms(pre, PRE_POST_NORMS, h)
+    if kind == "linear":
+        conv, _ = cfg.gdn_dims
+        hv, dv = cfg.linear_v_heads, cfg.linear_v_dim
+        dims = {"in_qkv": (h, conv), "in_z": (h, hv * dv), "in_b": (h, hv), "in_a": (h, hv), "out": (hv * dv, h)}
+        out |= {key: Slot("linear", pre + mod, dims[key]) for key, mod in GDN.items()}
+        out |= {"conv": Slot("conv", pre + "linear_attn.conv1d", (conv, 1, cfg.conv_kernel)),
+                "A_log": Slot("tensor", pre + "linear_attn.A_log", (hv,)),
+                "dt_bias": Slot("tensor", pre + "linear_attn.dt_bias", (hv,)),
+                "gdn_norm": Slot("norm", pre + "linear_attn.norm", (dv,))}
+    else:
+        out |= attention(cfg, pre, kind, q_width=2 * cfg.num_heads * cfg.head_dim)
+        out |= norms(pre, QK_NORMS, h, cfg.head_dim)
+    if not e:
+        return out | mlp(pre, h, widths[0] or cfg.intermediate_size, MLP)
+    out |= experts(pre + "mlp.experts.", e, h, widths[1] or cfg.moe_intermediate_size, True)
+    out |= mlp(pre, h, cfg.shared_intermediate_size, SHARED)
+    return out | {"router": Slot("router", pre + "mlp.gate", (h, e)),
+                  "shared_expert_gate": Slot("router", pre + "mlp.shared_expert_gate", (h, 1))}
 
 
-def _conv(qkv: jax.Array, w: jax.Array, c0: jax.Array, row, j, first, n):
-    """Depthwise causal conv + SiLU of qkv [T, C] (w [C, 1, K]) over each row's previous K - 1 inputs c0
-    [rows, K - 1, C] and its own tokens; returns (out [T, C], each row's last K - 1 inputs)."""
-    kk = w.shape[-1]
-    t = qkv.shape[0]
-    out = jnp.zeros(qkv.shape, jnp.float32)
-    for m in range(kk):  # m tokens back
-        back = j - m
-        x = jnp.where((back >= 0)[:, None], qkv[jnp.maximum(jnp.arange(t) - m, 0)],
-                      c0[row, jnp.clip(kk - 1 + back, 0, kk - 2)])
-        out = out + x.astype(jnp.float32) * w[:, 0, kk - 1 - m].astype(jnp.float32)
-    # the last K - 1 of (c0 ++ the row's tokens)
-    at = n[:, None] + jnp.arange(kk - 1)  # [rows, K - 1] index into that concatenation
-    mine = qkv[jnp.clip(first[:, None] + at - (kk - 1), 0, t - 1)]
-    c1 = jnp.where((at >= kk - 1)[..., None], mine.astype(c0.dtype),
-                   jnp.take_along_axis(c0, jnp.minimum(at, kk - 2)[..., None], axis=1))
-    return jax.nn.silu(out).astype(qkv.dtype), c1
-
-
-def _recurrence(q, k, v, g, beta, s0, first, n):
-    """The delta rule over every row's tokens: q, k [T, Hv, dk], v [T, Hv, dv], g, beta [T, Hv] (float32),
-    s0 [rows, Hv, dk, dv]; returns (o [T, Hv, dv], state after the row's tokens)."""
-    t = q.shape[0]
-
-    def run(c: int, s0):
-        def chunk(i, carry):
-            o, s = carry
-            pos = i * c + jnp.arange(c)  # [C] index within the row
-            ok = pos[None, :] < n[:, None]  # [rows, C]
-            idx = jnp.where(ok, first[:, None] + pos, t)  # t: out of range, dropped on write
-            take = lambda a: jnp.where(ok.reshape(*ok.shape, *[1] * (a.ndim - 1)),  # noqa: E731
-                                       a[jnp.minimum(idx, t - 1)], 0).swapaxes(1, 2)  # [rows, Hv, C, ...]
-            oc, s = delta_rule_chunk(s, take(q), take(k), take(v), take(g), take(beta))
-            return o.at[idx].set(oc.swapaxes(1, 2), mode="drop"), s
-
-        o = jnp.zeros(v.shape, jnp.float32)
-        return jax.lax.fori_loop(0, (jnp.max(n) + c - 1) // c, chunk, (o, s0))
-
-    c = min(CHUNK, t)
-    if c == 1:
-        return run(1, s0)
-    return jax.lax.cond(jnp.max(n) <= 1, lambda s: run(1, s), lambda s: run(c, s), s0)
-
-
-def gdn_block(p: dict, x: jax.Array, state: tuple, i, batch: dict, cfg: ModelConfig) -> tuple[jax.Array, tuple]:
-    """A Gated DeltaNet layer on x [T, hidden] (already normed); state: the "linear" cache (conv [L, slots,
-    K - 1, C], recurrent [L, slots, Hv, dk, dv]), layer i read and written at the rows' slots."""
-    conv_all, rec_all = state
-    t = x.shape[0]
-    hk, hv, dk, dv = cfg.linear_k_heads, cfg.linear_v_heads, cfg.linear_k_dim, cfg.linear_v_dim
-    row, j, first, n = _rows(batch, t)
-    slot = batch["slot"]
-    fresh = (batch["kv_lens"] - n == 0)[:, None, None]  # rows starting at position 0 start from zeros
-    c0 = jnp.where(fresh, 0, conv_all[i, slot])
-    s0 = jnp.where(fresh[..., None], 0, rec_all[i, slot])
-    qkv, c1 = _conv(linear(x, p["in_qkv"]), p["conv"], c0, row, j, first, n)
-    qkv = qkv.astype(jnp.float32)
-    rep = hv // hk
-    q = jnp.repeat(_l2norm(qkv[:, :hk * dk].reshape(t, hk, dk)), rep, axis=1) * dk ** -0.5
-    k = jnp.repeat(_l2norm(qkv[:, hk * dk:2 * hk * dk].reshape(t, hk, dk)), rep, axis=1)
-    v = qkv[:, 2 * hk * dk:].reshape(t, hv, dv)
-    beta = jax.nn.sigmoid(linear(x, p["in_b"]).astype(jnp.float32))  # [T, Hv]
-    g = -jnp.exp(p["A_log"]) * jax.nn.softplus(linear(x, p["in_a"]).astype(jnp.float32) + p["dt_bias"])
-    o, s1 = _recurrence(q, k, v, g, beta, s0, first, n)
-    z = linear(x, p["in_z"]).reshape(t, hv, dv)
-    o = rms_norm(o.astype(x.dtype), p["gdn_norm"], cfg.rms_norm_eps) * jax.nn.silu(z.astype(jnp.float32))
-    out = linear(o.astype(x.dtype).reshape(t, hv * dv), p["out"])
-    return out, (conv_all.at[i, slot].set(c1.astype(conv_all.dtype)), rec_all.at[i, slot].set(s1))
-
-
-def moe(p: dict, x: jax.Array, cfg: ModelConfig, batch: dict) -> jax.Array:
+def moe(p: dict, x, cfg: ModelConfig, batch: dict):
     """Routed experts (softmax, top-k, renormalised; SwiGLU) plus the shared expert times
     sigmoid(shared_expert_gate x)."""
+    import jax
+    import jax.numpy as jnp
+
+    from quantkit.runtime.models.common import linear, routed_experts
+
     probs = jax.nn.softmax(jnp.dot(x.astype(jnp.float32), p["router"]), axis=-1)  # [T, experts]
-    weights, experts = jax.lax.top_k(probs, cfg.top_k)
+    weights, chosen = jax.lax.top_k(probs, cfg.top_k)
     weights = weights / weights.sum(-1, keepdims=True)
-    routed = routed_experts(x, weights, experts, (p["experts_gate"], p["experts_up"], p["experts_down"]),
+    routed = routed_experts(x, weights, chosen, (p["experts_gate"], p["experts_up"], p["experts_down"]),
                             cfg.num_experts, lambda g, u: jax.nn.silu(g) * u, batch.get("ep_mesh"))
     shared = linear(jax.nn.silu(linear(x, p["shared_gate"])) * linear(x, p["shared_up"]), p["shared_down"])
     gate = jax.nn.sigmoid(jnp.dot(x.astype(jnp.float32), p["shared_expert_gate"]))  # [T, 1]
@@ -167,6 +84,11 @@ def moe(p: dict, x: jax.Array, cfg: ModelConfig, batch: dict) -> jax.Array:
 
 def forward(params: dict, cfg: ModelConfig, tokens, kv: dict, batch: dict):
     """As llama.forward; kv["linear"] is the GDN layers' (conv, recurrent) state."""
+    import jax
+
+    from quantkit.runtime.models.common import attention_block, layer_params, linear, rms_norm, run_layers
+    from quantkit.runtime.models.gdn import gdn_block
+
     eps, off = cfg.rms_norm_eps, cfg.norm_offset
 
     def layer(kind, i, carry):
@@ -187,3 +109,7 @@ def forward(params: dict, cfg: ModelConfig, tokens, kv: dict, batch: dict):
 
     x, kv = run_layers(layer, cfg.layer_kinds, (params["embed"][tokens], kv), batch.get("unroll", False))
     return rms_norm(x, params["final_norm"], eps, off), kv
+
+
+QWEN3_5 = Family("qwen3_5", ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForCausalLM",
+                             "Qwen3_5MoeForConditionalGeneration"), configure, layer, forward, packed_experts=True)

@@ -2,25 +2,46 @@
 
 from __future__ import annotations
 
-import jax
-import jax.numpy as jnp
-
+from quantkit.errors import Unsupported
 from quantkit.runtime.config import ModelConfig
+from quantkit.runtime.family import PRE_POST_NORMS, QK_NORMS, Family, Slot, attention, experts, norms
 from quantkit.runtime.models import llama
-from quantkit.runtime.models.common import routed_experts
 
 
-def moe(p: dict, x: jax.Array, cfg: ModelConfig, batch: dict) -> jax.Array:
+def configure(hf: dict, common: dict, rope: dict) -> dict:
+    if hf.get("mlp_only_layers") or hf.get("decoder_sparse_step", 1) != 1:
+        raise Unsupported("Qwen3-MoE with dense (mlp_only) layers is not supported yet")
+    return dict(qk_norm=True, num_experts=hf.get("num_experts") or hf["num_local_experts"],
+                top_k=hf["num_experts_per_tok"], moe_intermediate_size=hf["moe_intermediate_size"],
+                norm_topk_prob=bool(hf.get("norm_topk_prob", True)))
+
+
+def layer(cfg: ModelConfig, pre: str, kind: str, widths: tuple[int, int]) -> dict:
+    h, e = cfg.hidden_size, cfg.num_experts
+    return (attention(cfg, pre, kind) | norms(pre, PRE_POST_NORMS | QK_NORMS, h, cfg.head_dim)
+            | {"router": Slot("router", pre + "mlp.gate", (h, e))}
+            | experts(pre + "mlp.experts.", e, h, widths[1] or cfg.moe_intermediate_size, False))
+
+
+def moe(p: dict, x, cfg: ModelConfig, batch: dict):
     """Router softmax -> top-k (renormalized if configured) -> SwiGLU experts (expert parallel when the step
     says so: batch["ep_mesh"])."""
+    import jax
+    import jax.numpy as jnp
+
+    from quantkit.runtime.models.common import routed_experts
+
     probs = jax.nn.softmax(jnp.dot(x.astype(jnp.float32), p["router"]), axis=-1)  # [T, experts]
-    weights, experts = jax.lax.top_k(probs, cfg.top_k)  # [T, k]
+    weights, chosen = jax.lax.top_k(probs, cfg.top_k)  # [T, k]
     if cfg.norm_topk_prob:
         weights = weights / weights.sum(-1, keepdims=True)
-    return routed_experts(x, weights, experts, (p["gate"], p["up"], p["down"]), cfg.num_experts,
-                          lambda g, u: jax.nn.silu(g) * u, batch.get("ep_mesh"))
+    return routed_experts(x, weights, chosen, (p["experts_gate"], p["experts_up"], p["experts_down"]),
+                          cfg.num_experts, lambda g, u: jax.nn.silu(g) * u, batch.get("ep_mesh"))
 
 
 def forward(params, cfg, tokens, kv, batch):
     """As llama.forward, with the routed-expert MLP."""
     return llama.forward(params, cfg, tokens, kv, batch, ffn=moe)
+
+
+QWEN3_MOE = Family("qwen3_moe", ("Qwen3MoeForCausalLM",), configure, layer, forward)

@@ -1,0 +1,351 @@
+"""compressed-tensors tensors on disk per format (FORMATS.md, "Tensors"): the header checks of each module's
+tensors (`check_module_tensors`) and of their data (`check_module_data`), the library's dequantization, and
+the runtime's kernel layout of a served weight (`kernel_shapes` without data, `kernel_layout` with it).
+"""
+
+from __future__ import annotations
+
+from quantkit.errors import InvalidInput
+from quantkit.formats.compressed_tensors import QuantArgs, Scheme
+
+# ---- KV cache scales (kv_cache_scheme) ------------------------------------------------------------------
+
+KV_SCALES = ("k_scale", "v_scale")  # tensors of each attention module (`...self_attn.k_scale`), float32
+
+
+
+def kv_head_scales(values, kv_heads: int, where: str):
+    """A k_scale / v_scale tensor as one float32 per KV head ([kv_heads]): one value ([], [1]) is broadcast,
+    [kv_heads] / [kv_heads, 1, 1] (attn_head) kept. InvalidInput for another shape, NaN/Inf or a scale <= 0."""
+    import numpy as np
+
+    a = np.asarray(values, np.float32)
+    if a.size not in (1, kv_heads) or a.ndim > 3 or any(d != 1 for d in a.shape[1:]):
+        raise InvalidInput(f"{where} has shape {list(a.shape)}; expected [1] (per tensor) or [{kv_heads}, 1, 1] "
+                           f"(per KV head)")
+    if not np.isfinite(a).all():
+        raise InvalidInput(f"{where} contains NaN or Inf")
+    if (a <= 0).any():
+        raise InvalidInput(f"{where} has a scale <= 0 ({float(a.min())})")
+    return np.broadcast_to(a.reshape(-1), (kv_heads,)).copy()
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def stored_weight_name(scheme: Scheme | None) -> str:
+    """Name of the tensor that holds a module's (packed) weight values under `scheme`."""
+    if scheme is None or scheme.weights is None or scheme.format in ("dense", "float-quantized", "naive-quantized",
+                                                                     "int-quantized", "mxfp8-quantized"):
+        return "weight"
+    return "weight_packed"
+
+
+
+def expected_scale_shape(args: QuantArgs, lead: tuple[int, ...], out: int, inp: int) -> tuple[int, ...] | None:
+    """Shape of `weight_scale` for a weight [*lead, out, inp] quantized with `args` (None: not checked)."""
+    if args.strategy == "tensor":
+        return None  # [1] or [] both occur; checked separately
+    if args.strategy == "channel":
+        return (*lead, out, 1)
+    if args.strategy in ("group", "tensor_group"):
+        return (*lead, out, ceil_div(inp, args.group_size))
+    if args.strategy == "block":
+        r, c = args.block_structure
+        return (*lead, ceil_div(out, r), ceil_div(inp, c))
+    return None
+
+
+_FLOATS = frozenset({"F16", "BF16", "F32"})
+
+
+class _Tensors:
+    """One module's stored tensors under one format, and the one-line errors found in them."""
+
+    def __init__(self, module: str, fmt: str, params: dict):
+        self.module, self.fmt, self.params, self.errors = module, fmt, params, []
+
+    def need(self, param: str, dtypes: set[str] | None = None, shape: tuple | None = None):
+        """The TensorInfo of a required `param` (None when missing), its dtype and shape checked."""
+        info = self.params.get(param)
+        where = f"{self.module}.{param}"
+        if info is None:
+            self.errors.append(f"{self.module}: missing tensor {where} required by format {self.fmt}")
+        elif dtypes is not None and info.dtype not in dtypes:
+            self.errors.append(f"{where}: dtype {info.dtype}, expected {' or '.join(sorted(dtypes))}")
+        if info is not None and shape is not None and info.shape != tuple(shape):
+            self.errors.append(f"{where}: shape {list(info.shape)}, expected {list(shape)}")
+        return info
+
+    def scale(self, w: QuantArgs, lead: tuple, out: int, inp: int) -> None:
+        """weight_scale against its strategy's shape ([1] or [] per tensor)."""
+        scale = self.need("weight_scale", _FLOATS)
+        if scale is None:
+            return
+        if w.strategy == "tensor":
+            if scale.shape not in ((), (1,)):
+                self.errors.append(f"{self.module}.weight_scale: shape {list(scale.shape)}, expected [1] (per tensor)")
+            return
+        exp = expected_scale_shape(w, lead, out, inp)
+        if exp is not None and scale.shape != exp:
+            self.errors.append(f"{self.module}.weight_scale: shape {list(scale.shape)}, expected {list(exp)} "
+                               f"({w.strategy} strategy)")
+
+
+def _check_dense(t: _Tensors) -> tuple[int, ...] | None:
+    info = t.params.get("weight")
+    if info is None and any(p.startswith("weight_") for p in t.params):
+        t.errors.append(f"{t.module}: holds quantized tensors ({', '.join(sorted(t.params))}) but no config "
+                        "group of quantization_config targets it")
+    return info.shape if info is not None else None
+
+
+def _check_int_packed(t: _Tensors, w: QuantArgs) -> tuple[int, ...] | None:
+    """pack-quantized int: int32 words along the input dimension, weight_shape, scales, zero points, g_idx."""
+    packed = t.need("weight_packed", {"I32"})
+    if packed is None or len(packed.shape) < 2:
+        if packed is not None:
+            t.errors.append(f"{t.module}.weight_packed: expected at least 2 dimensions, found {list(packed.shape)}")
+        return None
+    *lead, out, cols = packed.shape
+    lead = tuple(lead)
+    per_word = 32 / w.num_bits
+    inp = int(cols * per_word)  # exact whenever in_features fills whole words; --deep reads weight_shape
+    t.need("weight_shape", {"I64", "I32"}, (len(packed.shape),))
+    if w.strategy != "group":
+        t.scale(w, lead, out, inp)
+    elif (scale := t.need("weight_scale", _FLOATS)) is not None:
+        # in_features is known only to a word: any group count between the shortest and longest row fits
+        lo = int((cols - 1) * per_word) + 1
+        n_groups = scale.shape[-1] if scale.shape else -1
+        if scale.shape[:-1] != (*lead, out) or not ceil_div(lo, w.group_size) <= n_groups <= ceil_div(inp, w.group_size):
+            t.errors.append(f"{t.module}.weight_scale: shape {list(scale.shape)}, expected "
+                            f"{list(expected_scale_shape(w, lead, out, inp))} for group size {w.group_size}")
+    if not w.symmetric and w.strategy in ("group", "channel"):
+        t.need("weight_zero_point", {"I32"})
+    if w.actorder == "group":
+        t.need("weight_g_idx", {"I32", "I64"})
+    return (*lead, out, inp)
+
+
+def _check_float(t: _Tensors, scheme: Scheme) -> tuple[int, ...] | None:
+    """float-quantized (fp8 e4m3 `weight`) and naive-quantized floats: weight, scale, static input_scale."""
+    w = scheme.weights
+    weight = t.need("weight", {"F8_E4M3"} if w.num_bits == 8 and w.type == "float" else None)
+    if weight is None or len(weight.shape) < 2:
+        return weight.shape if weight is not None else None
+    *lead, out, inp = weight.shape
+    t.scale(w, tuple(lead), out, inp)
+    a = scheme.input_activations
+    if a is not None and not a.dynamic:
+        t.need("input_scale", _FLOATS)
+    return weight.shape
+
+
+def _check_fp4(t: _Tensors) -> tuple[int, ...] | None:
+    """mxfp4 / nvfp4: two e2m1 codes per byte, scales per 32 (E8M0) or 16 (fp8, plus a global scale)."""
+    packed = t.need("weight_packed", {"U8"})
+    if packed is None or len(packed.shape) < 2:
+        return None
+    *lead, out, half = packed.shape
+    mx = t.fmt.startswith("mx")
+    t.need("weight_scale", {"U8", "F8_E8M0"} if mx else {"F8_E4M3"}, (*lead, out, ceil_div(2 * half, 32 if mx else 16)))
+    if not mx:
+        t.need("weight_global_scale", {"F32"})
+    return (*lead, out, 2 * half)
+
+
+def check_module_tensors(module: str, scheme: Scheme | None, params: dict) -> tuple[tuple[int, ...] | None, list[str]]:
+    """Checks that a module's tensors are what `scheme` says they must be (names, dtypes, shapes).
+
+    Args:
+        module: module name, for messages.
+        scheme: the scheme that targets it, or None when unquantized.
+        params: parameter name (e.g. "weight_packed") -> TensorInfo.
+    Returns:
+        (logical weight shape [..., out, in] or None if unknown, list of one-line error messages).
+    """
+    w = scheme.weights if scheme is not None else None
+    fmt = scheme.format if scheme is not None else "dense"
+    t = _Tensors(module, fmt, params)
+    if w is None or fmt == "dense":
+        shape = _check_dense(t)
+    elif fmt == "pack-quantized" and w.type == "int":
+        shape = _check_int_packed(t, w)
+    elif fmt == "float-quantized" or (fmt == "naive-quantized" and w.type == "float"):
+        shape = _check_float(t, scheme)
+    elif fmt in ("mxfp4-pack-quantized", "nvfp4-pack-quantized"):
+        shape = _check_fp4(t)
+    else:  # other formats are reported unsupported; only the presence of a weight tensor is checked
+        shape = None
+        if not (params.get(stored_weight_name(scheme)) or params.get("weight") or params.get("weight_packed")):
+            t.errors.append(f"{module}: no weight tensor found for format {fmt}")
+    return shape, t.errors
+
+
+def check_module_data(module: str, scheme: Scheme | None, params: dict, read, shape: tuple[int, ...] | None):
+    """Reads a module's data (`inspect --deep`): NaN/Inf values, zero scales, weight_shape against the packed
+    words, non-zero padding bits, g_idx range.
+
+    Args:
+        module: module name, for messages.
+        scheme: the scheme that targets it, or None.
+        params: parameter name -> TensorInfo, already found well-formed by check_module_tensors.
+        read: tensor name -> numpy array.
+        shape: the logical shape check_module_tensors found.
+    Returns:
+        (the logical shape, exact from weight_shape when stored; list of (severity, where, message)).
+    """
+    import numpy as np
+
+    from quantkit.formats import packing
+    from quantkit.formats.safetensors_io import FLOAT_DTYPES
+
+    found = []
+    w = scheme.weights if scheme is not None and scheme.format != "dense" else None
+    for param, info in params.items():
+        arr, where = read(info.name), f"{module}.{param}"
+        if param.endswith("scale") or param == "weight_global_scale":
+            e8m0 = info.dtype in ("U8", "F8_E8M0")
+            values = packing.e8m0_to_float(arr) if e8m0 else arr.astype(np.float32)
+            if not np.isfinite(values).all():
+                found.append(("error", where, f"{where} contains NaN or Inf"))
+            elif not e8m0 and (values == 0).any():
+                found.append(("error", where, f"{where} has {int((values == 0).sum())} zero scale(s)"))
+        elif info.dtype in FLOAT_DTYPES or info.dtype.startswith("F8_E"):
+            if not np.isfinite(arr.astype(np.float32)).all():
+                found.append(("error", where, f"{where} contains NaN or Inf values"))
+    if w is not None and scheme.format == "pack-quantized" and "weight_shape" in params and shape is not None:
+        ws = tuple(int(x) for x in read(params["weight_shape"].name))
+        packed = params["weight_packed"]
+        cols = packed.shape[-1]
+        if ws[:-1] != shape[:-1] or not ws or -(-ws[-1] * w.num_bits // 32) != cols:
+            found.append(("error", f"{module}.weight_shape", f"{module}.weight_shape is {list(ws)} but weight_packed "
+                          f"{list(packed.shape)} holds a weight of {list(shape[:-1])} x ~{shape[-1]}"))
+        else:
+            shape = ws
+            spare = cols * 32 - ws[-1] * w.num_bits  # unused high bits of each row's last word
+            if spare:
+                words = read(packed.name)[..., -1].astype(np.int64) & 0xFFFFFFFF
+                if (words >> (32 - spare)).any():
+                    found.append(("warning", f"{module}.weight_packed",
+                                  f"{module}.weight_packed has non-zero padding bits beyond {ws[-1]} columns"))
+    if w is not None and "weight_g_idx" in params and shape is not None and w.group_size:
+        g = read(params["weight_g_idx"].name)
+        if g.shape[-1:] != shape[-1:] or g.min(initial=0) < 0 or g.max(initial=0) >= ceil_div(shape[-1], w.group_size):
+            found.append(("error", f"{module}.weight_g_idx", f"{module}.weight_g_idx is out of range"))
+    return shape, found
+
+
+def logical_shape(shapes: dict[str, tuple], weight_shape=None) -> tuple[int, ...]:
+    """Logical weight shape [..., out, in] of a quantized module: the values of its `weight_shape` tensor when
+    stored (pack-quantized), else its fp8 `weight`'s shape, else twice the fp4 bytes per row."""
+    if weight_shape is not None:
+        return tuple(int(x) for x in weight_shape)
+    if "weight" in shapes:
+        return tuple(shapes["weight"])
+    packed = shapes["weight_packed"]
+    return (*packed[:-1], packed[-1] * 2)
+
+
+def can_dequantize(scheme: Scheme) -> bool:
+    """Whether `dequantize` handles this scheme's weights."""
+    w, fmt = scheme.weights, scheme.format
+    if fmt == "pack-quantized":
+        return w.type == "int" and w.symmetric and w.actorder != "group" and w.strategy in ("group", "channel")
+    if fmt == "float-quantized":
+        return w.type == "float" and w.num_bits == 8 and w.strategy in ("tensor", "channel", "block", "group")
+    return fmt == "mxfp4-pack-quantized"
+
+
+def dequantize(scheme: Scheme, arrays: dict, shape: tuple[int, ...]):
+    """Dequantizes one module's stored weight to float32, as the library does (q * scale per group).
+
+    The product of a 4/8-bit value and a bf16/f16/f32 scale is exact in float32, so casting the result
+    to the scale's dtype rounds once, exactly like the library's multiply in that dtype.
+
+    Args:
+        scheme: the module's scheme (a served weight type: int pack-quantized, fp8, mxfp4).
+        arrays: parameter name -> numpy array (weight_packed / weight, weight_scale).
+        shape: logical weight shape [..., out, in].
+    Returns:
+        float32 [..., out, in].
+    """
+    import numpy as np
+
+    from quantkit.formats import packing
+
+    w, fmt = scheme.weights, scheme.format
+    inp = shape[-1]
+    if fmt == "mxfp4-pack-quantized":
+        values = packing.unpack_fp4(np.asarray(arrays["weight_packed"]))
+        scale = packing.e8m0_to_float(np.asarray(arrays["weight_scale"]))
+        return values * packing.expand_groups(scale, 32, inp)
+    if fmt == "pack-quantized":
+        q = packing.unpack_int(np.asarray(arrays["weight_packed"]), w.num_bits, inp).astype(np.float32)
+        if not w.symmetric:
+            raise ValueError("asymmetric weights are not dequantized by quantkit")
+    else:  # float-quantized
+        q = np.asarray(arrays["weight"]).astype(np.float32)
+    scale = np.asarray(arrays["weight_scale"]).astype(np.float32)
+    if w.strategy == "tensor":
+        return q * scale.reshape(())
+    if w.strategy == "block":
+        return q * packing.expand_blocks(scale, w.block_structure, shape)
+    if w.strategy == "group":
+        return q * packing.expand_groups(scale, w.group_size, inp)
+    return q * scale  # channel: [..., out, 1]
+
+
+
+def kernel_group(w: QuantArgs, inp: int) -> int:
+    """Input features per scale in the kernel layout (quant/qtensor.py) of a weight with `inp` inputs: the
+    group size, an fp8 block's width (each column's block scale repeated per block row), or all of `inp`
+    (channel and tensor scales). The one place a scheme becomes the kernel's group."""
+    return {"group": w.group_size, "block": w.block_structure[1] if w.block_structure else inp}.get(w.strategy, inp)
+
+
+def kernel_shapes(scheme: Scheme, shape: tuple[int, int], scale_dtype: str = "bfloat16"):
+    """What `kernel_layout` returns for a logical [out, in] weight, without data (for `plan`):
+    (scales shape [in // group, out], scales dtype, qtype, group)."""
+    out, inp = shape
+    w, fmt = scheme.weights, scheme.format
+    if fmt == "mxfp4-pack-quantized":
+        return (inp // 32, out), "uint8", "mxfp4", 32
+    qtype, group = "int4" if fmt == "pack-quantized" else "fp8", kernel_group(w, inp)
+    return (inp // group, out), scale_dtype, qtype, group
+
+
+def kernel_layout(scheme: Scheme, arrays: dict, shape: tuple[int, int]):
+    """A served weight in the runtime's layout (see quant/qtensor.py), in numpy.
+
+    Args:
+        scheme: the module's scheme (int4 pack-quantized, fp8 float-quantized, mxfp4).
+        arrays: parameter name -> numpy array as stored.
+        shape: logical [out, in].
+    Returns:
+        (values [in, out] int8 (int4 values or e2m1 codes as signed nibbles) or float8_e4m3fn,
+         scales [in // group, out] (float32/bfloat16 as stored, uint8 E8M0 for mxfp4), qtype, group).
+    """
+    import numpy as np
+
+    from quantkit.formats import packing
+
+    out, inp = shape
+    w, fmt = scheme.weights, scheme.format
+    scale = np.asarray(arrays["weight_scale"])
+    if fmt == "mxfp4-pack-quantized":
+        packed = np.asarray(arrays["weight_packed"])
+        codes = np.stack([packed & 0xF, packed >> 4], axis=-1).reshape(out, inp).astype(np.int8)
+        return np.where(codes >= 8, codes - 16, codes).astype(np.int8).T, scale.view(np.uint8).T, "mxfp4", 32
+    if fmt == "pack-quantized":
+        values, qtype = packing.unpack_int(np.asarray(arrays["weight_packed"]), w.num_bits, inp).T, "int4"
+    else:
+        values, qtype = np.asarray(arrays["weight"]).T, "fp8"
+    group = kernel_group(w, inp)
+    if w.strategy == "block":  # [ceil(out/br), ceil(in/bc)] -> one scale per bc inputs and per column
+        return values, np.repeat(scale.T, w.block_structure[0], axis=1)[:, :out], qtype, group
+    if w.strategy == "tensor":
+        return values, np.broadcast_to(scale.reshape(1, 1), (1, out)).copy(), qtype, group
+    return values, scale.T, qtype, group  # group [out, in // group] or channel [out, 1] -> transposed

@@ -1,0 +1,257 @@
+"""Is a checkpoint valid, and can the runtime serve it? The checks `inspect` reports and the loader enforces.
+
+Headers only, plus the few bytes of k/v scales. What each format stores is format knowledge
+(formats/ct_tensors.py); which schemes the runtime serves, and on which path, is decided here (serving
+policy, beside the kernels' feasibility in kernels/dispatch.py), with the architecture verdict of
+runtime/config.py. `validate_checkpoint` opens a checkpoint once for inspect, convert and the loader.
+Imports nothing heavy (no jax, torch).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from quantkit.errors import InvalidInput, Unsupported
+from quantkit.formats.compressed_tensors import (SPARSE_FORMATS, QuantArgs, QuantConfig, Scheme, quantization_config_of,
+                                                 weight_qtype)
+from quantkit.formats.ct_tensors import KV_SCALES, check_module_tensors, kernel_shapes, kv_head_scales
+from quantkit.formats.hf import Checkpoint, classify_module, group_modules
+from quantkit.kernels.dispatch import Verdict, kernel_path
+from quantkit.kernels.tiling import Chip
+from quantkit.runtime.config import ModelConfig
+from quantkit.runtime.models import from_hf
+
+
+# ---- serving policy: which schemes the runtime serves at all, and on which path ----------------------
+
+def kv_scheme_reason(args: QuantArgs) -> str | None:
+    """Why a kv_cache_scheme cannot be served, or None: FP8 (E4M3, stored = fp8(x / scale)) with static
+    symmetric scales per tensor ([1]) or per KV head ([kv_heads, 1, 1], strategy attn_head)."""
+    if args.type != "float" or args.num_bits != 8:
+        return f"kv_cache_scheme is {args.type} {args.num_bits}-bit: only an FP8 (float, 8-bit) KV cache is supported"
+    if args.dynamic:
+        return "kv_cache_scheme is dynamic: only static (calibrated) k/v scales are supported"
+    if not args.symmetric:
+        return "kv_cache_scheme is asymmetric: only symmetric FP8 KV scales are supported"
+    if args.strategy not in ("tensor", "attn_head"):
+        return f"kv_cache_scheme strategy {args.strategy!r}: only 'tensor' and 'attn_head' are supported"
+    return None
+
+
+
+def _act_reason(name: str, a: QuantArgs | None) -> str | None:
+    if a is None:
+        return None
+    if name == "output_activations":
+        return (f"output activation quantization ({a.type}{a.num_bits} {a.strategy}) is not supported by the "
+                "runtime; re-quantize without output_activations")
+    if a.type == "float" and a.num_bits == 8:
+        return None  # fp8 activations: the runtime keeps activations in bf16 (reported as a warning)
+    return (f"{a.type}{a.num_bits} {a.strategy} input activation quantization is not implemented by the runtime "
+            "(it runs bf16 activations and honours only fp8 activation schemes); "
+            "convert to W4A16 or FP8_DYNAMIC with `quantkit convert`")
+
+
+def _int_reason(w: QuantArgs, fmt: str) -> str | None:
+    if not w.symmetric:
+        return (f"asymmetric int{w.num_bits} weights with zero points (W{w.num_bits}A16_ASYM) are not supported: "
+                "the runtime serves symmetric int4; re-quantize with `quantkit convert --scheme W4A16`")
+    if w.actorder == "group":
+        return ("activation-ordered groups (actorder=group, weight_g_idx) permute input columns and are not "
+                "supported; re-quantize with actorder=weight or without actorder")
+    if w.num_bits != 4:
+        return (f"int{w.num_bits} weights (W{w.num_bits}A16) are not supported: the runtime serves int4 "
+                "(W4A16), fp8 and mxfp4; convert with `quantkit convert --scheme W4A16` or FP8_DYNAMIC")
+    if fmt != "pack-quantized":
+        return f"int4 weights stored as {fmt} are not supported; only pack-quantized int4 is"
+    if w.strategy not in ("group", "channel"):
+        return f"int4 with {w.strategy} scales is not supported; only group and channel scales are"
+    return None
+
+
+def unsupported_reason(scheme: Scheme) -> str | None:
+    """Why quantkit cannot serve weights stored under `scheme` at all (whatever the chip), or None if it can:
+    symmetric int4 (pack-quantized, group or channel scales), fp8 e4m3 (float-quantized, tensor, channel or
+    block scales) and mxfp4, with no activation quantization other than fp8."""
+    w, fmt = scheme.weights, scheme.format
+    if fmt in SPARSE_FORMATS:
+        return (f"sparse format {fmt} is not supported (its compressor was removed in compressed-tensors 0.15); "
+                "densify the checkpoint first")
+    for name in ("input_activations", "output_activations"):
+        reason = _act_reason(name, getattr(scheme, name))
+        if reason:
+            return reason
+    if w is None or fmt == "dense":
+        return None
+    qtype = weight_qtype(scheme)
+    if qtype == "nvfp4":
+        return ("NVFP4 (fp4 with fp8 block-16 scales and a global scale) is not supported yet; "
+                "convert to MXFP4A16 or W4A16 with `quantkit convert`")
+    if qtype.startswith("mxfp") and qtype != "mxfp4":
+        return f"{qtype.upper()} ({fmt}) is not supported yet; convert to MXFP4A16 or FP8_DYNAMIC"
+    if w.type == "int":
+        return _int_reason(w, fmt)
+    if w.type == "float" and w.num_bits == 8:
+        if fmt != "float-quantized":
+            return f"fp8 weights stored as {fmt} are not supported; only float-quantized fp8 is"
+        if w.strategy not in ("tensor", "channel", "block"):
+            return f"fp8 with {w.strategy} scales is not supported; only tensor, channel and block scales are"
+        return None
+    if qtype == "mxfp4":
+        return None
+    return f"{w.type}{w.num_bits} weights in format {fmt} are not supported"
+
+
+
+def config_findings(raw: dict | None, qc: QuantConfig | None) -> list[tuple[str, str]]:
+    """Checkpoint-wide (severity, message) pairs about a quantization_config: "unsupported" for what the
+    runtime cannot serve, "warning" for what it serves differently than stored."""
+    if raw is not None and qc is None:
+        return [("unsupported", f"quant_method {raw.get('quant_method')!r} is not compressed-tensors; quantkit "
+                 "reads compressed-tensors checkpoints only (re-quantize the original with `quantkit convert`)")]
+    out = []
+    if qc is None:
+        return out
+    if qc.sparsity:
+        out.append(("unsupported", "sparsity_config is set: sparse compressed-tensors checkpoints are not supported"))
+    if qc.transform:
+        out.append(("unsupported", "transform_config is set: online rotations (SpinQuant/QuIP transforms) are not "
+                    "supported by the runtime"))
+    if qc.kv_cache_scheme is not None and kv_scheme_reason(qc.kv_cache_scheme):
+        out.append(("unsupported", kv_scheme_reason(qc.kv_cache_scheme)))
+    if qc.status not in (None, "compressed"):
+        out.append(("warning", f"quantization_status is {qc.status!r}, expected 'compressed'"))
+    if any(g.input_activations is not None for g in qc.groups):
+        out.append(("warning", "fp8 activation quantization in the scheme: the runtime computes activations in "
+                    "bf16 (weights stay quantized)"))
+    return out
+
+
+def weight_path(scheme: Scheme | None, shape: tuple[int, ...] | None, chip: Chip) -> Verdict:
+    """The serving path for one module's weight [..., out, in] (its served shape: layout.served_shapes)
+    under `scheme` on `chip`: the scheme's verdict, then the kernel's feasibility on its kernel layout."""
+    reason = unsupported_reason(scheme) if scheme is not None else None
+    if reason:
+        return Verdict(None, reason)
+    if weight_qtype(scheme) == "dense":
+        return Verdict("dense", "")
+    if shape is None or len(shape) < 2:
+        return Verdict(None, "weight shape unknown")
+    out, inp = shape[-2:]
+    _, sdtype, qtype, group = kernel_shapes(scheme, (out, inp))
+    return kernel_path(qtype, inp, out, group, chip, scale_bytes=1 if sdtype == "uint8" else 2)
+
+
+def problem(severity: str, where: str, message: str) -> dict:
+    """One finding, as `inspect` reports it: severity "error" | "unsupported" | "warning"."""
+    return {"severity": severity, "where": where, "message": message}
+
+
+@dataclass(frozen=True)
+class ModuleCheck:
+    """One module's header-only verdict."""
+
+    name: str
+    kind: str  # "linear" | "moe_experts" | "embedding" | "norm" | "other"
+    params: dict  # parameter name (e.g. "weight_packed") -> TensorInfo
+    scheme: Scheme | None
+    shape: tuple[int, ...] | None  # logical [..., out, in]; None when unknown
+    errors: tuple[str, ...]  # one line each: the tensors are not what the scheme requires
+    reason: str | None  # why the runtime cannot serve it; None when it can or when it holds no weight
+
+    @property
+    def has_weight(self) -> bool:
+        return "weight" in self.params or "weight_packed" in self.params
+
+
+@dataclass(frozen=True)
+class Validation:
+    """An opened checkpoint's verdicts: what inspect reports, convert and the loader enforce."""
+
+    raw: dict | None  # quantization_config as stored
+    qc: QuantConfig | None  # parsed when compressed-tensors
+    cfg: ModelConfig | None  # the runtime's model config; None when the architecture is refused or unknown
+    problems: list[dict]  # checkpoint-wide findings
+    modules: list[ModuleCheck]
+
+    def all_problems(self) -> list[dict]:
+        """Every finding: checkpoint-wide first, then per module its errors and why it cannot be served."""
+        out = list(self.problems)
+        for m in self.modules:
+            out += [problem("error", m.name, e) for e in m.errors]
+            if m.reason:
+                out.append(problem("unsupported", m.name, m.reason))
+        return out
+
+
+def _model_config(ckpt: Checkpoint) -> tuple[ModelConfig | None, list[dict]]:
+    """The runtime's ModelConfig of the checkpoint, or None and why the runtime cannot run it."""
+    if ckpt.config is None:
+        return None, [problem("warning", str(ckpt.root),
+                              "no config.json: architecture and quantization scheme unknown")]
+    where = str(ckpt.root / "config.json")
+    try:
+        return from_hf(ckpt.config), []
+    except Unsupported as e:  # an architecture, or a variant of one, that the runtime refuses, with its reason
+        return None, [problem("unsupported", where, str(e))]
+    except (KeyError, TypeError, ValueError) as e:
+        return None, [problem("error", where, f"config.json does not describe a {ckpt.architecture}: "
+                              f"{type(e).__name__} {e}")]
+
+
+def _kv_scale_problems(ckpt: Checkpoint, cfg: ModelConfig) -> list[dict]:
+    """Every layer's k_scale / v_scale must exist, be finite, positive and one per tensor or per KV head."""
+    out = []
+    for i, kind in enumerate(cfg.layer_kinds):
+        for name in KV_SCALES if kind != "linear" else ():  # Gated DeltaNet layers keep no KV
+            tensor = f"{cfg.prefix}layers.{i}.self_attn.{name}"
+            if tensor not in ckpt.tensors:
+                out.append(problem("error", tensor, f"kv_cache_scheme is set but {tensor} is missing"))
+                continue
+            try:
+                kv_head_scales(ckpt.read(tensor), cfg.kv_shape(kind)[0], tensor)
+            except InvalidInput as e:
+                out.append(problem("error", tensor, str(e)))
+    return out
+
+
+def check_module(module: str, params: dict, qc: QuantConfig | None, foreign: bool) -> ModuleCheck:
+    """One module's tensors against the scheme that targets it (`foreign`: quantized by another method)."""
+    kind, cls = classify_module(module, params)
+    scheme = qc.scheme_for(module, cls) if qc is not None and cls is not None else None
+    if foreign and any(p not in ("weight", "bias") for p in params):
+        # A foreign method's tensors are not ours to judge: it is reported unsupported, not invalid.
+        return ModuleCheck(module, kind, params, scheme, None, (), "quantized by a method quantkit does not read")
+    shape, errors = check_module_tensors(module, scheme, params)
+    reason = None
+    if "weight" in params or "weight_packed" in params:  # not e.g. a module holding only k_scale / v_scale
+        reason = unsupported_reason(scheme) if scheme is not None else None
+        if reason is None and weight_qtype(scheme) != "dense" and (shape is None or len(shape) < 2):
+            reason = "weight shape unknown"
+    return ModuleCheck(module, kind, params, scheme, shape, tuple(errors), reason)
+
+
+def validate_checkpoint(ckpt: Checkpoint) -> Validation:
+    """Validates an opened checkpoint from its headers (and k/v scales).
+
+    Args:
+        ckpt: the checkpoint.
+    Returns:
+        The Validation. Raises InvalidInput when quantization_config itself does not parse.
+    """
+    where = str(ckpt.root / "config.json")
+    raw, qc = quantization_config_of(ckpt.config, where)
+    cfg, model_problems = _model_config(ckpt)
+    problems = [problem("warning", where, w) for w in ckpt.warnings] + model_problems
+    problems += [problem(severity, where, message) for severity, message in config_findings(raw, qc)]
+    mtp = sum(name.startswith("mtp.") for name in ckpt.tensors)
+    if mtp:
+        problems.append(problem("warning", "mtp.*", f"{mtp} tensors of the MTP (multi-token prediction) head are "
+                                "not used: quantkit serves the model without speculative decoding"))
+    kv = qc.kv_cache_scheme if qc is not None else None
+    if cfg is not None and kv is not None and not kv_scheme_reason(kv):  # else reported unsupported already
+        problems += _kv_scale_problems(ckpt, cfg)
+    foreign = raw is not None and qc is None
+    modules = [check_module(module, {p: ckpt.tensors[n] for p, n in pnames.items()}, qc, foreign)
+               for module, pnames in group_modules(ckpt.tensors).items()]
+    return Validation(raw, qc, cfg, problems, modules)

@@ -1,0 +1,169 @@
+"""Helpers shared by the test modules (which import from here, from ct_oracle and conftest's fixtures, never
+from one another): the relative error every comparison uses, the tiny models of every family, the greedy
+parity check against transformers and a trained tokenizer.
+
+torch, transformers and the runtime are imported inside the functions that need them, so that a module using
+only `rel_err` (the kernel tests) does not pay for importing transformers.
+"""
+
+import json
+
+import numpy as np
+
+COMMON = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=3, num_attention_heads=4,
+              num_key_value_heads=2, vocab_size=256, head_dim=32, max_position_embeddings=256)
+
+# Qwen3.5: 3 Gated DeltaNet layers, then gated attention (the default layer pattern over 4 layers)
+QWEN3_5_SMALL = dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                     vocab_size=256, head_dim=32, max_position_embeddings=512, linear_num_key_heads=2,
+                     linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=24,
+                     linear_conv_kernel_dim=4)
+
+
+def rel_err(out, ref) -> float:
+    """||out - ref||_F / ||ref||_F in float64 (numpy, jax or CPU torch arrays, any shape)."""
+    out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
+    return float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
+
+
+def family(name):
+    """A tiny random transformers model of family `name` (COMMON's shapes)."""
+    import transformers as T
+
+    if name == "llama":
+        return T.LlamaForCausalLM(T.LlamaConfig(**COMMON))
+    if name == "qwen3":
+        return T.Qwen3ForCausalLM(T.Qwen3Config(**COMMON))
+    if name == "qwen3_moe":
+        return T.Qwen3MoeForCausalLM(T.Qwen3MoeConfig(**COMMON, moe_intermediate_size=64, num_experts=8,
+                                                      num_experts_per_tok=2, norm_topk_prob=True))
+    if name == "gemma3":  # sliding window 8 < prompt length, so local layers really slide
+        return T.Gemma3ForCausalLM(T.Gemma3TextConfig(
+            **COMMON, sliding_window=8, layer_types=["sliding_attention", "sliding_attention", "full_attention"]))
+    if name.startswith("gemma4"):
+        return perturbed(T.Gemma4ForCausalLM(gemma4_config(moe=name == "gemma4_moe")))
+    if name.startswith("qwen3_5"):  # its own tests: test_qwen3_5.py
+        return qwen3_5_model(name == "qwen3_5_moe")
+    raise KeyError(name)
+
+
+def gemma4_config(moe: bool = False, **kw):
+    """A tiny Gemma 4 text config: the default 5:1 pattern over 7 layers (the last forced full), full
+    layers with their own head size (64) and one KV head shared by K and V (attention_k_eq_v), sliding
+    window 8 < prompt length, logit soft-capping; `moe`: a routed expert block in every layer."""
+    import transformers as T
+
+    args = {**COMMON, "num_hidden_layers": 7, "sliding_window": 8, "global_head_dim": 64,
+            "num_global_key_value_heads": 1, "attention_k_eq_v": True, "hidden_size_per_layer_input": 0,
+            "final_logit_softcapping": 30.0}
+    if moe:
+        args |= dict(enable_moe_block=True, num_experts=8, top_k_experts=2, moe_intermediate_size=64)
+    return T.Gemma4TextConfig(**{**args, **kw})
+
+
+def perturbed(model):
+    """transformers initialises norms, layer scalars and router scales to 1, where a bug in how they
+    apply (w vs 1 + w, which tensor a scalar multiplies) would not show: draw them at random. q/k norm
+    weights in [0.1, 0.4]: Gemma 4 does not scale attention logits by 1/sqrt(d), and with weights near 1 the
+    logits of these random heads reach ~50, a softmax so sharp that bf16 rounding of one weight moves the
+    output logits by 15% (measured): a test of quantized weights would then measure chaos, not the code.
+    Router weights x20, for the same reason."""
+    import torch
+
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("q_norm.weight", "k_norm.weight")):
+                p.copy_(torch.rand(p.shape, generator=g) * 0.3 + 0.1)
+            elif "norm" in name or name.endswith(("router.scale", "per_expert_scale")):
+                p.copy_(torch.rand(p.shape, generator=g) + 0.5)
+            elif name.endswith("router.proj.weight"):  # router logits spread ~5, not ~0.2: no near-ties in
+                p.mul_(20.0)  # the top-k that bf16 rounding would flip (one flip moves a token's logits ~50%)
+        for name, b in model.named_buffers():
+            if name.endswith("layer_scalar"):
+                b.copy_(torch.rand(b.shape, generator=g) + 0.5)
+    return model
+
+
+def qwen3_5_model(moe: bool, **kw):
+    """A tiny random Qwen3.5 (3 GDN layers, then gated attention): norms drawn in [0, 0.5] (zero-centred:
+    scale 1 + w; transformers initialises them to 0, where w vs 1 + w would not show), the GDN output
+    norm's weight in [0.5, 1.5] (scale w)."""
+    import torch
+    import transformers as T
+
+    torch.manual_seed(0)
+    if moe:
+        cfg = T.Qwen3_5MoeTextConfig(**QWEN3_5_SMALL, moe_intermediate_size=64, shared_expert_intermediate_size=96,
+                                     num_experts=8, num_experts_per_tok=kw.pop("top_k", 2), **kw)
+        model = T.Qwen3_5MoeForCausalLM(cfg)
+    else:
+        model = T.Qwen3_5ForCausalLM(T.Qwen3_5TextConfig(**QWEN3_5_SMALL, intermediate_size=256, **kw))
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("linear_attn.norm.weight"):
+                p.copy_(torch.rand(p.shape, generator=g) + 0.5)
+            elif "norm" in name:
+                p.copy_(torch.rand(p.shape, generator=g) * 0.5)
+    return model.eval()
+
+
+def per_expert_linears(ex):
+    """Per-expert gate/up/down Linears (fresh weights) in place of packed 3-D experts `ex` (what
+    llm-compressor does before quantizing), so the library's config can target them by name."""
+    import torch
+
+    n, two_i, h = ex.gate_up_proj.shape
+    mods = torch.nn.ModuleList()
+    for _ in range(n):
+        m = torch.nn.Module()
+        m.gate_proj = torch.nn.Linear(h, two_i // 2, bias=False)
+        m.up_proj = torch.nn.Linear(h, two_i // 2, bias=False)
+        m.down_proj = torch.nn.Linear(two_i // 2, h, bias=False)
+        mods.append(m)
+    return mods
+
+
+def greedy_parity(path, ref_model, dtype, tol, prompt_len=20, steps=10):
+    """Prefill and `steps` greedy decode steps through the paged cache vs the reference's logits
+    (quantized weights kept packed: the XLA path of the quantized matmul; layers scanned as on a TPU)."""
+    import torch
+
+    from quantkit.runtime.engine import Runner
+    from quantkit.runtime.loader import load
+
+    model = load(path, dtype=dtype)
+    runner = Runner(model, max_model_len=64, page_size=8, weights="packed", scan=True)
+    rng = np.random.default_rng(0)
+    ids = [int(x) for x in rng.integers(0, 256, prompt_len)]
+    ours = runner.forward([(0, ids, 0)])
+    for i in range(steps):
+        ids.append(int(ours[-1][-1].argmax()))
+        ours += runner.forward([(0, [ids[-1]], prompt_len + i)])
+    with torch.no_grad():
+        ref = ref_model(torch.tensor([ids])).logits[0].float().numpy()  # [prompt + steps, vocab]
+    mine = np.concatenate(ours)  # same rows: prompt logits, then one per decode step
+    assert rel_err(mine[: prompt_len + steps], ref[: prompt_len + steps]) < tol
+    with torch.no_grad():
+        hf = ref_model.generate(torch.tensor([ids[:prompt_len]]), max_new_tokens=steps, do_sample=False,
+                                eos_token_id=None, pad_token_id=0)[0, prompt_len:].tolist()
+    assert ids[prompt_len:] == hf
+    return model
+
+
+def with_tokenizer(path):
+    """Trains a 300-token byte-level BPE tokenizer into checkpoint directory `path`, with a chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(["hello world, the quick brown fox jumps over the lazy dog"] * 20, trainer)
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": "<s>", "eos_token": "</s>",
+        "chat_template": "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>{% endfor %}"
+                         "{% if add_generation_prompt %}<s>assistant:{% endif %}"}))
