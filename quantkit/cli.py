@@ -364,6 +364,8 @@ def plan(
     search: Annotated[bool, typer.Option(help="Also find the largest --max-num-seqs that fits.")] = True,
     kv_cache_dtype: Annotated[KvCacheDtype, typer.Option(help=KV_HELP)] = KvCacheDtype.auto,
     enable_expert_parallel: EpOption = False,
+    cost: Annotated[bool, typer.Option(help="Also XLA's cost analysis of the decode step (bytes, FLOPs, "
+                                            "collectives): a few more, smaller compiles.")] = True,
     json_out: Annotated[bool, typer.Option("--json", help="One JSON document on stdout.")] = False,
 ) -> None:
     """Compile the serving steps for a TPU without one (libtpu, deviceless) and report HBM for weights, KV
@@ -385,7 +387,7 @@ def plan(
 
         report = run(path, target.value, max_model_len, max_num_seqs, tp,
                      scheme.value if scheme is not None else None, group_size, search, note, kv_cache_dtype.value,
-                     enable_expert_parallel)
+                     enable_expert_parallel, cost)
         _emit(report, json_out, print_plan)
     except (QuantkitError, Exception) as e:  # noqa: BLE001 - one line, never a traceback
         raise _fail(e) from None

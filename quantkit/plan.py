@@ -56,7 +56,7 @@ def _nbytes(leaf, layout, chip) -> int:
 
 def plan(path: str | Path, target: str = "v6e", max_model_len: int = 2048, max_num_seqs: int = 16, tp: int = 1,
          scheme: str | None = None, group_size: int = 128, search: bool = True, progress=None,
-         kv_cache_dtype: str = "auto", ep: bool = False) -> dict:
+         kv_cache_dtype: str = "auto", ep: bool = False, cost: bool = True) -> dict:
     """Compiles the serving steps for `tp` chips of `target` and reports HBM (per chip), VMEM, compile time and
     fit (CLI.md keys).
 
@@ -68,6 +68,9 @@ def plan(path: str | Path, target: str = "v6e", max_model_len: int = 2048, max_n
         kv_cache_dtype: as serve's (runtime/cache.py kv_fp8_dtype): an FP8 cache is compiled with its
             per-layer scales among the weights.
         ep: with tp > 1, MoE experts split whole over the chips (expert parallelism, runtime/sharding.py).
+        cost: also XLA's cost analysis of the decode step and its collectives (three or four more compiles of
+            shallow variants, ~40% of a plan's time); skipped when the step does not compile. Without it
+            `decode_step_cost` and `decode_step_collectives` are None.
     """
     import importlib.util
 
@@ -181,7 +184,7 @@ def plan(path: str | Path, target: str = "v6e", max_model_len: int = 2048, max_n
         progress(f"compiling the step for {target} ({max_num_seqs} sequences of {max_model_len})")
     fits, temp, seconds, message, found = fits_at(max_num_seqs)
     cost = _decode_cost(cfg, lambda c: compile_program(c, weights_of(c), decode_bucket(max_num_seqs), max_num_seqs,
-                                                       unroll=True)[0])
+                                                       unroll=True)[0]) if cost and not message else None
     weights, best = weight_bytes(), None
     # KV grows by `per_seq` bytes a sequence (marginal, taken at max_num_seqs: a tiny sliding-window pool is
     # clamped to the full one's size), on top of `fixed` bytes whatever n (scratch pages, the pages of one
@@ -198,8 +201,8 @@ def plan(path: str | Path, target: str = "v6e", max_model_len: int = 2048, max_n
     # sequence's recurrent state (each chip its share, in parallel; the all-reduces of a tensor-parallel step
     # are left out)
     step_bytes = weights + kv + state
-    collectives = {k.split(":")[1]: v for k, v in cost.items() if k.startswith("collective:")}
-    cost = {k: v for k, v in cost.items() if not k.startswith("collective:")}
+    collectives = {k.split(":")[1]: v for k, v in (cost or {}).items() if k.startswith("collective:")}
+    cost = None if cost is None else {k: v for k, v in cost.items() if not k.startswith("collective:")}
     return {
         "path": str(path), "target": target, "scheme": scheme or ("checkpoint" if qc else "DENSE"),
         "max_model_len": max_model_len, "max_num_seqs": max_num_seqs, "tp": tp, "kv_cache_dtype": kv_dtype.name,
@@ -218,15 +221,15 @@ def plan(path: str | Path, target: str = "v6e", max_model_len: int = 2048, max_n
                                  "seconds": step_bytes / chip.hbm_bytes_per_s,
                                  "output_tokens_per_s": max_num_seqs * chip.hbm_bytes_per_s / step_bytes},
         # XLA's own count for the compiled decode program (Pallas calls by their declared CostEstimate)
-        "decode_step_cost": {**cost, "floor_bytes": step_bytes,
-                             "ratio_to_floor": round(cost.get("bytes_accessed", 0) / step_bytes, 3)},
+        "decode_step_cost": None if cost is None else {
+            **cost, "floor_bytes": step_bytes, "ratio_to_floor": round(cost.get("bytes_accessed", 0) / step_bytes, 3)},
         "step_programs": len(buckets),
         # the buffers the compiled decode step reduces or gathers across chips (bytes per chip, per op kind),
         # beside the least a tensor-parallel step with replicated activations needs: one all-reduce of the
         # [tokens, hidden] activations after each layer's attention and one after its MLP / experts, and one
         # for the vocabulary-split embedding (the vocabulary-split logits need only each chip's best
         # candidates gathered, a few bytes a row)
-        "decode_step_collectives": None if tp == 1 else {
+        "decode_step_collectives": None if tp == 1 or cost is None else {
             "bytes": collectives, "total": sum(collectives.values()),
             "floor_bytes": _collective_floor(cfg, decode_bucket(max_num_seqs))},
     }
@@ -416,10 +419,10 @@ def print_plan(r: dict, out=sys.stdout) -> None:
         tiles = f"tiles {t['tm']}x{t['tk']}x{t['tn']}, VMEM {kern['vmem_bytes'] / (1 << 20):.1f} MiB" if t else ""
         print(f"  kernel {kern['name']:<18} {kern['qtype']} g{kern['group']} {kern['shape']}: {kern['path']} {tiles}",
               file=out)
-    c = r["decode_step_cost"]
-    print(f"  decode step (compiled, XLA cost analysis): {c['bytes_accessed'] / 1e9:.2f} GB accessed "
-          f"({c['ratio_to_floor']:.2f}x the {c['floor_bytes'] / 1e9:.2f} GB of weights + KV), "
-          f"{c['flops'] / 1e9:.1f} GFLOP", file=out)
+    if (c := r["decode_step_cost"]) is not None:
+        print(f"  decode step (compiled, XLA cost analysis): {c['bytes_accessed'] / 1e9:.2f} GB accessed "
+              f"({c['ratio_to_floor']:.2f}x the {c['floor_bytes'] / 1e9:.2f} GB of weights + KV), "
+              f"{c['flops'] / 1e9:.1f} GFLOP", file=out)
     est = r["decode_step_estimate"]
     print(f"  decode step (roofline estimate, not measured): {est['seconds'] * 1e3:.1f} ms, "
           f"~{est['output_tokens_per_s']:.0f} output tokens/s at {r['max_num_seqs']} sequences", file=out)

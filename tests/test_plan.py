@@ -64,13 +64,13 @@ def test_abstract_weights_equal_the_loaded_ones(family, scheme, group, tmp_path)
     assert _describe(abstract(model.cfg, planned)) == _describe(model.params)
 
 
-def _plan(tmp_path, *flags, config=None):
+def _plan(tmp_path, config=None, **kw):
+    """plan() in this process on GEMMA_27B (or `config`) for a v6e at 2048 tokens: (the CLI's exit code, report)."""
+    from quantkit.plan import plan
+
     (tmp_path / "config.json").write_text(config.read_text() if config else json.dumps(GEMMA_27B))
-    p = subprocess.run([sys.executable, "-m", "quantkit.cli", "plan", str(tmp_path / "config.json"), "--target",
-                        "v6e", "--max-model-len", "2048", "--json", *flags], capture_output=True, text=True,
-                       timeout=1200, env={"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"})
-    assert p.returncode in (0, 4), p.stderr
-    return p.returncode, json.loads(p.stdout)
+    r = plan(tmp_path / "config.json", "v6e", 2048, **kw)
+    return (0 if r["fits"] else 4), json.loads(json.dumps(r))  # as the CLI's --json writes it
 
 
 def _kv_bytes(n: int) -> int:
@@ -83,7 +83,7 @@ def _kv_bytes(n: int) -> int:
 
 @pytest.mark.slow
 def test_gemma3_27b_w4a16_g32_on_v6e(tmp_path):
-    code, r = _plan(tmp_path, "--scheme", "W4A16", "--group-size", "32", "--max-num-seqs", "16")
+    code, r = _plan(tmp_path, scheme="W4A16", group_size=32, max_num_seqs=16)
     assert code == 0 and r["fits"] and r["target"] == "v6e"
     linear = 62 * (5376 * 4096 * 2 + 5376 * 2048 * 2 + 3 * 5376 * 21504)
     analytical = linear // 2 + linear // 32 * 2 + 262208 * 5376 * 2
@@ -109,9 +109,9 @@ def test_gemma3_27b_w4a16_g32_on_v6e(tmp_path):
 
 @pytest.mark.slow
 def test_gemma3_27b_bf16_does_not_fit(tmp_path):
-    code, r = _plan(tmp_path, "--scheme", "DENSE", "--max-num-seqs", "16", "--no-search")
+    code, r = _plan(tmp_path, scheme="DENSE", max_num_seqs=16, search=False, cost=False)
     assert code == 4 and not r["fits"] and r["hbm_bytes"]["weights"] > 50 * 10**9 > r["hbm_bytes"]["capacity"]
-    assert r["kernels"] == []
+    assert r["kernels"] == [] and r["decode_step_cost"] is None  # cost=False: no shallow variants compiled
 
 
 GEMMA4_31B = Path(__file__).resolve().parents[1] / "benchmarks" / "configs" / "gemma-4-31B-it.json"
@@ -129,8 +129,8 @@ def test_gemma4_31b_published_multimodal_config_fits_a_v6e_with_fp8_kv(tmp_path)
     + 3 x 21504) -> int4 + g32 bf16 scales; the embedding bf16. KV at 1 byte a value: 16-token pages of
     the kind's width; full layers 128 pages a sequence, the sliding pool 64 + 2 a sequence + 32 for one
     step's chunks, + scratch."""
-    code, r = _plan(tmp_path, "--scheme", "W4A16", "--group-size", "32", "--max-num-seqs", "16", "--no-search",
-                    "--kv-cache-dtype", "fp8", config=GEMMA4_31B)
+    code, r = _plan(tmp_path, GEMMA4_31B, scheme="W4A16", group_size=32, max_num_seqs=16, search=False, cost=False,
+                    kv_cache_dtype="fp8")
     assert code == 0 and r["fits"] and r["kv_cache_dtype"] == "float8_e4m3fn"
     linear = 50 * 5376 * (8192 + 4096 + 4096 + 8192 + 3 * 21504) + 10 * 5376 * (16384 + 2048 + 16384 + 3 * 21504)
     analytical = linear // 2 + linear // 32 * 2 + 262144 * 5376 * 2
@@ -167,7 +167,7 @@ def test_dequantized_weight_detector(tmp_path, hidden, dequantized):
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     from quantkit.plan import plan
 
-    r = plan(tmp_path / "config.json", "v6e", 128, 4, scheme="W4A16", group_size=32, search=False)
+    r = plan(tmp_path / "config.json", "v6e", 128, 4, scheme="W4A16", group_size=32, search=False, cost=False)
     assert r["fits"] and bool(r["dequantized_weight_buffers"]) == dequantized
     assert any(k["path"].startswith("xla") for k in r["kernels"]) == dequantized
 
@@ -186,7 +186,7 @@ def test_tensor_parallel_plan_on_a_2x2_slice(tmp_path):
     from quantkit.plan import plan
 
     (tmp_path / "config.json").write_text(json.dumps(SMALL))
-    r = plan(tmp_path / "config.json", "v6e", 128, 4, tp=4, scheme="W4A16", group_size=32, search=False)
+    r = plan(tmp_path / "config.json", "v6e", 128, 4, tp=4, scheme="W4A16", group_size=32, search=False, cost=False)
     assert r["fits"] and r["topology"] == "v6e:2x2" and r["tp"] == 4
     linear = 2 * (1024 * 1024 * 2 + 1024 * 512 * 2 + 3 * 1024 * 2048)
     analytical = (linear // 2 + linear // 32 * 2) // 4 + 4096 * 1024 * 2 * (1 / 4 + 1 / 4)
@@ -206,7 +206,7 @@ def test_fp8_kv_cache_halves_the_kv_bytes(tmp_path):
 
     (tmp_path / "config.json").write_text(json.dumps(SMALL))
     r = {kv: plan(tmp_path / "config.json", "v6e", 128, 4, scheme="W4A16", group_size=32, search=False,
-                  kv_cache_dtype=kv) for kv in ("auto", "fp8_e5m2")}
+                  kv_cache_dtype=kv, cost=False) for kv in ("auto", "fp8_e5m2")}
     assert r["auto"]["kv_cache_dtype"] == "bfloat16" and r["fp8_e5m2"]["kv_cache_dtype"] == "float8_e5m2"
     assert r["fp8_e5m2"]["hbm_bytes"]["kv_cache"] == 2 * 33 * 16 * 4 * 2 * 128 == r["auto"]["hbm_bytes"]["kv_cache"] // 2
     assert r["fp8_e5m2"]["fits"]
@@ -233,7 +233,7 @@ def test_gemma3_27b_bf16_on_a_2x2_slice(tmp_path):
     """Gemma-3-27B in bf16 does not fit one v6e (above) but fits a v6e:2x2 slice: per chip a quarter of every
     linear weight (heads, columns or rows) and of the tied 262208 x 5376 embedding (vocabulary rows), and a
     quarter of the KV cache (16 KV heads, 4 a chip)."""
-    code, r = _plan(tmp_path, "--scheme", "DENSE", "--max-num-seqs", "16", "--no-search", "--tp", "4")
+    code, r = _plan(tmp_path, scheme="DENSE", max_num_seqs=16, search=False, tp=4)
     assert code == 0 and r["fits"] and r["topology"] == "v6e:2x2"
     linear = 62 * (5376 * 4096 * 2 + 5376 * 2048 * 2 + 3 * 5376 * 21504)
     analytical = (linear * 2 + 262208 * 5376 * 2) / 4
@@ -280,7 +280,7 @@ def test_v7x_plans_count_tensorcores(tmp_path):
     chip's 192 GiB; --tp 4 is two chips (tpu7x:1x2x1), a quarter of the weights on each TensorCore."""
     (tmp_path / "config.json").write_text(json.dumps(LLAMA_70B))
     cmd = [sys.executable, "-m", "quantkit.cli", "plan", str(tmp_path / "config.json"), "--target", "v7x",
-           "--scheme", "DENSE", "--max-model-len", "128", "--max-num-seqs", "4", "--no-search", "--json"]
+           "--scheme", "DENSE", "--max-model-len", "128", "--max-num-seqs", "4", "--no-search", "--no-cost", "--json"]
     env = {"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"}
     one, four = (subprocess.run(cmd + ["--tp", tp], capture_output=True, text=True, timeout=900, env=env)
                  for tp in ("1", "4"))
