@@ -70,21 +70,14 @@ def _model_config(path: Path):
     """The ModelConfig of a checkpoint from its headers and config.json alone (no weights read), after
     the validation `runtime.loader.load` does: so that a candidate that cannot be served, or that does not
     match the reference, fails before the reference has run."""
-    from quantkit.errors import Unsupported
     from quantkit.formats.hf import Checkpoint
-    from quantkit.runtime.models import from_hf
     from quantkit.runtime.validate import validate_checkpoint
 
-    ckpt = Checkpoint.open(path)
-    problems = validate_checkpoint(ckpt).all_problems()
-    for severity, exc in (("error", InvalidInput), ("unsupported", Unsupported)):
-        probs = [p for p in problems if p["severity"] == severity]
-        if probs:
-            more = f" (and {len(probs) - 1} more; see `quantkit inspect`)" if len(probs) > 1 else ""
-            raise exc(f"{path}: {probs[0]['where']}: {probs[0]['message']}{more}")
-    if ckpt.config is None:
+    checked = validate_checkpoint(Checkpoint.open(path))
+    checked.raise_first(path)
+    if checked.cfg is None:
         raise InvalidInput(f"{path}: no config.json")
-    return from_hf(ckpt.config)
+    return checked.cfg
 
 
 def _release(*trees) -> None:

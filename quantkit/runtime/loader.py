@@ -217,12 +217,7 @@ def load(path: str | Path, dtype=jnp.bfloat16, check: bool = True, mesh=None, ep
     path = Path(path)
     ckpt = Checkpoint.open(path)
     if check:
-        problems = validate_checkpoint(ckpt).all_problems()
-        for severity, exc in (("error", InvalidInput), ("unsupported", Unsupported)):
-            probs = [p for p in problems if p["severity"] == severity]
-            if probs:
-                more = f" (and {len(probs) - 1} more; see `quantkit inspect`)" if len(probs) > 1 else ""
-                raise exc(f"{path}: {probs[0]['where']}: {probs[0]['message']}{more}")
+        validate_checkpoint(ckpt).raise_first(path)
     if ckpt.config is None:
         raise InvalidInput(f"{path}: no config.json")
     eos = ()

@@ -174,6 +174,16 @@ class Validation:
     problems: list[dict]  # checkpoint-wide findings
     modules: list[ModuleCheck]
 
+    def raise_first(self, path) -> None:
+        """Raises InvalidInput for the first error, else Unsupported for the first unsupported finding, naming
+        `path` and how many more there are (what the loader and eval refuse; inspect lists them all)."""
+        problems = self.all_problems()
+        for severity, exc in (("error", InvalidInput), ("unsupported", Unsupported)):
+            probs = [p for p in problems if p["severity"] == severity]
+            if probs:
+                more = f" (and {len(probs) - 1} more; see `quantkit inspect`)" if len(probs) > 1 else ""
+                raise exc(f"{path}: {probs[0]['where']}: {probs[0]['message']}{more}")
+
     def all_problems(self) -> list[dict]:
         """Every finding: checkpoint-wide first, then per module its errors and why it cannot be served."""
         out = list(self.problems)
