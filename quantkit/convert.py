@@ -34,17 +34,17 @@ import numpy as np
 
 from quantkit.errors import InvalidInput, QuantkitError, Unsupported
 from quantkit.formats import packing
-from quantkit.formats.compressed_tensors import Scheme, match_name, parse_quantization_config
+from quantkit.formats.compressed_tensors import Scheme, match_name
 from quantkit.formats.ct_tensors import can_dequantize, dequantize, logical_shape
-from quantkit.formats.ct_writer import SCHEMES, output_config, stored_layout, stored_row_range, stored_rows, writable_group
+from quantkit.formats.ct_writer import SCHEMES, output_config, stored_layout, stored_row_range, stored_rows, writable_scheme
 from quantkit.formats.hf import (
     INDEX_NAME, PACKED_EXPERTS, Checkpoint, classify_module, default_exclusion,
     exclusion_pattern, group_modules, packed_experts,
 )
 from quantkit.formats.safetensors_io import DTYPES, FLOAT_DTYPES
-from quantkit.quant.quantize import QuantSpec, quantize_rows
+from quantkit.quant.quantize import quantize_rows
 from quantkit.runtime.models import ARCHITECTURES
-from quantkit.runtime.validate import unsupported_reason, validate_checkpoint
+from quantkit.runtime.validate import Validation, unsupported_reason, validate_checkpoint
 
 CHUNK_BYTES = 4 << 20  # float32 bytes of input per row chunk: small enough to stay in cache
 REPORT_NAME = "quantkit_report.json"
@@ -52,14 +52,6 @@ REPORT_NAME = "quantkit_report.json"
 # 14336-wide bf16 chunk). 8 keep the peak under ~0.4 GB on any machine; more threads rarely help,
 # since reading and writing share one disk.
 MAX_DEFAULT_WORKERS = 8
-
-
-def writable_spec(scheme: str, group_size: int) -> QuantSpec:
-    """The QuantSpec that produces the weights writable_group(scheme, group_size) declares."""
-    w = writable_group(scheme, group_size)["weights"]
-    kind = "int" if w["type"] == "int" else "fp8" if w["num_bits"] == 8 else "mxfp4"
-    block = w.get("block_structure")
-    return QuantSpec(kind, w["num_bits"], w.get("group_size") or -1, tuple(block) if block else None)
 
 
 def default_workers() -> int:
@@ -100,11 +92,13 @@ def _matches(name: str, patterns: list[str]) -> bool:
     return any(match_name(name, p) for p in patterns)
 
 
-def plan(ckpt: Checkpoint, scheme: str, group_size: int, ignore: list[str],
+def plan(checked: Validation, scheme: str, group_size: int, ignore: list[str],
          quantize_lm_head: bool = False) -> tuple[list[Job], list[str]]:
     """Decides every output tensor from headers alone. Returns (jobs, config `ignore` list)."""
-    qc_raw = (ckpt.config or {}).get("quantization_config")
-    src_qc = parse_quantization_config(qc_raw) if isinstance(qc_raw, dict) else None
+    ckpt, src_qc = checked.ckpt, checked.qc
+    if checked.raw is not None and src_qc is None:
+        raise Unsupported(f"{ckpt.root}: quantized by {checked.raw.get('quant_method')!r}, which quantkit does "
+                          "not read; convert the original weights")
     if src_qc is not None and scheme != "DENSE":
         fmt = src_qc.format
         raise InvalidInput(f"{ckpt.root}: already quantized ({fmt}); quantizing it again would compound the "
@@ -169,11 +163,12 @@ def plan(ckpt: Checkpoint, scheme: str, group_size: int, ignore: list[str],
 def _quantize_job(module: str, src: str, shape: tuple, dtype: str, scheme: str, group_size: int, row0: int = 0) -> Job:
     """Quantizes weight [out, in] of Linear `module`, rows row0.. of tensor `src` (seen as 2-D)."""
     out, inp = shape
-    g = writable_spec(scheme, group_size).group_size
-    if g > 0 and inp % g:
+    s = writable_scheme(scheme, group_size)
+    g = s.weights.group_size if s.weights.strategy == "group" else 0
+    if g and inp % g:
         raise InvalidInput(f"{src}: in_features {inp} is not divisible by group size {g}; "
                            + ("MXFP4 needs a multiple of 32" if scheme == "MXFP4A16" else _divisor_hint(inp)))
-    layout = stored_layout(scheme, group_size, (out, inp), dtype)
+    layout = stored_layout(s, (out, inp), dtype)
     return Job("quantize", module, {"weight": src}, (out, inp), dtype, {f"{module}.{q}": v for q, v in layout.items()},
                row0=row0)
 
@@ -334,19 +329,19 @@ def run_job(job: Job, ckpt: Checkpoint, writer: _Writer, scheme: str, group_size
         return stats.row(job, scheme, job.nbytes_out())
 
     if job.action == "quantize":
-        spec = writable_spec(scheme, group_size)
+        s = writable_scheme(scheme, group_size)
         out, inp = job.shape
-        step = _rows_per_chunk(inp, spec.block[0] if spec.block else 1)
+        step = _rows_per_chunk(inp, s.weights.block_structure[0] if s.weights.strategy == "block" else 1)
         for r0 in range(0, out, step):
             rows = ckpt.read_rows(job.src["weight"], job.row0 + r0, job.row0 + min(out, r0 + step), flat=True)
             with np.errstate(invalid="ignore"):  # NaN weights are reported just below
-                r = quantize_rows(rows, spec, observer)
+                r = quantize_rows(rows, s.weights, observer)
             if not math.isfinite(r.ref2):
                 _finite(job.src["weight"], rows.astype(np.float32))
             stats.ref2 += r.ref2
             stats.err2 += r.err2
             stats.minmax_err2 += r.minmax_err2
-            for param, (arr, first) in stored_rows(spec, r.values, r.scale, r0, job.shape,
+            for param, (arr, first) in stored_rows(s, r.values, r.scale, r0, job.shape,
                                                    DTYPES[job.dtype][1]).items():
                 writer.write(f"{job.name}.{param}", arr, first)
             progress(rows.nbytes)
@@ -428,8 +423,9 @@ def convert(src: str | Path, dst: str | Path, scheme: str = "W4A16", group_size:
     _check_options(scheme, group_size, observer, workers)
     src, dst = Path(src), Path(dst)
     _check_paths(src, dst, force)
-    ckpt = _open_source(src)
-    jobs, ignored = plan(ckpt, scheme, group_size, list(ignore or []), quantize_lm_head)
+    checked = _open_source(src)
+    ckpt = checked.ckpt
+    jobs, ignored = plan(checked, scheme, group_size, list(ignore or []), quantize_lm_head)
 
     dst.parent.mkdir(parents=True, exist_ok=True)
     stale = remove_stale_temporaries(dst)
@@ -477,14 +473,14 @@ def _check_paths(src: Path, dst: Path, force: bool) -> None:
         raise InvalidInput(f"{dst}: already exists; pass --force to replace it")
 
 
-def _open_source(src: Path) -> Checkpoint:
+def _open_source(src: Path) -> Validation:
     """SRC, once the checkpoint validation (the one inspect runs) finds no structural error in it."""
-    ckpt = Checkpoint.open(src)
-    errors = [p for p in validate_checkpoint(ckpt).all_problems() if p["severity"] == "error"]
+    checked = validate_checkpoint(Checkpoint.open(src))
+    errors = [p for p in checked.all_problems() if p["severity"] == "error"]
     if errors:
         raise InvalidInput(f"{src}: {errors[0]['message']}" + (f" (and {len(errors) - 1} more problems; "
                            "see `quantkit inspect`)" if len(errors) > 1 else ""))
-    return ckpt
+    return checked
 
 
 def _run_jobs(jobs: list[Job], ckpt: Checkpoint, shards: list[Shard], scheme: str, group_size: int, observer: str,

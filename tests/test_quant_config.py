@@ -53,6 +53,26 @@ def test_preset_shorthand_expands_like_the_library(name):
     assert ours.targets == ("Linear",)
 
 
+@pytest.mark.parametrize("name,group", [("W4A16", 32), ("W4A16", -1), ("FP8", 0), ("FP8_DYNAMIC", 0),
+                                        ("FP8_BLOCK", 0), ("MXFP4A16", 0)])
+def test_writable_schemes_are_the_library_presets(name, group):
+    """What convert writes and plan --scheme plans for each --scheme is the library's preset (W4A16 with
+    --group-size), and the library accepts the config it serializes to."""
+    from quantkit.formats.ct_writer import SCHEMES
+
+    assert set(SCHEMES) - {"DENSE"} == {"W4A16", "FP8", "FP8_DYNAMIC", "FP8_BLOCK", "MXFP4A16"}
+    qc = writable_config(name, group, ["lm_head"])
+    lib = QuantizationConfig.model_validate(qc).config_groups["group_0"]
+    want = preset_name_to_scheme(name, ["Linear"])
+    if group:
+        want.weights = want.weights.model_copy(update={"group_size": group,
+                                                       "strategy": "channel" if group == -1 else "group"})
+    ours = parse_quantization_config(qc).groups[0]
+    for field in ("weights", "input_activations", "output_activations"):
+        assert _our_args(getattr(ours, field)) == _lib_args(getattr(want, field)) == _lib_args(getattr(lib, field))
+    assert ours.weights.scale_dtype == (str(want.weights.scale_dtype) if want.weights.scale_dtype else None)
+
+
 CONFIG = {
     "quant_method": "compressed-tensors",
     "format": "mixed-precision",

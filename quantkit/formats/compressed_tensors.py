@@ -142,12 +142,13 @@ class QuantArgs:
         )
 
     def as_json(self) -> dict:
-        """The `scheme` object of inspect's JSON (CLI.md)."""
+        """The `scheme` object of inspect's JSON (CLI.md), also what `convert` writes as QuantizationArgs."""
         return {
             "type": self.type, "num_bits": self.num_bits, "strategy": self.strategy,
             "group_size": self.group_size, "symmetric": self.symmetric,
             "dynamic": self.dynamic, "actorder": self.actorder,
             **({"block_structure": list(self.block_structure)} if self.block_structure else {}),
+            **({"scale_dtype": self.scale_dtype} if self.scale_dtype else {}),
         }
 
 

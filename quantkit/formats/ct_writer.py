@@ -1,71 +1,60 @@
-"""What `quantkit convert` writes, per scheme it writes (W4A16 group or channel, FP8_DYNAMIC, FP8_BLOCK,
-MXFP4A16): the config group as the library serializes it, the stored tensors of each Linear and their rows,
-and the rewritten config.json.
+"""What `quantkit convert` writes: for each --scheme the library's preset as one Scheme (the weights' and
+activations' QuantArgs and the storage format), its config group as the library serializes it, the stored
+tensors of each Linear and their rows, and the rewritten config.json.
 """
 
 from __future__ import annotations
 
-from quantkit.formats.compressed_tensors import QuantArgs
-from quantkit.formats.ct_tensors import ceil_div
+from quantkit.formats.compressed_tensors import PRESETS, QuantArgs, Scheme
+from quantkit.formats.ct_tensors import ceil_div, expected_scale_shape
 
 SCHEMES = ("W4A16", "FP8", "FP8_DYNAMIC", "FP8_BLOCK", "MXFP4A16", "DENSE")  # --scheme (DENSE: bf16, no config)
 
-def writable_group(scheme: str, group_size: int) -> dict:
-    """The config group (library serialization) for a scheme quantkit writes: W4A16 (group or
-    channel), FP8_DYNAMIC, FP8_BLOCK, MXFP4A16. Targets are "Linear"; `ignore` lists the rest."""
-    fp8_token = {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "token", "dynamic": True}
+
+def writable_scheme(scheme: str, group_size: int) -> Scheme:
+    """The Scheme `convert --scheme` writes and `plan --scheme` plans: the library's preset of that name,
+    targeting "Linear"; W4A16 with `group_size` (-1: one scale per output channel). ValueError for DENSE
+    (no quantization_config) and names not in SCHEMES."""
+    if scheme not in SCHEMES or scheme == "DENSE":
+        raise ValueError(f"quantkit does not write scheme {scheme!r}")
+    preset = PRESETS[scheme]
+    weights = preset["weights"]
     if scheme == "W4A16":
-        weights = {"num_bits": 4, "type": "int", "symmetric": True, "dynamic": False,
-                   "strategy": "channel" if group_size == -1 else "group", "group_size": group_size}
-        return {"targets": ["Linear"], "weights": weights, "input_activations": None,
-                "output_activations": None, "format": "pack-quantized"}
-    if scheme == "FP8_DYNAMIC":
-        weights = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False, "strategy": "channel"}
-        return {"targets": ["Linear"], "weights": weights, "input_activations": fp8_token,
-                "output_activations": None, "format": "float-quantized"}
-    if scheme == "FP8_BLOCK":
-        weights = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False, "strategy": "block",
-                   "block_structure": [128, 128]}
-        acts = {**fp8_token, "strategy": "group", "group_size": 128}
-        return {"targets": ["Linear"], "weights": weights, "input_activations": acts,
-                "output_activations": None, "format": "float-quantized"}
-    if scheme == "MXFP4A16":
-        weights = {"num_bits": 4, "type": "float", "symmetric": True, "dynamic": False, "strategy": "group",
-                   "group_size": 32, "scale_dtype": "torch.uint8"}
-        return {"targets": ["Linear"], "weights": weights, "input_activations": None,
-                "output_activations": None, "format": "mxfp4-pack-quantized"}
-    raise ValueError(f"quantkit does not write scheme {scheme!r}")
+        weights = {**weights, "strategy": "channel" if group_size == -1 else "group", "group_size": group_size}
+    w = QuantArgs.parse(weights, scheme)
+    acts = preset.get("input_activations")
+    fmt = "pack-quantized" if w.type == "int" else "mxfp4-pack-quantized" if w.num_bits == 4 else "float-quantized"
+    return Scheme(scheme, ("Linear",), fmt, w, QuantArgs.parse(acts, scheme) if acts else None)
 
 
 def writable_config(scheme: str, group_size: int, ignore: list[str], version: str = "0.20.1") -> dict:
-    """A complete `quantization_config` for one writable scheme (see writable_group)."""
-    group = writable_group(scheme, group_size)
+    """A complete `quantization_config` for one writable scheme (see writable_scheme)."""
+    s = writable_scheme(scheme, group_size)
+    acts = s.input_activations.as_json() if s.input_activations else None
+    group = {"targets": list(s.targets), "weights": s.weights.as_json(), "input_activations": acts,
+             "output_activations": None, "format": s.format}
     return {
-        "quant_method": "compressed-tensors", "format": group["format"], "quantization_status": "compressed",
+        "quant_method": "compressed-tensors", "format": s.format, "quantization_status": "compressed",
         "version": version, "config_groups": {"group_0": group}, "ignore": ignore, "kv_cache_scheme": None,
         "sparsity_config": {}, "transform_config": {}, "global_compression_ratio": None,
     }
 
 
-def stored_layout(scheme: str, group_size: int, shape: tuple[int, int], dtype: str) -> dict[str, tuple[str, tuple]]:
-    """Tensors a Linear weight [out, in] of float `dtype` becomes: {param: (dtype name, shape)}."""
+def stored_layout(s: Scheme, shape: tuple[int, int], dtype: str) -> dict[str, tuple[str, tuple]]:
+    """Tensors a Linear weight [out, in] of float `dtype` becomes under writable Scheme `s`:
+    {param: (dtype name, shape)}; scales in the weight's dtype except MXFP4's E8M0 bytes."""
     out, inp = shape
-    if scheme == "W4A16":
-        groups = 1 if group_size == -1 else ceil_div(inp, group_size)
-        return {"weight_packed": ("I32", (out, ceil_div(inp * 4, 32))), "weight_scale": (dtype, (out, groups)),
-                "weight_shape": ("I64", (2,))}
-    if scheme == "FP8_DYNAMIC":
-        return {"weight": ("F8_E4M3", (out, inp)), "weight_scale": (dtype, (out, 1))}
-    if scheme == "FP8_BLOCK":
-        return {"weight": ("F8_E4M3", (out, inp)), "weight_scale": (dtype, (ceil_div(out, 128), ceil_div(inp, 128)))}
-    if scheme == "MXFP4A16":
-        return {"weight_packed": ("U8", (out, inp // 2)), "weight_scale": ("U8", (out, inp // 32))}
-    raise ValueError(f"quantkit does not write scheme {scheme!r}")
+    scale = expected_scale_shape(s.weights, (), out, inp) or (1,)  # (1,): per tensor
+    if s.format == "pack-quantized":
+        return {"weight_packed": ("I32", (out, ceil_div(inp * s.weights.num_bits, 32))),
+                "weight_scale": (dtype, scale), "weight_shape": ("I64", (2,))}
+    if s.format == "mxfp4-pack-quantized":
+        return {"weight_packed": ("U8", (out, inp // 2)), "weight_scale": ("U8", scale)}
+    return {"weight": ("F8_E4M3", (out, inp)), "weight_scale": (dtype, scale)}
 
 
-
-def stored_rows(spec, values, scale, r0: int, shape: tuple[int, int], scale_dtype) -> dict[str, tuple]:
-    """The stored tensors of rows r0.. of a weight [out, in] quantized with `spec` (a writable_spec).
+def stored_rows(s: Scheme, values, scale, r0: int, shape: tuple[int, int], scale_dtype) -> dict[str, tuple]:
+    """The stored tensors of rows r0.. of a weight [out, in] quantized under writable Scheme `s`.
 
     Args:
         values, scale: the rows' quantized values and scales as quantize_rows returns them.
@@ -79,12 +68,12 @@ def stored_rows(spec, values, scale, r0: int, shape: tuple[int, int], scale_dtyp
 
     from quantkit.formats import packing
 
-    if spec.kind == "mxfp4":
+    if s.format == "mxfp4-pack-quantized":
         return {"weight_packed": (packing.pack_fp4(values), r0), "weight_scale": (scale, r0)}
-    scales = (scale.astype(scale_dtype), r0 // spec.block[0] if spec.block else r0)
-    if spec.kind == "fp8":
+    scales = (scale.astype(scale_dtype), stored_row_range(s.weights, "weight_scale", r0, r0 + 1)[0])
+    if s.format == "float-quantized":
         return {"weight": (values, r0), "weight_scale": scales}
-    out = {"weight_packed": (packing.pack_int(values, spec.num_bits), r0), "weight_scale": scales}
+    out = {"weight_packed": (packing.pack_int(values, s.weights.num_bits), r0), "weight_scale": scales}
     return out | ({"weight_shape": (np.array(shape, np.int64), 0)} if r0 == 0 else {})
 
 

@@ -125,6 +125,17 @@ class Checkpoint:
         return sum(f.size for f in self.files)
 
     @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """generation_config.json's eos_token_id (one id or a list), () without one: what generation stops on,
+        before config.json's own."""
+        gen = self.root / "generation_config.json"
+        e = read_json(gen).get("eos_token_id") if gen.is_file() else None
+        ids = tuple(e if isinstance(e, list) else [e] if e is not None else [])
+        if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+            raise InvalidInput(f"{gen}: eos_token_id must be a token id or a list of them, got {e!r}")
+        return ids
+
+    @property
     def architecture(self) -> str | None:
         cfg = self.config or {}
         archs = cfg.get("architectures")

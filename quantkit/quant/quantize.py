@@ -14,28 +14,28 @@ import ml_dtypes
 import numpy as np
 
 from quantkit.formats import packing
+from quantkit.formats.compressed_tensors import QuantArgs
 
 FP8_MAX = 448.0
 FP4_MAX = 6.0
 MX_GROUP = 32
 
 
-@dataclass(frozen=True)
-class QuantSpec:
-    """How to quantize weights: kind "int" (symmetric), "fp8" or "mxfp4", and the scale layout.
+def kind_of(w: QuantArgs) -> str:
+    """What quantize_rows does for weight args `w`: "int" (symmetric ints, group or channel scales), "fp8"
+    (e4m3, channel or block scales) or "mxfp4" (e2m1, E8M0 scales per 32). ValueError for anything else."""
+    if w.type == "int" and w.symmetric and w.strategy in ("group", "channel") and w.actorder is None:
+        return "int"
+    if w.type == "float" and w.num_bits == 8 and w.strategy in ("channel", "block"):
+        return "fp8"
+    if w.type == "float" and w.num_bits == 4 and w.strategy == "group" and w.group_size == MX_GROUP \
+            and w.scale_dtype == "torch.uint8":
+        return "mxfp4"
+    raise ValueError(f"quantkit does not quantize weights as {w.as_json()}")
 
-    group_size: > 0 for group scales, -1 for one scale per output row (channel); block: [rows, cols]
-    for block scales (fp8 only).
-    """
 
-    kind: str
-    num_bits: int
-    group_size: int = -1
-    block: tuple[int, int] | None = None
-
-    @property
-    def qmax(self) -> float:
-        return {"int": (2 ** self.num_bits - 1) / 2, "fp8": FP8_MAX, "mxfp4": FP4_MAX}[self.kind]
+def _qmax(kind: str, num_bits: int) -> float:
+    return {"int": (2 ** num_bits - 1) / 2, "fp8": FP8_MAX, "mxfp4": FP4_MAX}[kind]
 
 
 def round_to(x: np.ndarray, dtype: np.dtype) -> np.ndarray:
@@ -58,24 +58,24 @@ def _eps(dtype: np.dtype) -> np.float32:
     return np.float32(ml_dtypes.finfo(dtype).eps)
 
 
-def _groups(w: np.ndarray, spec: QuantSpec) -> np.ndarray:
+def _groups(w: np.ndarray, args: QuantArgs) -> np.ndarray:
     """float32 [rows, in] -> [rows, G, g] (groups or one channel group), or [R, C, br*bc] for blocks."""
     rows, cols = w.shape
-    if spec.block is not None:
-        br, bc = spec.block
+    if args.strategy == "block":
+        br, bc = args.block_structure
         pr, pc = -rows % br, -cols % bc
         if pr or pc:  # ragged edge blocks: zero padding never changes an absmax
             w = np.pad(w, ((0, pr), (0, pc)))
         r, c = w.shape
         return w.reshape(r // br, br, c // bc, bc).transpose(0, 2, 1, 3).reshape(r // br, c // bc, br * bc)
-    g = cols if spec.group_size == -1 else (MX_GROUP if spec.kind == "mxfp4" else spec.group_size)
+    g = cols if args.strategy == "channel" else args.group_size
     return w.reshape(rows, cols // g, g)
 
 
-def _ungroup(x: np.ndarray, spec: QuantSpec, shape: tuple[int, int]) -> np.ndarray:
+def _ungroup(x: np.ndarray, args: QuantArgs, shape: tuple[int, int]) -> np.ndarray:
     rows, cols = shape
-    if spec.block is not None:
-        br, bc = spec.block
+    if args.strategy == "block":
+        br, bc = args.block_structure
         r, c = x.shape[0] * br, x.shape[1] * bc
         return x.reshape(x.shape[0], x.shape[1], br, bc).transpose(0, 2, 1, 3).reshape(r, c)[:rows, :cols]
     return x.reshape(rows, cols)
@@ -96,24 +96,24 @@ def _mx_exponent(absmax: np.ndarray, dtype: np.dtype) -> np.ndarray:
     return np.clip(e, 0, 255).astype(np.uint8)
 
 
-def _scale(absmax: np.ndarray, spec: QuantSpec, dtype: np.dtype) -> np.ndarray:
+def _scale(absmax: np.ndarray, kind: str, qmax: float, dtype: np.dtype) -> np.ndarray:
     """Scales (float32 values exactly representable in the stored type) from group absmax."""
-    if spec.kind == "mxfp4":
+    if kind == "mxfp4":
         return packing.e8m0_to_float(_mx_exponent(absmax, dtype))
-    s = round_to(absmax / np.float32(spec.qmax), dtype)
+    s = round_to(absmax / np.float32(qmax), dtype)
     return np.where(s == 0, _eps(dtype), s)
 
 
-def _qdq(x: np.ndarray, scale: np.ndarray, spec: QuantSpec, dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
+def _qdq(x: np.ndarray, scale: np.ndarray, kind: str, qmax: float, dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
     """Quantizes grouped x [.., g] with per-group scale [.., 1]: (stored values, error q*scale - x in float32)."""
     y = round_to(x / scale, dtype)
-    if spec.kind == "int":  # clamp to the integer range before rounding, as the library does
-        np.clip(y, -(2 ** (spec.num_bits - 1)), 2 ** (spec.num_bits - 1) - 1, out=y)
+    if kind == "int":  # clamp to the integer range before rounding, as the library does
+        np.clip(y, -np.ceil(qmax), np.floor(qmax), out=y)  # -8..7 for int4
         np.rint(y, out=y)  # round half to even, like torch.round
         q = y.astype(np.int8)
     else:
-        np.clip(y, -spec.qmax, spec.qmax, out=y)
-        if spec.kind == "fp8":
+        np.clip(y, -qmax, qmax, out=y)
+        if kind == "fp8":
             q = y.astype(ml_dtypes.float8_e4m3fn)
             y = q.astype(np.float32)
         else:
@@ -145,28 +145,30 @@ def _sumsq(x: np.ndarray) -> float:
     return float(np.dot(flat, flat))  # float32 BLAS dot: ~1e-5 relative, plenty for a report
 
 
-def quantize_rows(w: np.ndarray, spec: QuantSpec, observer: str = "minmax") -> Quantized:
+def quantize_rows(w: np.ndarray, args: QuantArgs, observer: str = "minmax") -> Quantized:
     """Quantizes a block of whole rows of a weight.
 
     Args:
         w: [rows, in] in the weight's dtype (bfloat16, float16 or float32); for block scales `rows` is
            a multiple of the block height except at the end of the tensor.
-        spec: the scheme.
+        args: the weights' QuantizationArgs (a kind `kind_of` accepts).
         observer: "minmax", or "mse" (per group, the clipping ratio that minimises |error|^2.4).
     Returns:
         Quantized (values and scales in the shapes above, error sums).
     """
     dtype = np.dtype(w.dtype)
-    x = _groups(w.astype(np.float32), spec)
+    kind = kind_of(args)
+    qmax = _qmax(kind, args.num_bits)
+    x = _groups(w.astype(np.float32), args)
     absmax = np.maximum(x.max(axis=-1, keepdims=True), -x.min(axis=-1, keepdims=True))  # exact in the weight dtype
-    scale = _scale(absmax, spec, dtype)
-    q, err = _qdq(x, scale, spec, dtype)
+    scale = _scale(absmax, kind, qmax, dtype)
+    q, err = _qdq(x, scale, kind, qmax, dtype)
     minmax_err2 = _sumsq(err)
     if observer == "mse":
         best = (np.abs(err) ** MSE_NORM).sum(-1, keepdims=True)
         for shrink in MSE_STEPS[1:]:
-            s = _scale(round_to(absmax * np.float32(1 - shrink), dtype), spec, dtype)
-            q2, e2 = _qdq(x, s, spec, dtype)
+            s = _scale(round_to(absmax * np.float32(1 - shrink), dtype), kind, qmax, dtype)
+            q2, e2 = _qdq(x, s, kind, qmax, dtype)
             cost = (np.abs(e2) ** MSE_NORM).sum(-1, keepdims=True)
             better = cost < best
             best = np.where(better, cost, best)
@@ -174,6 +176,6 @@ def quantize_rows(w: np.ndarray, spec: QuantSpec, observer: str = "minmax") -> Q
             q, err = np.where(better, q2, q), np.where(better, e2, err)
     elif observer != "minmax":
         raise ValueError(f"unknown observer {observer!r}")
-    stored_scale = packing.float_to_e8m0(scale[..., 0]) if spec.kind == "mxfp4" else scale[..., 0]
+    stored_scale = packing.float_to_e8m0(scale[..., 0]) if kind == "mxfp4" else scale[..., 0]
     err2 = minmax_err2 if observer == "minmax" else _sumsq(err)
-    return Quantized(_ungroup(q, spec, w.shape), stored_scale, _sumsq(x), err2, minmax_err2)
+    return Quantized(_ungroup(q, args, w.shape), stored_scale, _sumsq(x), err2, minmax_err2)

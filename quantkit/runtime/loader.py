@@ -5,7 +5,6 @@ leaf is runtime/layout.py's skeleton; a missing module is an error naming it.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -15,14 +14,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from quantkit.errors import InvalidInput, Unsupported
-from quantkit.formats.compressed_tensors import QuantConfig, parse_quantization_config, weight_qtype
+from quantkit.formats.compressed_tensors import QuantConfig, weight_qtype
 from quantkit.formats.ct_tensors import KV_SCALES, kernel_layout, kernel_shapes, kv_head_scales, logical_shape
 from quantkit.formats.hf import Checkpoint, group_modules
 from quantkit.quant.qtensor import STORAGE, QTensor, check_qtensor
 from quantkit.runtime.config import ModelConfig
 from quantkit.runtime.family import Slot
 from quantkit.runtime.layout import lane_widths, skeleton
-from quantkit.runtime.models import from_hf
 from quantkit.runtime.sharding import AXIS, expert_rows, place_row_major, shardings
 from quantkit.runtime.validate import validate_checkpoint
 
@@ -215,19 +213,14 @@ def load(path: str | Path, dtype=jnp.bfloat16, check: bool = True, mesh=None, ep
         ep: with `mesh`, split MoE experts whole over the mesh (expert parallelism).
     """
     path = Path(path)
-    ckpt = Checkpoint.open(path)
+    checked = validate_checkpoint(Checkpoint.open(path))
     if check:
-        validate_checkpoint(ckpt).raise_first(path)
-    if ckpt.config is None:
+        checked.raise_first(path)
+    if checked.ckpt.config is None:
         raise InvalidInput(f"{path}: no config.json")
-    eos = ()
-    gen = path / "generation_config.json"
-    if gen.is_file():
-        e = json.loads(gen.read_text()).get("eos_token_id")
-        eos = tuple(e if isinstance(e, list) else [e] if e is not None else [])
-    cfg = from_hf(ckpt.config, eos)
-    raw = ckpt.config.get("quantization_config")
-    qc = parse_quantization_config(raw) if isinstance(raw, dict) else None
+    if checked.cfg is None:  # an architecture the runtime refuses, or a config.json it cannot read
+        checked.raise_first(path)
+    ckpt, cfg, qc = checked.ckpt, checked.cfg, checked.qc
     r = _Reader(ckpt, qc)
     tp = 1 if mesh is None else mesh.shape[AXIS]
     if mesh is not None and cfg.num_heads % tp:

@@ -166,8 +166,10 @@ class ModuleCheck:
 
 @dataclass(frozen=True)
 class Validation:
-    """An opened checkpoint's verdicts: what inspect reports, convert and the loader enforce."""
+    """A checkpoint opened once: its headers, parsed configs and verdicts; what inspect reports, and what
+    convert, eval and the loader enforce and read."""
 
+    ckpt: Checkpoint
     raw: dict | None  # quantization_config as stored
     qc: QuantConfig | None  # parsed when compressed-tensors
     cfg: ModelConfig | None  # the runtime's model config; None when the architecture is refused or unknown
@@ -201,7 +203,7 @@ def _model_config(ckpt: Checkpoint) -> tuple[ModelConfig | None, list[dict]]:
                               "no config.json: architecture and quantization scheme unknown")]
     where = str(ckpt.root / "config.json")
     try:
-        return from_hf(ckpt.config), []
+        return from_hf(ckpt.config, ckpt.eos_token_ids), []
     except Unsupported as e:  # an architecture, or a variant of one, that the runtime refuses, with its reason
         return None, [problem("unsupported", where, str(e))]
     except (KeyError, TypeError, ValueError) as e:
@@ -264,4 +266,4 @@ def validate_checkpoint(ckpt: Checkpoint) -> Validation:
     foreign = raw is not None and qc is None
     modules = [check_module(module, {p: ckpt.tensors[n] for p, n in pnames.items()}, qc, foreign)
                for module, pnames in group_modules(ckpt.tensors).items()]
-    return Validation(raw, qc, cfg, problems, modules)
+    return Validation(ckpt, raw, qc, cfg, problems, modules)
