@@ -8,6 +8,7 @@ exactly quantkit's own dequantization, and transformers must load and run it.
 import json
 import os
 import signal
+import shutil
 import socket
 import subprocess
 import sys
@@ -250,6 +251,13 @@ def test_quantized_source_and_fp8_static(converted, tmp_path):
     with pytest.raises(Unsupported, match="needs calibration"):
         convert(converted[("W4A16", 128)], tmp_path / "fp8", "FP8")
     assert _no_dst(tmp_path / "again") and _no_dst(tmp_path / "fp8")
+    foreign = tmp_path / "gptq"  # another method's quantization_config: named, not parsed as compressed-tensors
+    shutil.copytree(converted[("W4A16", 128)], foreign)
+    cfg = json.loads((foreign / "config.json").read_text())
+    (foreign / "config.json").write_text(json.dumps({**cfg, "quantization_config": {"quant_method": "gptq", "bits": 4}}))
+    with pytest.raises(Unsupported, match="quantized by 'gptq', which quantkit does not read"):
+        convert(foreign, tmp_path / "dense", "DENSE")
+    assert _no_dst(tmp_path / "dense")
 
 
 def test_full_disk_is_a_clear_error(src, tmp_path, monkeypatch):

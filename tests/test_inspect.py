@@ -342,6 +342,21 @@ def test_architecture_the_runtime_lacks_is_unsupported(ckpts, tmp_path):
                for p in r["problems"])
 
 
+def test_opened_once_with_the_generation_eos(ckpts, tmp_path):
+    """The one ModelConfig the checkpoint is served with stops on generation_config.json's ids (over
+    config.json's); a malformed one is one line naming the file, for inspect as for the loader."""
+    from quantkit.errors import InvalidInput
+    from quantkit.runtime.validate import validate_checkpoint
+
+    path = _copy(ckpts["W4A16"], tmp_path)
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [5, 7]}))
+    checked = validate_checkpoint(Checkpoint.open(path))
+    assert checked.cfg.eos_token_ids == (5, 7) and checked.qc.groups[0].weights.group_size == 128
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": "</s>"}))
+    with pytest.raises(InvalidInput, match="generation_config.json: eos_token_id must be a token id"):
+        inspect_checkpoint(path)
+
+
 @pytest.mark.parametrize("name,scheme,group", [("llama", "W4A16", 32), ("gemma4_moe", "W4A16", -1),
                                                ("qwen3_5_moe", "W4A16", 32), ("qwen3_moe", "MXFP4A16", 32),
                                                ("gemma3", "FP8_BLOCK", 0)])
