@@ -62,7 +62,7 @@ def plan(path: str | Path, target: str = "v6e", max_model_len: int = 2048, max_n
 
     Args:
         path: checkpoint directory or bare config.json (then `scheme` says how weights would be stored).
-        scheme: W4A16 / FP8_DYNAMIC / FP8_BLOCK / MXFP4A16 / DENSE; None: the checkpoint's own
+        scheme: a --scheme of ct_writer.SCHEMES (DENSE: bf16); None: the checkpoint's own
             quantization_config (or bf16 without one).
         search: also find the largest max_num_seqs that fits (compiling the steps to confirm it).
         kv_cache_dtype: as serve's (runtime/cache.py kv_fp8_dtype): an FP8 cache is compiled with its
