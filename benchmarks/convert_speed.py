@@ -5,7 +5,7 @@ vocab 32000, sharded at 1 GB like Hugging Face) of two sizes, then, for each siz
 - `cp -r` of the directory (the physical floor: read + write the same bytes);
 - `quantkit convert SRC DST --scheme W4A16` (min-max, group 128) with 1 and 2 workers;
 - llm-compressor `model_free_ptq(src, dst, scheme="W4A16", ignore=["lm_head"], max_workers=1, device="cpu")`,
-  from its own virtual environment (it pins its own compressed-tensors; see PEERS.md).
+  from its own virtual environment (it pins its own compressed-tensors; see docs/benchmarks.md, "Installing the peers").
 Every run is a fresh process, timed from start to exit; peak RSS is the child's ru_maxrss. The input is
 read once before each run so that every tool starts from the page cache.
 

@@ -10,7 +10,7 @@ Reported per server configuration: TTFT p50/p99, TPOT p50, output tokens/s over 
 errors, and the prefix-cache hit and query tokens from the server's /metrics (delta over the measured run).
 
 Usage: .venv/bin/python benchmarks/prefix_load.py --vllm /tmp/vllmvenv/bin/vllm [--models tiny mid] [--vllm-no-cache]
-(vLLM venv per ../shared/design/PEERS.md; without --vllm only quantkit is measured; models per serve_load.py.)
+(vLLM venv: docs/benchmarks.md, "Installing the peers"; without --vllm only quantkit is measured; models per serve_load.py.)
 """
 
 from __future__ import annotations

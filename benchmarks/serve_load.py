@@ -9,7 +9,7 @@ send a fixed number of /v1/completions requests with 64 output tokens (temperatu
 tokens/s over the wall time, time to first token and time per output token p50/p99, errors.
 
 Usage: .venv/bin/python benchmarks/serve_load.py --vllm /tmp/vllmvenv/bin/vllm [--models tiny tiny-w4a16 mid mid-w4a16]
-(vLLM venv per ../shared/design/PEERS.md; without --vllm only quantkit is measured.)
+(vLLM venv: docs/benchmarks.md, "Installing the peers"; without --vllm only quantkit is measured.)
 """
 
 from __future__ import annotations

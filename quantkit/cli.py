@@ -1,4 +1,4 @@
-"""The `quantkit` command line (contract: CLI.md). Each command parses flags and calls one library function."""
+"""The `quantkit` command line (contract: docs/cli.md). Each command parses flags and calls one library function."""
 
 from __future__ import annotations
 
@@ -154,7 +154,7 @@ def inspect(
         raise _fail(e) from None
     _emit(report, json_out, _print_report)
     code = report["exit_code"]
-    if code:  # the one-line error of CLI.md: the first problem of the kind that set the exit code
+    if code:  # the one-line error of docs/cli.md: the first problem of the kind that set the exit code
         first = next(p for p in report["problems"] if p["severity"] == ("error" if code == 1 else "unsupported"))
         text = first["message"] if first["where"] in first["message"] else f"{first['where']}: {first['message']}"
         more = sum(p["severity"] in ("error", "unsupported") for p in report["problems"]) - 1

@@ -1,4 +1,4 @@
-"""One error hierarchy: each error is one readable line and carries its exit code (see CLI.md)."""
+"""One error hierarchy: each error is one readable line and carries its exit code (see docs/cli.md)."""
 
 
 class QuantkitError(Exception):

@@ -113,7 +113,7 @@ def evaluate(reference: Path, candidate: Path, text: str | None = None, max_toke
     of float32 weights for Llama-3.1-8B and Gemma-3-27B. They are the very arrays the per-token
     statistics were computed from when both models ran side by side, so every figure is unchanged.
 
-    Returns the report (CLI.md keys): tokens, ppl_reference, ppl_candidate, kl {mean, median, p99, max,
+    Returns the report (docs/cli.md keys): tokens, ppl_reference, ppl_candidate, kl {mean, median, p99, max,
     ci95}, top1_agreement {value, ci95}, plus the intervals of both perplexities.
     """
     import jax

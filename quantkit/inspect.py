@@ -98,7 +98,7 @@ def _bits_per_weight(modules: list[ModuleCheck], layers: list[dict]) -> tuple[in
 
 def _report(path: str | Path, ckpt: Checkpoint, checked: Validation, target: str, deep: bool, layers: list[dict],
             problems: list[dict]) -> dict:
-    """The report document (CLI.md) around the per-module rows."""
+    """The report document (docs/cli.md) around the per-module rows."""
     errors = any(p["severity"] == "error" for p in problems)
     unsupported = any(p["severity"] == "unsupported" for p in problems)
     raw, qc = checked.raw, checked.qc
@@ -128,7 +128,7 @@ def _report(path: str | Path, ckpt: Checkpoint, checked: Validation, target: str
 
 def inspect_checkpoint(path: str | Path, target: str = "v6e", deep: bool = False,
                        progress: Callable[[int, int], None] | None = None) -> dict:
-    """Inspects a checkpoint and returns the report (the JSON document of CLI.md).
+    """Inspects a checkpoint and returns the report (the JSON document of docs/cli.md).
 
     Args:
         path: checkpoint directory or .safetensors file.

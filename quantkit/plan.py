@@ -58,7 +58,7 @@ def plan(path: str | Path, target: str = "v6e", max_model_len: int = 2048, max_n
          scheme: str | None = None, group_size: int = 128, search: bool = True, progress=None,
          kv_cache_dtype: str = "auto", ep: bool = False, cost: bool = True) -> dict:
     """Compiles the serving steps for `tp` chips of `target` and reports HBM (per chip), VMEM, compile time and
-    fit (CLI.md keys).
+    fit (docs/cli.md keys).
 
     Args:
         path: checkpoint directory or bare config.json (then `scheme` says how weights would be stored).

@@ -1,6 +1,6 @@
 """compressed-tensors `quantization_config`: parsed into frozen Schemes, matched to modules.
 
-Mirrors the library's rules (compressed-tensors 0.20.1, see FORMATS.md) without importing it:
+Mirrors the library's rules (compressed-tensors 0.20.1, see docs/formats.md, "On disk") without importing it:
 - a config group is a scheme dict or, in shorthand, a preset name mapped to its targets;
 - a target is an exact module name, a `re:` regex (re.match on the module name) or a class name;
 - when several targets match a module, exact names win over regexes over class names (alphabetical
@@ -142,7 +142,7 @@ class QuantArgs:
         )
 
     def as_json(self) -> dict:
-        """The `scheme` object of inspect's JSON (CLI.md), also what `convert` writes as QuantizationArgs."""
+        """The `scheme` object of inspect's JSON (docs/cli.md), also what `convert` writes as QuantizationArgs."""
         return {
             "type": self.type, "num_bits": self.num_bits, "strategy": self.strategy,
             "group_size": self.group_size, "symmetric": self.symmetric,

@@ -1,4 +1,4 @@
-"""compressed-tensors tensors on disk per format (FORMATS.md, "Tensors"): the header checks of each module's
+"""compressed-tensors tensors on disk per format (docs/formats.md, "On disk"): the header checks of each module's
 tensors (`check_module_tensors`) and of their data (`check_module_data`), the library's dequantization, and
 the runtime's kernel layout of a served weight (`kernel_shapes` without data, `kernel_layout` with it).
 """

@@ -188,7 +188,7 @@ def group_modules(names) -> dict[str, dict[str, str]]:
 def classify_module(name: str, params: dict) -> tuple[str, str | None]:
     """(kind, class name) of a module from its name and tensor shapes.
 
-    kind is "linear" | "moe_experts" | "embedding" | "norm" | "other" (CLI.md); the class name
+    kind is "linear" | "moe_experts" | "embedding" | "norm" | "other" (docs/cli.md); the class name
     ("Linear", "Embedding" or None) is what compressed-tensors class targets match.
     """
     main = params.get("weight_packed") or params.get("weight") or params.get("tensor")

@@ -1,4 +1,4 @@
-"""Bit layouts of compressed-tensors (FORMATS.md, "Bit layouts"), in vectorised numpy.
+"""Bit layouts of compressed-tensors (docs/formats.md, "On disk"), in vectorised numpy.
 
 - pack-quantized: element i of a row occupies bits [i*b, i*b+b) of a little-endian stream of int32
   words; the stored value is q + 2**(b-1).
@@ -8,7 +8,7 @@
   own decoding gives inf there).
 
 `fp4_decode` (and FP4_VALUES, its table) and `e8m0_decode` are the one definition of both decodings, shared by the
-format code, the XLA path and the gmm_v2 kernel (ARCHITECTURE.md rule 9; quant/reference.py, the test oracle,
+format code, the XLA path and the gmm_v2 kernel (docs/architecture.md, rule 9; quant/reference.py, the test oracle,
 decodes independently). The decoders take the array module (numpy or jax.numpy) and use only selects and bit
 operations, which Mosaic lowers inside a Pallas TPU kernel (no gather).
 """

@@ -1,4 +1,4 @@
-"""Whether the Pallas gmm_v2 kernel serves a weight of a given kernel layout, or why not (ARCHITECTURE.md
+"""Whether the Pallas gmm_v2 kernel serves a weight of a given kernel layout, or why not (docs/architecture.md,
 rule 7): the kernels' feasibility, on qtype, shape, group and chip alone. Every predicate returns a verdict
 with a reason; callers fall back (gmm_v2 -> xla) and the reason surfaces in `quantkit inspect`. Which
 schemes the runtime serves at all, and how a scheme becomes a kernel layout, is decided above this layer

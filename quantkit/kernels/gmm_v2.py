@@ -12,7 +12,7 @@ MXU in bf16 with float32 accumulation. Scales:
 A "visit" is one (group, m tile) pair: an m tile that straddles a group boundary is visited once per
 group, and each visit writes only its group's rows (megablox's scheme, reimplemented here).
 
-File order (ARCHITECTURE.md rule 6): configs -> validation -> tiling -> cost estimate -> pallas_call ->
+File order (docs/architecture.md, rule 5): configs -> validation -> tiling -> cost estimate -> pallas_call ->
 one jitted public entry.
 """
 

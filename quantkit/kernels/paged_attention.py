@@ -31,7 +31,7 @@ Design
   NaN/garbage in unused cache slots or padding q rows cannot leak.
   Rows past cu_q_lens[num_seqs] come out zero.
 
-File order (ARCHITECTURE.md rule 6): configs -> validation -> tiling -> cost estimate -> pallas_call ->
+File order (docs/architecture.md, rule 5): configs -> validation -> tiling -> cost estimate -> pallas_call ->
 one jitted public entry.
 """
 

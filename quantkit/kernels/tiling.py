@@ -1,4 +1,4 @@
-"""Per-generation TPU facts (TPU.md) and how arrays are laid out in HBM.
+"""Per-generation TPU facts (docs/kernels.md, "Chip facts") and how arrays are laid out in HBM.
 
 Facts are data passed to the kernels and to `inspect`/`plan`, never queried from a device. This module
 imports nothing heavy: `inspect` uses it on its header-only path.

@@ -1,4 +1,4 @@
-"""QTensor: the one quantized-weight type of the runtime (ARCHITECTURE.md rule 2).
+"""QTensor: the one quantized-weight type of the runtime (docs/architecture.md, rule 2).
 
 Invariants:
 - `values` [g, k, n]: weights already transposed to (input, output) so that output features lie on the

@@ -1,6 +1,6 @@
 """Weight quantization in vectorised numpy: min-max (RTN) and MSE-searched scales. No torch.
 
-The arithmetic follows compressed-tensors step by step (FORMATS.md, "Quantization math"), including the
+The arithmetic follows compressed-tensors step by step (docs/formats.md, "On disk"), including the
 rounding to the weight's dtype after each operation, so that for the same bf16 weight and the min-max
 observer the stored tensors equal the library's bit for bit. Each function works on a block of whole
 rows, so callers can stream a tensor in row chunks with bounded memory.

@@ -1,4 +1,4 @@
-"""Pure-jnp oracles for the kernels (ARCHITECTURE.md rule 5): same signatures, float32, no tiling.
+"""Pure-jnp oracles for the kernels (docs/architecture.md, rule 5): same signatures, float32, no tiling.
 
 The mxfp4 decodings come from ml_dtypes' float4_e2m1fn and float8_e8m0fnu (byte 255 is NaN, as the OCP MX
 spec), on purpose not from formats/packing.py, which the production paths share: an oracle that shared it

@@ -1,4 +1,4 @@
-"""Deviceless TPU compilation (TPU.md): compile for v5e / v6e / v7x on a machine without a TPU.
+"""Deviceless TPU compilation (docs/plan.md): compile for v5e / v6e / v7x on a machine without a TPU.
 
 libtpu compiles against a described topology; nothing runs. Used by `plan` and by the kernel checks.
 """

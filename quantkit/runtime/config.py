@@ -1,4 +1,4 @@
-"""Model configuration: one frozen dataclass built from config.json by `runtime.models.from_hf` (ARCHITECTURE.md
+"""Model configuration: one frozen dataclass built from config.json by `runtime.models.from_hf` (docs/architecture.md,
 rule 4); each family's module fills its own fields."""
 
 from __future__ import annotations

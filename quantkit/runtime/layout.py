@@ -2,7 +2,7 @@
 loader fills, `plan` describes abstractly and `inspect` reads its served shapes from, and the lane padding
 the runtime applies. No jax: `inspect` uses it on its header-only path.
 
-Name mapping is an explicit table per family (its module's `layer`, ARCHITECTURE.md rule 8): every pytree
+Name mapping is an explicit table per family (its module's `layer`, docs/architecture.md, rule 8): every pytree
 leaf names exactly one checkpoint module, and a missing module is an error naming it (runtime/loader.py).
 """
 
