@@ -67,7 +67,8 @@ GEMMA4_26B_A4B = json.loads((CONFIGS / "gemma-4-26B-A4B-it.json").read_text())
 QWEN35_35B_A3B = json.loads((CONFIGS / "qwen3.5-35B-A3B.json").read_text())
 QWEN35_397B_A17B = json.loads((CONFIGS / "qwen3.5-397B-A17B.json").read_text())
 ROWS = [  # name, config, scheme, group size, devices (, expert parallel (, target: v6e unless given))
-    ("Llama-3-8B", LLAMA3_8B, "W4A16", 128, 1), ("Gemma-3-27B", GEMMA3_27B, "W4A16", 128, 1),
+    ("Llama-3-8B", LLAMA3_8B, "W4A16", 128, 1), ("Llama-3-8B", LLAMA3_8B, "W8A16", 128, 1),
+    ("Gemma-3-27B", GEMMA3_27B, "W4A16", 128, 1),
     ("Gemma-3-27B", GEMMA3_27B, "W4A16", 32, 1), ("Qwen3-30B-A3B", QWEN3_30B_A3B, "W4A16", 128, 1),
     ("Gemma-3-27B", GEMMA3_27B, "DENSE", 0, 4),
     ("Gemma-4-31B", GEMMA4_31B, "W4A16", 128, 1), ("Gemma-4-31B", GEMMA4_31B, "W4A16", 32, 1),
@@ -104,7 +105,7 @@ def main() -> None:
     results = []
     for (name, cfg, scheme, group, tp, *rest), kv in ((row, kv) for row in ROWS for kv in args.kv_cache_dtype):
         ep, target = bool(rest and rest[0]), rest[1] if len(rest) > 1 else "v6e"
-        label = (f"{scheme}g{group}" if scheme == "W4A16" else "bf16") + (" EP" if ep else "")
+        label = (f"{scheme}g{group}" if scheme != "DENSE" else "bf16") + (" EP" if ep else "")
         if args.only and f"{name}:{label.replace(' ', ':')}:{tp}" not in args.only:
             continue
         with tempfile.TemporaryDirectory() as d:

@@ -36,7 +36,7 @@ from quantkit.errors import InvalidInput, QuantkitError, Unsupported
 from quantkit.formats import packing
 from quantkit.formats.compressed_tensors import Scheme, match_name
 from quantkit.formats.ct_tensors import can_dequantize, dequantize, logical_shape
-from quantkit.formats.ct_writer import SCHEMES, output_config, stored_layout, stored_row_range, stored_rows, writable_scheme
+from quantkit.formats.ct_writer import GROUPED, SCHEMES, output_config, stored_layout, stored_row_range, stored_rows, writable_scheme
 from quantkit.formats.hf import (
     INDEX_NAME, PACKED_EXPERTS, Checkpoint, classify_module, default_exclusion,
     exclusion_pattern, group_modules, packed_experts,
@@ -408,7 +408,7 @@ def convert(src: str | Path, dst: str | Path, scheme: str = "W4A16", group_size:
     Args:
         src, dst: checkpoint directories.
         scheme: one of SCHEMES.
-        group_size: W4A16 group size (> 0) or -1 for channel scales.
+        group_size: W4A16 / W8A16 group size (> 0) or -1 for channel scales.
         ignore: module names or `re:` patterns to leave unquantized (recorded in `ignore`).
         observer: "minmax" or "mse".
         workers: threads quantizing tensors in parallel; None: default_workers().
@@ -455,7 +455,7 @@ def _check_options(scheme: str, group_size: int, observer: str, workers: int) ->
         raise Unsupported("FP8 (per-tensor weights with a static per-tensor input scale) needs calibration data "
                           "to set input_scale, which quantkit convert does not do; use FP8_DYNAMIC "
                           "(per-channel weights, dynamic per-token activations)")
-    if scheme == "W4A16" and not (group_size == -1 or group_size > 0):
+    if scheme in GROUPED and not (group_size == -1 or group_size > 0):
         raise InvalidInput(f"--group-size {group_size}: use a positive group size or -1 for channel scales")
     if observer not in ("minmax", "mse"):
         raise InvalidInput(f"unknown observer {observer!r}; choose minmax or mse")
@@ -605,7 +605,7 @@ def _report(src, dst, scheme, group_size, observer, workers, rows, ignored, copi
     q = [r for r in rows if r["action"] == "quantize"]
     out = {
         "src": str(src), "dst": str(dst), "scheme": scheme,
-        "group_size": group_size if scheme == "W4A16" else None, "observer": observer, "workers": workers,
+        "group_size": group_size if scheme in GROUPED else None, "observer": observer, "workers": workers,
         "bytes_in": sum(r["bytes_in"] for r in rows), "bytes_out": sum(s.size for s in shards),
         "num_shards": len(shards), "quantized_tensors": len(q), "ignore": ignored, "copied_files": copied,
         "removed_stale": stale, "tensors": rows,

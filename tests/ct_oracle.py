@@ -82,6 +82,7 @@ SCHEMES = [
     "W4A16_CHANNEL",
     "W4A16_ASYM",
     "W8A16",
+    "W8A16_INT",
     "FP8",
     "FP8_DYNAMIC",
     "FP8_BLOCK",
@@ -97,6 +98,7 @@ EXPECTED_FORMAT = {
     "W4A16_CHANNEL": "pack-quantized",
     "W4A16_ASYM": "pack-quantized",
     "W8A16": "pack-quantized",
+    "W8A16_INT": "int-quantized",
     "FP8": "float-quantized",
     "FP8_DYNAMIC": "float-quantized",
     "FP8_BLOCK": "float-quantized",
@@ -145,6 +147,10 @@ EXPECTED_DOWN_PROJ = {
         "weight_packed": ("int32", (256, 128)),
         "weight_scale": ("bfloat16", (256, 4)),
         "weight_shape": ("int64", (2,)),
+    },
+    "W8A16_INT": {
+        "weight": ("int8", (256, 512)),
+        "weight_scale": ("bfloat16", (256, 4)),
     },
     "FP8": {
         "weight": ("float8_e4m3fn", (256, 512)),
@@ -250,6 +256,8 @@ def _scheme(name: str, targets: list[str]) -> QuantizationScheme:
                 group_size=group_size,
             ),
         )
+    if name == "W8A16_INT":  # the W8A16 preset stored one int8 per weight (int-quantized), not packed
+        return preset_name_to_scheme("W8A16", targets).model_copy(update={"format": "int-quantized"})
     return preset_name_to_scheme(name, targets)
 
 

@@ -28,7 +28,8 @@ from quantkit.inspect import inspect_checkpoint
 
 CASES = {  # our (scheme, group size) -> the oracle's scheme name
     ("W4A16", 128): "W4A16", ("W4A16", 32): "W4A16_G32", ("W4A16", -1): "W4A16_CHANNEL",
-    ("FP8_DYNAMIC", 128): "FP8_DYNAMIC", ("FP8_BLOCK", 128): "FP8_BLOCK", ("MXFP4A16", 128): "MXFP4A16",
+    ("W8A16", 128): "W8A16", ("FP8_DYNAMIC", 128): "FP8_DYNAMIC", ("FP8_BLOCK", 128): "FP8_BLOCK",
+    ("MXFP4A16", 128): "MXFP4A16",
 }
 QUANTKIT = [sys.executable, "-m", "quantkit.cli"]
 
@@ -117,12 +118,13 @@ def test_library_decompresses_ours_to_exactly_our_dense(converted, case, tmp_pat
     assert inspect_checkpoint(dense)["format"] is None
 
 
-@pytest.mark.parametrize("case,tol", [(("W4A16", 128), 0.3), (("W4A16", -1), 0.32), (("FP8_DYNAMIC", 128), 0.1),
+@pytest.mark.parametrize("case,tol", [(("W4A16", 128), 0.3), (("W4A16", -1), 0.32), (("W8A16", 128), 0.022),
+                                      (("FP8_DYNAMIC", 128), 0.1),
                                       (("MXFP4A16", 128), 0.32)], ids=lambda c: str(c))
 def test_transformers_loads_and_runs_dst(converted, library, src, case, tol):
     """Logits of transformers on our checkpoint equal its logits on the library's (same bytes), and stay
     close to the bf16 model. Tolerances: the relative logit error measured here (W4A16 g128 0.222, channel
-    0.238, FP8_DYNAMIC 0.070, MXFP4A16 0.243) plus about 30% headroom. They are about twice the per-weight
+    0.238, W8A16 g128 0.0168, FP8_DYNAMIC 0.070, MXFP4A16 0.243) plus about 30% headroom. They are about twice the per-weight
     relative error (4-bit 0.11, fp8 0.027) because this untrained random model has no redundancy to absorb
     weight noise, and transformers also quantizes FP8_DYNAMIC activations per token. A wrong scale or a
     misplaced nibble gives errors near 1."""
@@ -526,8 +528,8 @@ def test_vision_tower_stays_dense_and_transformers_loads_multimodal(tmp_path):
     assert logits.shape == (1, 8, 300) and rel_err(logits.float(), want.float()) < 0.3
 
 
-@pytest.mark.parametrize("case", [("W4A16", 128), ("W4A16", -1), ("FP8_DYNAMIC", 128), ("MXFP4A16", 128)],
-                         ids=lambda c: f"{c[0]}-g{c[1]}")
+@pytest.mark.parametrize("case", [("W4A16", 128), ("W4A16", -1), ("W8A16", 128), ("FP8_DYNAMIC", 128),
+                                  ("MXFP4A16", 128)], ids=lambda c: f"{c[0]}-g{c[1]}")
 def test_library_convert_checkpoint_dequantizes_ours_like_our_dense(converted, case, tmp_path):
     """The library's model-free path (convert_checkpoint + CompressedTensorsDequantizer) on our output."""
     from ct_oracle import library_convert_dequantize

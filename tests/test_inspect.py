@@ -24,8 +24,9 @@ from quantkit.formats.ct_tensors import dequantize
 from quantkit.formats.hf import Checkpoint, classify_module, group_modules
 from quantkit.inspect import inspect_checkpoint
 
-SERVABLE = ["W4A16", "W4A16_G32", "W4A16_CHANNEL", "FP8", "FP8_DYNAMIC", "FP8_BLOCK", "MXFP4A16", "MIXED"]
-UNSUPPORTED = {"W4A16_ASYM": "asymmetric int4", "W8A16": "int8 weights", "NVFP4A16": "NVFP4"}
+SERVABLE = ["W4A16", "W4A16_G32", "W4A16_CHANNEL", "W8A16", "W8A16_INT", "FP8", "FP8_DYNAMIC", "FP8_BLOCK", "MXFP4A16",
+            "MIXED"]
+UNSUPPORTED = {"W4A16_ASYM": "asymmetric int4", "NVFP4A16": "NVFP4"}
 QUANTKIT = [sys.executable, "-m", "quantkit.cli"]
 
 
@@ -90,7 +91,7 @@ def test_scheme_fields_in_json(ckpts):
     assert layers["model.layers.0.mlp.down_proj"]["shape"] == [256, 512]
 
 
-@pytest.mark.parametrize("scheme", SERVABLE + ["W8A16"])
+@pytest.mark.parametrize("scheme", SERVABLE)
 def test_dequantize_equals_library_bit_for_bit(ckpts, scheme):
     path = ckpts[scheme]
     lib = library_decompress_torch(path)

@@ -6,7 +6,7 @@ is poisoned and fails the comparison.
 
 Tolerances (relative Frobenius norm against a float32 HIGHEST-precision reference):
 - every path rounds its output to bf16: RMS relative error about 2^-9 / sqrt(3) = 1.1e-3;
-- scales applied to partial sums use exact bf16 operands (int4 values and fp8 values are exact in bf16),
+- scales applied to partial sums use exact bf16 operands (int4, int8 and fp8 values are exact in bf16),
   so that is all: tolerance 4e-3;
 - pre-dot tiles round each dequantized weight to bf16 before the MXU (another ~1.1e-3, independent),
   tolerance 6e-3; the XLA path dequantizes to bf16 as well, 6e-3.
@@ -30,9 +30,10 @@ INTERPRET = pltpu.InterpretParams()  # uninitialized memory = NaN
 
 
 def _random_qtensor(rng, qtype, g, k, n, group):
-    if qtype == "int4":
-        values = rng.integers(-8, 8, (g, k, n)).astype(np.int8)
-        scales = rng.uniform(0.5, 2.0, (g, k // group, n)).astype(np.float32) / 64
+    if qtype in ("int4", "int8"):
+        half = 8 if qtype == "int4" else 128
+        values = rng.integers(-half, half, (g, k, n)).astype(np.int8)
+        scales = rng.uniform(0.5, 2.0, (g, k // group, n)).astype(np.float32) / (8 * half)
     elif qtype == "fp8":
         values = (rng.standard_normal((g, k, n)) * 64).astype(jnp.float8_e4m3fn)
         scales = rng.uniform(0.5, 2.0, (g, k // group, n)).astype(np.float32) / 4096
@@ -56,7 +57,8 @@ def _sizes(rng, g, m):
 CASES = [  # qtype, group (None = channel), tk; k = 512. Pre-dot scale blocks fill whole sublane tiles
     # (f32 8 rows, uint8 32) or are all of k.
     ("int4", 32, 256), ("int4", 64, 512), ("int4", 128, 512), ("int4", 256, 512), ("int4", 256, 256),
-    ("int4", None, 128), ("fp8", None, 256), ("fp8", 128, 512), ("mxfp4", 32, 512),
+    ("int4", None, 128), ("int8", 128, 512), ("int8", None, 256), ("fp8", None, 256), ("fp8", 128, 512),
+    ("mxfp4", 32, 512),
 ]
 
 
@@ -82,7 +84,7 @@ def test_kernel_matches_reference(qtype, group, tk, g, m, seed):
         assert _rel(out[:total], ref[:total]) < tol, f"seed {seed}, sizes {sizes.tolist()}"
 
 
-@pytest.mark.parametrize("qtype,group", [("int4", 32), ("int4", 256), ("fp8", 256), ("mxfp4", 32)])
+@pytest.mark.parametrize("qtype,group", [("int4", 32), ("int4", 256), ("int8", 64), ("fp8", 256), ("mxfp4", 32)])
 def test_xla_path_matches_reference(qtype, group, seed):
     rng = np.random.default_rng(seed)
     for g, m in [(1, 5), (8, 50)]:
@@ -126,7 +128,8 @@ VERSIONS = {"v5e": pltpu.ChipVersion.TPU_V5E, "v6e": pltpu.ChipVersion.TPU_V6E, 
 
 
 @pytest.mark.parametrize("chip", ["v5e", "v6e", "v7x"])
-@pytest.mark.parametrize("qtype,group", [("int4", 32), ("int4", 128), ("int4", None), ("fp8", None), ("mxfp4", 32)])
+@pytest.mark.parametrize("qtype,group", [("int4", 32), ("int4", 128), ("int4", None), ("int8", 128), ("fp8", None),
+                                         ("mxfp4", 32)])
 def test_tiles_obey_the_rules(chip, qtype, group):
     c = CHIPS[chip]
     scale_bytes = 1 if qtype == "mxfp4" else 2
@@ -196,7 +199,8 @@ def _abstract(qtype, g, k, n, group, m):
 
 
 AOT_CASES = [(chip, qtype, group) for chip in ("v5e", "v6e", "v7x") for qtype, group in [("int4", 128)]] + [
-    ("v6e", "int4", 32), ("v6e", "int4", None), ("v6e", "fp8", None), ("v6e", "mxfp4", 32), ("v7x", "fp8", None)]
+    ("v6e", "int4", 32), ("v6e", "int4", None), ("v6e", "int8", 128), ("v6e", "fp8", None), ("v6e", "mxfp4", 32),
+    ("v7x", "fp8", None)]
 
 
 # In CI, per chip and qtype: the widest-k dense linear (Llama-3-8B down_proj: the most k steps), a narrow
@@ -241,7 +245,8 @@ def test_compiles_for_every_real_layer_shape(chip, qtype, group):
 
 # ---- from checkpoints written by compressed-tensors to the kernel --------------------------------
 
-@pytest.mark.parametrize("scheme", ["W4A16", "W4A16_G32", "W4A16_CHANNEL", "FP8_DYNAMIC", "FP8_BLOCK", "MXFP4A16"])
+@pytest.mark.parametrize("scheme", ["W4A16", "W4A16_G32", "W4A16_CHANNEL", "W8A16", "FP8_DYNAMIC", "FP8_BLOCK",
+                                    "MXFP4A16"])
 def test_library_checkpoint_through_the_kernels(scheme, tmp_path, seed):
     """Weights made by the library, converted once to the kernel layout, multiply like the library's
     own decompressed weights (x @ W.T), through gmm_v2 (interpret) and the XLA path."""

@@ -17,7 +17,7 @@ from safetensors.numpy import save_file
 from quantkit.errors import InvalidInput, QuantkitError
 from quantkit.formats.compressed_tensors import PRESETS, STRATEGIES, parse_quantization_config, weight_qtype
 from quantkit.formats.ct_tensors import check_module_tensors
-from quantkit.formats.ct_writer import writable_config
+from quantkit.formats.ct_writer import GROUPED, SCHEMES, writable_config
 from quantkit.runtime.validate import config_findings, kv_scheme_reason, unsupported_reason
 from quantkit.formats.hf import classify_module, group_modules
 from quantkit.formats.safetensors_io import TensorInfo
@@ -53,14 +53,11 @@ def test_preset_shorthand_expands_like_the_library(name):
     assert ours.targets == ("Linear",)
 
 
-@pytest.mark.parametrize("name,group", [("W4A16", 32), ("W4A16", -1), ("FP8", 0), ("FP8_DYNAMIC", 0),
-                                        ("FP8_BLOCK", 0), ("MXFP4A16", 0)])
+@pytest.mark.parametrize("name,group", [(s, g) for s in SCHEMES if s != "DENSE" for g in
+                                        ((32, -1) if s in GROUPED else (0,))])
 def test_writable_schemes_are_the_library_presets(name, group):
-    """What convert writes and plan --scheme plans for each --scheme is the library's preset (W4A16 with
-    --group-size), and the library accepts the config it serializes to."""
-    from quantkit.formats.ct_writer import SCHEMES
-
-    assert set(SCHEMES) - {"DENSE"} == {"W4A16", "FP8", "FP8_DYNAMIC", "FP8_BLOCK", "MXFP4A16"}
+    """What convert writes and plan --scheme plans for each --scheme is the library's preset (W4A16 and W8A16
+    with --group-size), and the library accepts the config it serializes to."""
     qc = writable_config(name, group, ["lm_head"])
     lib = QuantizationConfig.model_validate(qc).config_groups["group_0"]
     want = preset_name_to_scheme(name, ["Linear"])

@@ -61,7 +61,7 @@ def test_bfloat16_logits_close(family_ckpt):
         assert rel_err(ours, theirs) < 4e-2
 
 
-@pytest.mark.parametrize("scheme", ["W4A16", "W4A16_G32", "W4A16_CHANNEL", "FP8_DYNAMIC", "MXFP4A16"])
+@pytest.mark.parametrize("scheme", ["W4A16", "W4A16_G32", "W4A16_CHANNEL", "W8A16", "FP8_DYNAMIC", "MXFP4A16"])
 def test_quantized_checkpoints_match_transformers_on_decompressed_weights(scheme, tmp_path):
     q = make_checkpoint(tmp_path / "q", scheme)
     library_convert_dequantize(q, tmp_path / "dense")
@@ -204,19 +204,21 @@ def test_tensor_parallel_on_four_devices_matches_one(scheme, tmp_path):
     assert "'model'" in line  # the row-parallel weight really is split
 
 
-def test_int4_moe_experts_match_transformers(tmp_path):
-    """Qwen3-MoE converted by quantkit to W4A16 g32 (experts included, router kept dense): the runtime's
-    grouped int4 experts against transformers running the same checkpoint through compressed-tensors
-    (which decompresses to bf16: tolerance 1e-2 as for the other quantized checkpoints)."""
+@pytest.mark.parametrize("scheme", ["W4A16", "W8A16"])
+def test_quantized_moe_experts_match_transformers(scheme, tmp_path):
+    """Qwen3-MoE converted by quantkit to int4 / int8 g32 (experts included, router kept dense): the runtime's
+    grouped experts against transformers running the same checkpoint through compressed-tensors (which
+    decompresses to bf16: tolerance 1e-2 as for the other quantized checkpoints)."""
     from quantkit.convert import convert
 
     torch.manual_seed(0)
     family("qwen3_moe").save_pretrained(tmp_path / "moe")
-    convert(tmp_path / "moe", tmp_path / "w4", "W4A16", 32)
-    ref = T.AutoModelForCausalLM.from_pretrained(tmp_path / "w4", dtype=torch.float32).eval()
-    model = greedy_parity(tmp_path / "w4", ref, jnp.float32, 1e-2)
+    convert(tmp_path / "moe", tmp_path / "q", scheme, 32)
+    ref = T.AutoModelForCausalLM.from_pretrained(tmp_path / "q", dtype=torch.float32).eval()
+    model = greedy_parity(tmp_path / "q", ref, jnp.float32, 1e-2)
     experts = model.params["layers"]["full"]["experts_gate"]  # 3 layers x 8 experts, stacked
     assert type(experts).__name__ == "QTensor" and experts.values.shape[0] == 3 * 8 and experts.group == 32
+    assert experts.qtype == {"W4A16": "int4", "W8A16": "int8"}[scheme]
 
 
 # ---- the TPU code path, run (Pallas interpret mode) on CPU -------------------------------------------

@@ -129,10 +129,12 @@ def _check_int_packed(t: _Tensors, w: QuantArgs) -> tuple[int, ...] | None:
     return (*lead, out, inp)
 
 
-def _check_float(t: _Tensors, scheme: Scheme) -> tuple[int, ...] | None:
-    """float-quantized (fp8 e4m3 `weight`) and naive-quantized floats: weight, scale, static input_scale."""
+def _check_unpacked(t: _Tensors, scheme: Scheme) -> tuple[int, ...] | None:
+    """One stored value per weight (`weight`): fp8 e4m3 (float-quantized), int8 (int-quantized) and
+    naive-quantized values; its scales and a static input_scale."""
     w = scheme.weights
-    weight = t.need("weight", {"F8_E4M3"} if w.num_bits == 8 and w.type == "float" else None)
+    dtypes = {"F8_E4M3"} if w.num_bits == 8 and w.type == "float" else {"I8"} if w.type == "int" else None
+    weight = t.need("weight", dtypes)
     if weight is None or len(weight.shape) < 2:
         return weight.shape if weight is not None else None
     *lead, out, inp = weight.shape
@@ -173,8 +175,8 @@ def check_module_tensors(module: str, scheme: Scheme | None, params: dict) -> tu
         shape = _check_dense(t)
     elif fmt == "pack-quantized" and w.type == "int":
         shape = _check_int_packed(t, w)
-    elif fmt == "float-quantized" or (fmt == "naive-quantized" and w.type == "float"):
-        shape = _check_float(t, scheme)
+    elif fmt in ("float-quantized", "int-quantized") or (fmt == "naive-quantized" and w.type == "float"):
+        shape = _check_unpacked(t, scheme)
     elif fmt in ("mxfp4-pack-quantized", "nvfp4-pack-quantized"):
         shape = _check_fp4(t)
     else:  # other formats are reported unsupported; only the presence of a weight tensor is checked
@@ -252,7 +254,7 @@ def logical_shape(shapes: dict[str, tuple], weight_shape=None) -> tuple[int, ...
 def can_dequantize(scheme: Scheme) -> bool:
     """Whether `dequantize` handles this scheme's weights."""
     w, fmt = scheme.weights, scheme.format
-    if fmt == "pack-quantized":
+    if fmt in ("pack-quantized", "int-quantized"):
         return w.type == "int" and w.symmetric and w.actorder != "group" and w.strategy in ("group", "channel")
     if fmt == "float-quantized":
         return w.type == "float" and w.num_bits == 8 and w.strategy in ("tensor", "channel", "block", "group")
@@ -266,7 +268,7 @@ def dequantize(scheme: Scheme, arrays: dict, shape: tuple[int, ...]):
     to the scale's dtype rounds once, exactly like the library's multiply in that dtype.
 
     Args:
-        scheme: the module's scheme (a served weight type: int pack-quantized, fp8, mxfp4).
+        scheme: the module's scheme (a served weight type: int pack- or int-quantized, fp8, mxfp4).
         arrays: parameter name -> numpy array (weight_packed / weight, weight_scale).
         shape: logical weight shape [..., out, in].
     Returns:
@@ -286,7 +288,7 @@ def dequantize(scheme: Scheme, arrays: dict, shape: tuple[int, ...]):
         q = packing.unpack_int(np.asarray(arrays["weight_packed"]), w.num_bits, inp).astype(np.float32)
         if not w.symmetric:
             raise ValueError("asymmetric weights are not dequantized by quantkit")
-    else:  # float-quantized
+    else:  # float-quantized, int-quantized: one stored value per weight
         q = np.asarray(arrays["weight"]).astype(np.float32)
     scale = np.asarray(arrays["weight_scale"]).astype(np.float32)
     if w.strategy == "tensor":
@@ -306,6 +308,13 @@ def kernel_group(w: QuantArgs, inp: int) -> int:
     return {"group": w.group_size, "block": w.block_structure[1] if w.block_structure else inp}.get(w.strategy, inp)
 
 
+def _qtype(scheme: Scheme) -> str:
+    """The kernel's qtype of a served scheme: "int4" / "int8" (ints, packed or not), "fp8" or "mxfp4"."""
+    if scheme.format == "mxfp4-pack-quantized":
+        return "mxfp4"
+    return f"int{scheme.weights.num_bits}" if scheme.weights.type == "int" else "fp8"
+
+
 def kernel_shapes(scheme: Scheme, shape: tuple[int, int], scale_dtype: str = "bfloat16"):
     """What `kernel_layout` returns for a logical [out, in] weight, without data (for `plan`):
     (scales shape [in // group, out], scales dtype, qtype, group)."""
@@ -313,19 +322,19 @@ def kernel_shapes(scheme: Scheme, shape: tuple[int, int], scale_dtype: str = "bf
     w, fmt = scheme.weights, scheme.format
     if fmt == "mxfp4-pack-quantized":
         return (inp // 32, out), "uint8", "mxfp4", 32
-    qtype, group = "int4" if fmt == "pack-quantized" else "fp8", kernel_group(w, inp)
-    return (inp // group, out), scale_dtype, qtype, group
+    group = kernel_group(w, inp)
+    return (inp // group, out), scale_dtype, _qtype(scheme), group
 
 
 def kernel_layout(scheme: Scheme, arrays: dict, shape: tuple[int, int]):
     """A served weight in the runtime's layout (see quant/qtensor.py), in numpy.
 
     Args:
-        scheme: the module's scheme (int4 pack-quantized, fp8 float-quantized, mxfp4).
+        scheme: the module's scheme (int4 / int8 pack- or int-quantized, fp8 float-quantized, mxfp4).
         arrays: parameter name -> numpy array as stored.
         shape: logical [out, in].
     Returns:
-        (values [in, out] int8 (int4 values or e2m1 codes as signed nibbles) or float8_e4m3fn,
+        (values [in, out] int8 (int4 / int8 values or e2m1 codes as signed nibbles) or float8_e4m3fn,
          scales [in // group, out] (float32/bfloat16 as stored, uint8 E8M0 for mxfp4), qtype, group).
     """
     import numpy as np
@@ -340,10 +349,10 @@ def kernel_layout(scheme: Scheme, arrays: dict, shape: tuple[int, int]):
         codes = np.stack([packed & 0xF, packed >> 4], axis=-1).reshape(out, inp).astype(np.int8)
         return np.where(codes >= 8, codes - 16, codes).astype(np.int8).T, scale.view(np.uint8).T, "mxfp4", 32
     if fmt == "pack-quantized":
-        values, qtype = packing.unpack_int(np.asarray(arrays["weight_packed"]), w.num_bits, inp).T, "int4"
+        values = packing.unpack_int(np.asarray(arrays["weight_packed"]), w.num_bits, inp).T
     else:
-        values, qtype = np.asarray(arrays["weight"]).T, "fp8"
-    group = kernel_group(w, inp)
+        values = np.asarray(arrays["weight"]).T
+    qtype, group = _qtype(scheme), kernel_group(w, inp)
     if w.strategy == "block":  # [ceil(out/br), ceil(in/bc)] -> one scale per bc inputs and per column
         return values, np.repeat(scale.T, w.block_structure[0], axis=1)[:, :out], qtype, group
     if w.strategy == "tensor":

@@ -8,18 +8,19 @@ from __future__ import annotations
 from quantkit.formats.compressed_tensors import PRESETS, QuantArgs, Scheme
 from quantkit.formats.ct_tensors import ceil_div, expected_scale_shape
 
-SCHEMES = ("W4A16", "FP8", "FP8_DYNAMIC", "FP8_BLOCK", "MXFP4A16", "DENSE")  # --scheme (DENSE: bf16, no config)
+SCHEMES = ("W4A16", "W8A16", "FP8", "FP8_DYNAMIC", "FP8_BLOCK", "MXFP4A16", "DENSE")  # --scheme (DENSE: bf16)
+GROUPED = ("W4A16", "W8A16")  # the schemes --group-size sets (-1: one scale per output channel)
 
 
 def writable_scheme(scheme: str, group_size: int) -> Scheme:
     """The Scheme `convert --scheme` writes and `plan --scheme` plans: the library's preset of that name,
-    targeting "Linear"; W4A16 with `group_size` (-1: one scale per output channel). ValueError for DENSE
+    targeting "Linear"; GROUPED ones with `group_size` (-1: one scale per output channel). ValueError for DENSE
     (no quantization_config) and names not in SCHEMES."""
     if scheme not in SCHEMES or scheme == "DENSE":
         raise ValueError(f"quantkit does not write scheme {scheme!r}")
     preset = PRESETS[scheme]
     weights = preset["weights"]
-    if scheme == "W4A16":
+    if scheme in GROUPED:
         weights = {**weights, "strategy": "channel" if group_size == -1 else "group", "group_size": group_size}
     w = QuantArgs.parse(weights, scheme)
     acts = preset.get("input_activations")

@@ -3,11 +3,11 @@
 Invariants:
 - `values` [g, k, n]: weights already transposed to (input, output) so that output features lie on the
   128 lanes; g = 1 for a dense layer, the number of experts for MoE. Storage dtype by logical type:
-  int4 -> jnp.int4 (q in [-8, 7]); fp8 -> jnp.float8_e4m3fn; mxfp4 -> jnp.int4 holding the e2m1 code
+  int4 -> jnp.int4 (q in [-8, 7]); int8 -> jnp.int8 (q in [-128, 127]); fp8 -> jnp.float8_e4m3fn; mxfp4 -> jnp.int4 holding the e2m1 code
   bits (code = sign << 3 | magnitude index, read as a two's-complement nibble), since Mosaic has no
   float4 vectors. Always 4 or 8 bits per weight in HBM; never dequantized there.
 - `scales` [g, k // group, n]: one scale per `group` consecutive input features and output column.
-  group == k means channel scales. int4/fp8: float32 or bfloat16; mxfp4: uint8 E8M0 exponents.
+  group == k means channel scales. int4/int8/fp8: float32 or bfloat16; mxfp4: uint8 E8M0 exponents.
   fp8 block [128, 128] scales are stored as group 128 with each column's block scale repeated.
 - `qtype` and `group` are static (pytree metadata), so jit specializes on them.
 - Tensor parallelism (runtime/sharding.py): `mesh` is the Mesh the arrays are placed on and `split` which
@@ -28,8 +28,9 @@ import numpy as np
 
 from quantkit.formats.packing import e8m0_decode, fp4_decode
 
-QTYPES = ("int4", "fp8", "mxfp4")
-STORAGE = {"int4": jnp.int4, "fp8": jnp.float8_e4m3fn, "mxfp4": jnp.int4}
+QTYPES = ("int4", "int8", "fp8", "mxfp4")
+STORAGE = {"int4": jnp.int4, "int8": jnp.int8, "fp8": jnp.float8_e4m3fn, "mxfp4": jnp.int4}
+BITS = {"int4": 4, "int8": 8, "fp8": 8, "mxfp4": 4}  # bits per stored weight
 
 
 @partial(jax.tree_util.register_dataclass, data_fields=["values", "scales"],
@@ -38,7 +39,7 @@ STORAGE = {"int4": jnp.int4, "fp8": jnp.float8_e4m3fn, "mxfp4": jnp.int4}
 class QTensor:
     values: jax.Array  # [g, k, n]
     scales: jax.Array  # [g, k // group, n]
-    qtype: str  # static: "int4" | "fp8" | "mxfp4"
+    qtype: str  # static: "int4" | "int8" | "fp8" | "mxfp4"
     group: int  # static: input features per scale (k for channel scales)
     mesh: Any = None  # static: jax.sharding.Mesh of a tensor-parallel weight
     split: str = ""  # static: "n" | "k" | "" (see above)
@@ -57,8 +58,7 @@ class QTensor:
 
     def nbytes(self) -> int:
         """HBM bytes of values (packed) and scales."""
-        bits = 8 if self.qtype == "fp8" else 4
-        return self.values.size * bits // 8 + self.scales.size * self.scales.dtype.itemsize
+        return self.values.size * BITS[self.qtype] // 8 + self.scales.size * self.scales.dtype.itemsize
 
 
 def check_qtensor(values: tuple, scales: tuple, qtype: str, group: int) -> None:

@@ -55,24 +55,24 @@ def _act_reason(name: str, a: QuantArgs | None) -> str | None:
 def _int_reason(w: QuantArgs, fmt: str) -> str | None:
     if not w.symmetric:
         return (f"asymmetric int{w.num_bits} weights with zero points (W{w.num_bits}A16_ASYM) are not supported: "
-                "the runtime serves symmetric int4; re-quantize with `quantkit convert --scheme W4A16`")
+                "the runtime serves symmetric ints; re-quantize with `quantkit convert --scheme W4A16`")
     if w.actorder == "group":
         return ("activation-ordered groups (actorder=group, weight_g_idx) permute input columns and are not "
                 "supported; re-quantize with actorder=weight or without actorder")
-    if w.num_bits != 4:
-        return (f"int{w.num_bits} weights (W{w.num_bits}A16) are not supported: the runtime serves int4 "
-                "(W4A16), fp8 and mxfp4; convert with `quantkit convert --scheme W4A16` or FP8_DYNAMIC")
-    if fmt != "pack-quantized":
-        return f"int4 weights stored as {fmt} are not supported; only pack-quantized int4 is"
+    if w.num_bits not in (4, 8):
+        return (f"int{w.num_bits} weights (W{w.num_bits}A16) are not supported: the runtime serves int4 and "
+                "int8 (W4A16, W8A16), fp8 and mxfp4; convert with `quantkit convert --scheme W4A16` or W8A16")
+    if fmt not in ("pack-quantized", "int-quantized"):
+        return f"int{w.num_bits} weights stored as {fmt} are not supported; only pack- and int-quantized are"
     if w.strategy not in ("group", "channel"):
-        return f"int4 with {w.strategy} scales is not supported; only group and channel scales are"
+        return f"int{w.num_bits} with {w.strategy} scales is not supported; only group and channel scales are"
     return None
 
 
 def unsupported_reason(scheme: Scheme) -> str | None:
     """Why quantkit cannot serve weights stored under `scheme` at all (whatever the chip), or None if it can:
-    symmetric int4 (pack-quantized, group or channel scales), fp8 e4m3 (float-quantized, tensor, channel or
-    block scales) and mxfp4, with no activation quantization other than fp8."""
+    symmetric int4 and int8 (pack- or int-quantized, group or channel scales), fp8 e4m3 (float-quantized,
+    tensor, channel or block scales) and mxfp4, with no activation quantization other than fp8."""
     w, fmt = scheme.weights, scheme.format
     if fmt in SPARSE_FORMATS:
         return (f"sparse format {fmt} is not supported (its compressor was removed in compressed-tensors 0.15); "
