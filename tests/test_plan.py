@@ -83,7 +83,7 @@ def _kv_bytes(n: int) -> int:
 
 @pytest.mark.slow
 def test_gemma3_27b_w4a16_g32_on_v6e(tmp_path):
-    code, r = _plan(tmp_path, scheme="W4A16", group_size=32, max_num_seqs=16)
+    code, r = _plan(tmp_path, scheme="W4A16", group_size=32, max_num_seqs=16, search=False)
     assert code == 0 and r["fits"] and r["target"] == "v6e"
     linear = 62 * (5376 * 4096 * 2 + 5376 * 2048 * 2 + 3 * 5376 * 21504)
     analytical = linear // 2 + linear // 32 * 2 + 262208 * 5376 * 2
@@ -100,11 +100,27 @@ def test_gemma3_27b_w4a16_g32_on_v6e(tmp_path):
     assert c["floor_bytes"] == h["weights"] + h["kv_cache"] and 0.95 < c["ratio_to_floor"] < 1.15
     assert {k["path"] for k in r["kernels"]} == {"gmm_v2"} and len(r["kernels"]) == 5
     assert all(0 < k["vmem_bytes"] <= 128 << 20 for k in r["kernels"]) and r["compile_seconds"] > 0
-    # the largest concurrency is the last one whose KV still fits beside the weights and temporaries
-    n = r["max_num_seqs_that_fit"]
-    assert n >= 16 and h["weights"] + _kv_bytes(n + 1) + h["temporaries"] > h["capacity"]
-    # an FP8 cache would hold at least twice as many (estimated from this compile; compiled: 51)
-    assert r["kv_cache_by_dtype"]["fp8"]["max_num_seqs_that_fit"] >= 2 * n
+    assert r["max_num_seqs_that_fit"] is None  # search=False (the search: the test below)
+
+
+def test_search_finds_the_largest_concurrency_that_fits(tmp_path):
+    """The search for the largest max_num_seqs, on a model whose KV cache fills the v6e at long context (4
+    layers of 8 KV heads x 128 at 32768 tokens: 2048 pages of 64 KiB a layer and sequence, 0.5 GiB a
+    sequence): the answer is the last n whose weights + KV + temporaries fit, n + 1 does not; the compiled
+    KV bytes are the analytic ones; an FP8 cache would hold about twice as many."""
+    from quantkit.plan import plan
+
+    cfg = {**SMALL, "num_hidden_layers": 4, "num_key_value_heads": 8, "max_position_embeddings": 32768}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    r = plan(tmp_path / "config.json", "v6e", 32768, 16, scheme="W4A16", group_size=128, cost=False)
+
+    def kv(n: int) -> int:  # + one scratch page a layer
+        return 4 * (1 + n * 2048) * 16 * 8 * 128 * 2 * 2
+
+    h, n = r["hbm_bytes"], r["max_num_seqs_that_fit"]
+    assert r["fits"] and h["kv_cache"] == kv(16)
+    assert n > 16 and h["weights"] + kv(n) + h["temporaries"] <= h["capacity"] < h["weights"] + kv(n + 1)
+    assert r["kv_cache_by_dtype"]["fp8"]["max_num_seqs_that_fit"] >= 2 * n - 1
 
 
 @pytest.mark.slow
