@@ -36,7 +36,8 @@ from quantkit.errors import InvalidInput, QuantkitError, Unsupported
 from quantkit.formats import packing
 from quantkit.formats.compressed_tensors import Scheme, match_name
 from quantkit.formats.ct_tensors import can_dequantize, dequantize, logical_shape
-from quantkit.formats.ct_writer import GROUPED, SCHEMES, output_config, stored_layout, stored_row_range, stored_rows, writable_scheme
+from quantkit.formats.ct_writer import (GROUPED, SCHEMES, output_config, stored_layout, stored_row_range, stored_rows,
+                                       writable_scheme)
 from quantkit.formats.hf import (
     INDEX_NAME, PACKED_EXPERTS, Checkpoint, classify_module, default_exclusion,
     exclusion_pattern, group_modules, packed_experts,

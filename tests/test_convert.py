@@ -124,8 +124,8 @@ def test_library_decompresses_ours_to_exactly_our_dense(converted, case, tmp_pat
 def test_transformers_loads_and_runs_dst(converted, library, src, case, tol):
     """Logits of transformers on our checkpoint equal its logits on the library's (same bytes), and stay
     close to the bf16 model. Tolerances: the relative logit error measured here (W4A16 g128 0.222, channel
-    0.238, W8A16 g128 0.0168, FP8_DYNAMIC 0.070, MXFP4A16 0.243) plus about 30% headroom. They are about twice the per-weight
-    relative error (4-bit 0.11, fp8 0.027) because this untrained random model has no redundancy to absorb
+    0.238, W8A16 g128 0.0168, FP8_DYNAMIC 0.070, MXFP4A16 0.243) plus about 30% headroom. They are about
+    twice the per-weight relative error (4-bit 0.11, fp8 0.027) because this untrained random model has no redundancy to absorb
     weight noise, and transformers also quantizes FP8_DYNAMIC activations per token. A wrong scale or a
     misplaced nibble gives errors near 1."""
     from transformers import AutoModelForCausalLM
@@ -256,7 +256,8 @@ def test_quantized_source_and_fp8_static(converted, tmp_path):
     foreign = tmp_path / "gptq"  # another method's quantization_config: named, not parsed as compressed-tensors
     shutil.copytree(converted[("W4A16", 128)], foreign)
     cfg = json.loads((foreign / "config.json").read_text())
-    (foreign / "config.json").write_text(json.dumps({**cfg, "quantization_config": {"quant_method": "gptq", "bits": 4}}))
+    cfg["quantization_config"] = {"quant_method": "gptq", "bits": 4}
+    (foreign / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(Unsupported, match="quantized by 'gptq', which quantkit does not read"):
         convert(foreign, tmp_path / "dense", "DENSE")
     assert _no_dst(tmp_path / "dense")

@@ -57,8 +57,8 @@ def test_convert_splits_packed_experts_of_a_multimodal_checkpoint(tmp_path):
     """quantkit convert on Gemma4ForConditionalGeneration with packed 3-D experts: the experts come out as
     per-expert int4 Linears (llm-compressor's layout), router, vision tower and embedder stay bf16 and are
     recorded in `ignore`; the library marks exactly the modules we quantized; transformers reads every
-    non-expert tensor under its names; the runtime on it matches transformers on the library's decompressed weights (repacked), so every
-    expert's gate / up / down came from the right rows."""
+    non-expert tensor under its names; the runtime on it matches transformers on the library's decompressed
+    weights (repacked), so every expert's gate / up / down came from the right rows."""
     src = _multimodal_moe()
     src.to(torch.bfloat16).save_pretrained(tmp_path / "src")
     report = convert(tmp_path / "src", tmp_path / "w4", "W4A16", 32)

@@ -3,9 +3,9 @@
 Invariants:
 - `values` [g, k, n]: weights already transposed to (input, output) so that output features lie on the
   128 lanes; g = 1 for a dense layer, the number of experts for MoE. Storage dtype by logical type:
-  int4 -> jnp.int4 (q in [-8, 7]); int8 -> jnp.int8 (q in [-128, 127]); fp8 -> jnp.float8_e4m3fn; mxfp4 -> jnp.int4 holding the e2m1 code
-  bits (code = sign << 3 | magnitude index, read as a two's-complement nibble), since Mosaic has no
-  float4 vectors. Always 4 or 8 bits per weight in HBM; never dequantized there.
+  int4 -> jnp.int4 (q in [-8, 7]); int8 -> jnp.int8 (q in [-128, 127]); fp8 -> jnp.float8_e4m3fn;
+  mxfp4 -> jnp.int4 holding the e2m1 code bits (code = sign << 3 | magnitude index, read as a
+  two's-complement nibble), since Mosaic has no float4 vectors. Always 4 or 8 bits per weight in HBM; never dequantized there.
 - `scales` [g, k // group, n]: one scale per `group` consecutive input features and output column.
   group == k means channel scales. int4/int8/fp8: float32 or bfloat16; mxfp4: uint8 E8M0 exponents.
   fp8 block [128, 128] scales are stored as group 128 with each column's block scale repeated.
