@@ -172,6 +172,11 @@ def test_config_level_unsupported(ckpts, tmp_path, edit, expect):
     ("MXFP4A16", lambda t: t.update({"model.layers.0.mlp.up_proj.weight_scale": torch.ones(512, 4, dtype=torch.uint8)}),
      "expected [512, 8]"),
     ("FP8", lambda t: t.pop("model.layers.0.self_attn.q_proj.input_scale"), "missing tensor"),
+    # tensors a symmetric / un-reordered scheme would ignore: serving without them would be wrong
+    ("W8A16", lambda t: t.update({"model.layers.0.mlp.up_proj.weight_zero_point": torch.zeros(128, 4, dtype=torch.int32)}),
+     "model.layers.0.mlp.up_proj.weight_zero_point: present, but the scheme is symmetric"),
+    ("W4A16", lambda t: t.update({"model.layers.1.mlp.down_proj.weight_g_idx": torch.zeros(512, dtype=torch.int32)}),
+     "model.layers.1.mlp.down_proj.weight_g_idx: present, but the scheme's actorder is None"),
 ])
 def test_structural_errors_exit_1(ckpts, tmp_path, scheme, edit, expect):
     path = _copy(ckpts[scheme], tmp_path)

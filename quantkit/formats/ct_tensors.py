@@ -183,6 +183,13 @@ def check_module_tensors(module: str, scheme: Scheme | None, params: dict) -> tu
         shape = None
         if not (params.get(stored_weight_name(scheme)) or params.get("weight") or params.get("weight_packed")):
             t.errors.append(f"{module}: no weight tensor found for format {fmt}")
+    if w is not None:  # tensors the scheme says nothing of would be ignored: the served weight would be wrong
+        if w.symmetric and "weight_zero_point" in params:
+            t.errors.append(f"{module}.weight_zero_point: present, but the scheme is symmetric; set symmetric: "
+                            "false in quantization_config or remove the tensor")
+        if w.actorder != "group" and "weight_g_idx" in params:
+            t.errors.append(f"{module}.weight_g_idx: present, but the scheme's actorder is {w.actorder!r}, not "
+                            "'group'; fix quantization_config or remove the tensor")
     return shape, t.errors
 
 
