@@ -73,11 +73,12 @@ print("JSON", json.dumps(out))
 """
 
 
-RUNS = {  # (tp, expert parallel, weights): the dense model has no quantized weights to keep packed
-    "dense": [(1, False, "auto"), (2, False, "auto"), (4, False, "auto"), (8, False, "auto")],
-    "moe": [(1, False, "packed"), (1, False, "dense"), (2, False, "packed"), (2, True, "packed"), (4, False, "packed"),
-            (4, True, "packed"), (8, True, "packed"), (8, True, "dense"), (8, False, "dense")],
-    "gemma4_moe": [(1, False, "auto"), (2, False, "auto"), (2, True, "auto"), (4, False, "auto"), (4, True, "auto")],
+RUNS = {  # (tp, expert parallel, weights): the dense model has no quantized weights to keep packed. Meshes of 2
+    # (2 KV heads split exactly) and of 4 or 8 (replicated), with and without expert parallelism
+    "dense": [(1, False, "auto"), (2, False, "auto"), (8, False, "auto")],
+    "moe": [(1, False, "packed"), (1, False, "dense"), (2, False, "packed"), (4, True, "packed"), (8, True, "packed"),
+            (8, True, "dense"), (8, False, "dense")],
+    "gemma4_moe": [(1, False, "auto"), (2, False, "auto"), (4, True, "auto")],
     "qwen3_5_moe": [(1, False, "packed"), (2, False, "packed"), (4, True, "packed")],  # 4: KV heads replicated
 }
 
