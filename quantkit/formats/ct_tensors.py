@@ -6,7 +6,7 @@ the runtime's kernel layout of a served weight (`kernel_shapes` without data, `k
 from __future__ import annotations
 
 from quantkit.errors import InvalidInput
-from quantkit.formats.compressed_tensors import QuantArgs, Scheme
+from quantkit.formats.compressed_tensors import QuantArgs, Scheme, weight_qtype
 
 # ---- KV cache scales (kv_cache_scheme) ------------------------------------------------------------------
 
@@ -315,13 +315,6 @@ def kernel_group(w: QuantArgs, inp: int) -> int:
     return {"group": w.group_size, "block": w.block_structure[1] if w.block_structure else inp}.get(w.strategy, inp)
 
 
-def _qtype(scheme: Scheme) -> str:
-    """The kernel's qtype of a served scheme: "int4" / "int8" (ints, packed or not), "fp8" or "mxfp4"."""
-    if scheme.format == "mxfp4-pack-quantized":
-        return "mxfp4"
-    return f"int{scheme.weights.num_bits}" if scheme.weights.type == "int" else "fp8"
-
-
 def kernel_shapes(scheme: Scheme, shape: tuple[int, int], scale_dtype: str = "bfloat16"):
     """What `kernel_layout` returns for a logical [out, in] weight, without data (for `plan`):
     (scales shape [in // group, out], scales dtype, qtype, group)."""
@@ -330,7 +323,7 @@ def kernel_shapes(scheme: Scheme, shape: tuple[int, int], scale_dtype: str = "bf
     if fmt == "mxfp4-pack-quantized":
         return (inp // 32, out), "uint8", "mxfp4", 32
     group = kernel_group(w, inp)
-    return (inp // group, out), scale_dtype, _qtype(scheme), group
+    return (inp // group, out), scale_dtype, weight_qtype(scheme), group
 
 
 def kernel_layout(scheme: Scheme, arrays: dict, shape: tuple[int, int]):
@@ -359,7 +352,7 @@ def kernel_layout(scheme: Scheme, arrays: dict, shape: tuple[int, int]):
         values = packing.unpack_int(np.asarray(arrays["weight_packed"]), w.num_bits, inp).T
     else:
         values = np.asarray(arrays["weight"]).T
-    qtype, group = _qtype(scheme), kernel_group(w, inp)
+    qtype, group = weight_qtype(scheme), kernel_group(w, inp)
     if w.strategy == "block":  # [ceil(out/br), ceil(in/bc)] -> one scale per bc inputs and per column
         return values, np.repeat(scale.T, w.block_structure[0], axis=1)[:, :out], qtype, group
     if w.strategy == "tensor":
