@@ -36,7 +36,7 @@ from quantkit.errors import InvalidInput, QuantkitError, Unsupported
 from quantkit.formats import packing
 from quantkit.formats.compressed_tensors import Scheme, match_name
 from quantkit.formats.ct_tensors import can_dequantize, dequantize, logical_shape
-from quantkit.formats.ct_writer import (GROUPED, SCHEMES, output_config, stored_layout, stored_row_range, stored_rows,
+from quantkit.formats.ct_writer import (GROUPED, SCHEMES, output_config, row_alignment, stored_layout, stored_row_range, stored_rows,
                                        writable_scheme)
 from quantkit.formats.hf import (
     INDEX_NAME, PACKED_EXPERTS, Checkpoint, classify_module, default_exclusion,
@@ -181,7 +181,7 @@ def _dequantize_job(ckpt: Checkpoint, module: str, sch: Scheme, pnames: dict, pa
     shape = logical_shape({p: i.shape for p, i in params.items()},
                           ckpt.read(pnames["weight_shape"]) if "weight_shape" in pnames else None)
     out_dtype = "BF16"
-    src = {p: n for p, n in pnames.items() if p in ("weight", "weight_packed", "weight_scale")}
+    src = {p: n for p, n in pnames.items() if p in ("weight", "weight_packed", "weight_scale", "weight_zero_point")}
     outputs = {f"{module}.weight": (out_dtype, shape)}
     if "bias" in pnames:
         src_bias = pnames["bias"]
@@ -332,7 +332,7 @@ def run_job(job: Job, ckpt: Checkpoint, writer: _Writer, scheme: str, group_size
     if job.action == "quantize":
         s = writable_scheme(scheme, group_size)
         out, inp = job.shape
-        step = _rows_per_chunk(inp, s.weights.block_structure[0] if s.weights.strategy == "block" else 1)
+        step = _rows_per_chunk(inp, row_alignment(s))
         for r0 in range(0, out, step):
             rows = ckpt.read_rows(job.src["weight"], job.row0 + r0, job.row0 + min(out, r0 + step), flat=True)
             with np.errstate(invalid="ignore"):  # NaN weights are reported just below
@@ -343,7 +343,7 @@ def run_job(job: Job, ckpt: Checkpoint, writer: _Writer, scheme: str, group_size
             stats.err2 += r.err2
             stats.minmax_err2 += r.minmax_err2
             for param, (arr, first) in stored_rows(s, r.values, r.scale, r0, job.shape,
-                                                   DTYPES[job.dtype][1]).items():
+                                                   DTYPES[job.dtype][1], r.zero).items():
                 writer.write(f"{job.name}.{param}", arr, first)
             progress(rows.nbytes)
         return stats.row(job, scheme, job.nbytes_out())
@@ -351,11 +351,10 @@ def run_job(job: Job, ckpt: Checkpoint, writer: _Writer, scheme: str, group_size
     # dequantize: row chunks of the packed weight and its per-row (or per-block-row) scales
     sch, w = job.scheme, job.scheme.weights
     out = job.shape[0]
-    align = w.block_structure[0] if w.strategy == "block" else 1
-    step = _rows_per_chunk(job.shape[-1], align)
+    step = _rows_per_chunk(job.shape[-1], row_alignment(sch))
     for r0 in range(0, out, step):
         r1 = min(out, r0 + step)
-        part = {p: ckpt.read_rows(n, *stored_row_range(w, p, r0, r1)) for p, n in job.src.items() if p != "bias"}
+        part = {p: ckpt.read_rows(n, *stored_row_range(sch, p, r0, r1)) for p, n in job.src.items() if p != "bias"}
         deq = dequantize(sch, part, (r1 - r0, job.shape[-1]))
         _finite(job.name, deq)
         writer.write(f"{job.name}.weight", packing.to_dtype(deq, job.dtype), r0)

@@ -24,7 +24,8 @@ LAYER_KINDS = ("linear", "moe_experts")
 
 def _device_bytes(qtype: str, params: dict, shape: tuple[int, ...] | None, chip: Chip) -> int:
     """HBM bytes for one module on `chip`, in the runtime's layout: weights [..., in, out]
-    (out in lanes), scales [..., groups, out]; int4/mxfp4 packed, int8/fp8 1 byte, dense weights bf16."""
+    (out in lanes), scales and zero points [..., groups, out]; int4/mxfp4 packed, int8/fp8 and zero points 1
+    byte, dense weights bf16."""
     total = 0
     if shape is not None and len(shape) >= 2:
         dev_shape = (*shape[:-2], shape[-1], shape[-2])
@@ -40,6 +41,8 @@ def _device_bytes(qtype: str, params: dict, shape: tuple[int, ...] | None, chip:
             bits = 32 if info.dtype == "F32" and param != "weight" else 16  # scales keep f32; F16/BF16 -> bf16
         s = info.shape
         dev = (*s[:-2], s[-1], s[-2]) if len(s) >= 2 else s
+        if param == "weight_zero_point" and shape is not None and len(s) >= 2:
+            bits, dev = 8, (*s[:-2], s[-1], shape[-2])  # unpacked to one int8 per group and column, as the scales
         total += hbm_bytes(dev, bits, chip)
     return total
 

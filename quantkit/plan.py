@@ -321,7 +321,8 @@ def _kernels(params: dict, chip, m: int) -> list[dict]:
             seen.add(key)
             group = k if leaf.group == leaf.shape[1] else leaf.group  # channel scales span the shard
             tiles, reason = can_use_gmm_v2(leaf.qtype, k, n, group, chip, m=m, g=g,
-                                           scale_bytes=leaf.scales.dtype.itemsize)
+                                           scale_bytes=leaf.scales.dtype.itemsize,
+                                           zero_bytes=0 if leaf.zeros is None else leaf.zeros.dtype.itemsize)
             kernels.append({"name": name, "shape": [g, k, n], "qtype": leaf.qtype, "group": group,
                             "path": "gmm_v2" if tiles else f"xla ({reason})",
                             "vmem_bytes": tiles.vmem_bytes if tiles else 0,

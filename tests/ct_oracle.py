@@ -83,6 +83,7 @@ SCHEMES = [
     "W4A16_ASYM",
     "W8A16",
     "W8A16_INT",
+    "W8A16_ASYM",
     "FP8",
     "FP8_DYNAMIC",
     "FP8_BLOCK",
@@ -99,6 +100,7 @@ EXPECTED_FORMAT = {
     "W4A16_ASYM": "pack-quantized",
     "W8A16": "pack-quantized",
     "W8A16_INT": "int-quantized",
+    "W8A16_ASYM": "pack-quantized",
     "FP8": "float-quantized",
     "FP8_DYNAMIC": "float-quantized",
     "FP8_BLOCK": "float-quantized",
@@ -151,6 +153,12 @@ EXPECTED_DOWN_PROJ = {
     "W8A16_INT": {
         "weight": ("int8", (256, 512)),
         "weight_scale": ("bfloat16", (256, 4)),
+    },
+    "W8A16_ASYM": {
+        "weight_packed": ("int32", (256, 128)),
+        "weight_scale": ("bfloat16", (256, 4)),
+        "weight_zero_point": ("int32", (64, 4)),  # packed along dim 0
+        "weight_shape": ("int64", (2,)),
     },
     "FP8": {
         "weight": ("float8_e4m3fn", (256, 512)),
@@ -258,6 +266,9 @@ def _scheme(name: str, targets: list[str]) -> QuantizationScheme:
         )
     if name == "W8A16_INT":  # the W8A16 preset stored one int8 per weight (int-quantized), not packed
         return preset_name_to_scheme("W8A16", targets).model_copy(update={"format": "int-quantized"})
+    if name == "W8A16_ASYM":  # the W8A16 preset with zero points (no preset of the library has them)
+        scheme = preset_name_to_scheme("W8A16", targets)
+        return scheme.model_copy(update={"weights": scheme.weights.model_copy(update={"symmetric": False})})
     return preset_name_to_scheme(name, targets)
 
 

@@ -30,6 +30,7 @@ REL_ERR = {
     "W4A16_ASYM": 0.2,
     "W8A16": 0.02,
     "W8A16_INT": 0.02,
+    "W8A16_ASYM": 0.02,
     "FP8": 0.1,
     "FP8_DYNAMIC": 0.1,
     "FP8_BLOCK": 0.1,

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import jax.numpy as jnp
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -24,9 +25,9 @@ from quantkit.formats.ct_tensors import dequantize
 from quantkit.formats.hf import Checkpoint, classify_module, group_modules
 from quantkit.inspect import inspect_checkpoint
 
-SERVABLE = ["W4A16", "W4A16_G32", "W4A16_CHANNEL", "W8A16", "W8A16_INT", "FP8", "FP8_DYNAMIC", "FP8_BLOCK", "MXFP4A16",
-            "MIXED"]
-UNSUPPORTED = {"W4A16_ASYM": "asymmetric int4", "NVFP4A16": "NVFP4"}
+SERVABLE = ["W4A16", "W4A16_G32", "W4A16_CHANNEL", "W4A16_ASYM", "W8A16", "W8A16_INT", "W8A16_ASYM", "FP8",
+            "FP8_DYNAMIC", "FP8_BLOCK", "MXFP4A16", "MIXED"]
+UNSUPPORTED = {"NVFP4A16": "NVFP4"}
 QUANTKIT = [sys.executable, "-m", "quantkit.cli"]
 
 
@@ -127,6 +128,22 @@ def test_hbm_bytes_of_one_int4_layer(ckpts):
     assert r["bytes_on_disk"] == (ckpts["W4A16"] / "model.safetensors").stat().st_size
 
 
+def test_hbm_bytes_of_zero_points_are_what_the_loader_places(ckpts):
+    """W4A16_ASYM down_proj: zero points stored packed 8 to an int32 along the rows ([32, 4]) are served as one
+    int8 per group and column ([4, 256], padded to 32 rows on a TPU), beside the scales; inspect's CPU bytes
+    are the loaded QTensor's."""
+    from quantkit.runtime.loader import load
+
+    for target, expect in [("cpu", 512 * 256 // 2 + 4 * 256 * 2 + 4 * 256),
+                           ("v6e", 512 * 256 // 2 + 16 * 256 * 2 + 32 * 256)]:
+        layers = {la["name"]: la for la in inspect_checkpoint(ckpts["W4A16_ASYM"], target)["layers"]}
+        assert layers["model.layers.0.mlp.down_proj"]["hbm_bytes"] == expect, target
+    down = load(ckpts["W4A16_ASYM"]).params["layers"]["full"]["down"]  # both layers stacked
+    assert down.zeros.dtype == jnp.int8 and down.nbytes() == 2 * (512 * 256 // 2 + 4 * 256 * 2 + 4 * 256)
+    assert inspect_checkpoint(ckpts["W4A16_ASYM"], "cpu")["bits_per_weight"] == pytest.approx(4 + 16 / 128 + 4 / 128,
+                                                                                             abs=0.02)
+
+
 def test_actorder_group_with_g_idx_is_unsupported(ckpts, tmp_path):
     path = _copy(ckpts["W4A16"], tmp_path)
     _edit_config(path, lambda qc: qc["config_groups"]["group_0"]["weights"].update(actorder="group"))
@@ -177,6 +194,13 @@ def test_config_level_unsupported(ckpts, tmp_path, edit, expect):
      "model.layers.0.mlp.up_proj.weight_zero_point: present, but the scheme is symmetric"),
     ("W4A16", lambda t: t.update({"model.layers.1.mlp.down_proj.weight_g_idx": torch.zeros(512, dtype=torch.int32)}),
      "model.layers.1.mlp.down_proj.weight_g_idx: present, but the scheme's actorder is None"),
+    # zero points: packed 8 (int4) or 4 (int8) rows to an int32 word, one column per scale group
+    ("W4A16_ASYM", lambda t: t.pop("model.layers.0.mlp.up_proj.weight_zero_point"),
+     "missing tensor model.layers.0.mlp.up_proj.weight_zero_point"),
+    ("W8A16_ASYM", lambda t: t.update({"model.layers.0.mlp.down_proj.weight_zero_point": torch.zeros(32, 4, dtype=torch.int32)}),
+     "model.layers.0.mlp.down_proj.weight_zero_point: shape [32, 4], expected [64, 4]"),
+    ("W4A16_ASYM", lambda t: t.update({"model.layers.0.mlp.down_proj.weight_zero_point": torch.zeros(32, 4, dtype=torch.int8)}),
+     "model.layers.0.mlp.down_proj.weight_zero_point: dtype I8, expected I32"),
 ])
 def test_structural_errors_exit_1(ckpts, tmp_path, scheme, edit, expect):
     path = _copy(ckpts[scheme], tmp_path)
@@ -240,7 +264,7 @@ def _run(*args):
 
 
 def test_cli_json_contract(ckpts):
-    p = _run("inspect", ckpts["W4A16_ASYM"], "--json", "--target", "v5e")
+    p = _run("inspect", ckpts["NVFP4A16"], "--json", "--target", "v5e")
     assert p.returncode == 3
     r = json.loads(p.stdout)
     for key in ("path", "architecture", "quant_method", "format", "version", "num_tensors", "bytes_on_disk",
@@ -282,7 +306,7 @@ def test_cli_help_example_runs_as_the_help_says(ckpts):
         assert argv[:2] == ["quantkit", "inspect"], example
         i = next(i for i in range(2, len(argv)) if not argv[i].startswith("-") and not argv[i - 1].startswith("-"))
         for scheme, verdict in ((max((s for s in SCHEMES if s in argv[i]), key=len, default="W4A16"),
-                                 "valid and servable"), ("W4A16_ASYM", "valid but not servable")):
+                                 "valid and servable"), ("NVFP4A16", "valid but not servable")):
             run = _run(*argv[1:i], ckpts[scheme], *argv[i + 1:])
             assert run.returncode == codes[verdict], (example, scheme, run.stderr)
             if "--json" in argv:
@@ -316,17 +340,17 @@ def test_cli_invalid_checkpoint_one_error_line_and_the_report(ckpts, tmp_path, j
 
 @pytest.mark.parametrize("json_out", [False, True])
 def test_cli_unsupported_checkpoint_one_error_line_and_the_report(ckpts, json_out):
-    p = _run("inspect", ckpts["W4A16_ASYM"], *(["--json"] if json_out else []))
+    p = _run("inspect", ckpts["NVFP4A16"], *(["--json"] if json_out else []))
     assert p.returncode == 3
     (line,) = p.stderr.splitlines()
-    assert line.startswith(f"error: {ckpts['W4A16_ASYM']}: model.layers.0.mlp.down_proj: asymmetric int4")
+    assert line.startswith(f"error: {ckpts['NVFP4A16']}: model.layers.0.mlp.down_proj: NVFP4")
     assert "(and 13 more problems" in line  # the other 13 quantized layers
     if json_out:
         r = json.loads(p.stdout)
         first = r["problems"][0]
         assert r["exit_code"] == 3 and f"{first['where']}: {first['message']}" in line
     else:
-        assert "asymmetric int4" in p.stdout and "not servable" in p.stdout
+        assert "NVFP4" in p.stdout and "not servable" in p.stdout
 
 
 def test_inspect_path_imports_no_heavy_library(ckpts):
@@ -363,7 +387,7 @@ def test_opened_once_with_the_generation_eos(ckpts, tmp_path):
         inspect_checkpoint(path)
 
 
-@pytest.mark.parametrize("name,scheme,group", [("llama", "W4A16", 32), ("gemma4_moe", "W4A16", -1),
+@pytest.mark.parametrize("name,scheme,group", [("llama", "W4A16_ASYM", 32), ("gemma4_moe", "W4A16", -1),
                                                ("qwen3_5_moe", "W4A16", 32), ("qwen3_moe", "MXFP4A16", 32),
                                                ("gemma3", "FP8_BLOCK", 0)])
 def test_inspect_reports_the_path_plan_compiles(name, scheme, group, tmp_path):

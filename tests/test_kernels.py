@@ -21,7 +21,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from helpers import rel_err as _rel
 from quantkit.kernels.gmm_v2 import gmm_v2, visits
-from quantkit.kernels.tiling import CHIPS, Tiles, choose_tiles, weight_bits
+from quantkit.kernels.tiling import CHIPS, Tiles, choose_tiles, hbm_bytes, weight_bits
 from quantkit.kernels.xla import gmm_xla
 from quantkit.quant.qtensor import make_qtensor
 from quantkit.quant.reference import gmm_reference
@@ -29,18 +29,21 @@ from quantkit.quant.reference import gmm_reference
 INTERPRET = pltpu.InterpretParams()  # uninitialized memory = NaN
 
 
-def _random_qtensor(rng, qtype, g, k, n, group):
+def _random_qtensor(rng, qtype, g, k, n, group, zeros=False):
+    """Random values and scales of `qtype`; `zeros`: int zero points over the whole range as well."""
+    zp = None
     if qtype in ("int4", "int8"):
         half = 8 if qtype == "int4" else 128
         values = rng.integers(-half, half, (g, k, n)).astype(np.int8)
         scales = rng.uniform(0.5, 2.0, (g, k // group, n)).astype(np.float32) / (8 * half)
+        zp = rng.integers(-half, half, (g, k // group, n)).astype(np.int8) if zeros else None
     elif qtype == "fp8":
         values = (rng.standard_normal((g, k, n)) * 64).astype(jnp.float8_e4m3fn)
         scales = rng.uniform(0.5, 2.0, (g, k // group, n)).astype(np.float32) / 4096
     else:  # mxfp4: e2m1 codes as signed nibbles, E8M0 scales around 2^-6
         values = rng.integers(-8, 8, (g, k, n)).astype(np.int8)
         scales = rng.integers(119, 124, (g, k // group, n)).astype(np.uint8)
-    return make_qtensor(values, scales, qtype, group)
+    return make_qtensor(values, scales, qtype, group, zp)
 
 
 def _sizes(rng, g, m):
@@ -54,21 +57,23 @@ def _sizes(rng, g, m):
     return sizes.astype(np.int32)
 
 
-CASES = [  # qtype, group (None = channel), tk; k = 512. Pre-dot scale blocks fill whole sublane tiles
-    # (f32 8 rows, uint8 32) or are all of k.
-    ("int4", 32, 256), ("int4", 64, 512), ("int4", 128, 512), ("int4", 256, 512), ("int4", 256, 256),
-    ("int4", None, 128), ("int8", 128, 512), ("int8", None, 256), ("fp8", None, 256), ("fp8", 128, 512),
-    ("mxfp4", 32, 512),
+CASES = [  # qtype, group (None = channel), tk, zero points; k = 512. Pre-dot scale blocks fill whole sublane
+    # tiles (f32 8 rows, uint8 scales and int8 zero points 32) or are all of k.
+    ("int4", 32, 256, False), ("int4", 64, 512, False), ("int4", 128, 512, False), ("int4", 256, 512, False),
+    ("int4", 256, 256, False), ("int4", None, 128, False), ("int8", 128, 512, False), ("int8", None, 256, False),
+    ("fp8", None, 256, False), ("fp8", 128, 512, False), ("mxfp4", 32, 512, False),
+    # zero points: pre-dot (the tile's rows shifted), one of several rows per k tile, channel (one row)
+    ("int4", 32, 512, True), ("int4", 256, 128, True), ("int8", None, 256, True),
 ]
 
 
-@pytest.mark.parametrize("qtype,group,tk", CASES)
+@pytest.mark.parametrize("qtype,group,tk,zeros", CASES)
 @pytest.mark.parametrize("g,m", [(1, 1), (1, 37), (8, 61), (8, 40)])
-def test_kernel_matches_reference(qtype, group, tk, g, m, seed):
+def test_kernel_matches_reference(qtype, group, tk, zeros, g, m, seed):
     rng = np.random.default_rng(seed)
     k, n = 512, 256
     group = group or k
-    rhs = _random_qtensor(rng, qtype, g, k, n, group)
+    rhs = _random_qtensor(rng, qtype, g, k, n, group, zeros)
     lhs = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
     sizes = jnp.asarray(_sizes(rng, g, m))
     tiles = Tiles(tm=m if m < 16 else 16, tk=tk, tn=128, predot=group < tk, lhs_resident=bool(m % 2),
@@ -84,11 +89,13 @@ def test_kernel_matches_reference(qtype, group, tk, g, m, seed):
         assert _rel(out[:total], ref[:total]) < tol, f"seed {seed}, sizes {sizes.tolist()}"
 
 
-@pytest.mark.parametrize("qtype,group", [("int4", 32), ("int4", 256), ("int8", 64), ("fp8", 256), ("mxfp4", 32)])
-def test_xla_path_matches_reference(qtype, group, seed):
+@pytest.mark.parametrize("qtype,group,zeros", [("int4", 32, False), ("int4", 256, False), ("int8", 64, False),
+                                               ("fp8", 256, False), ("mxfp4", 32, False), ("int4", 32, True),
+                                               ("int8", 256, True)])
+def test_xla_path_matches_reference(qtype, group, zeros, seed):
     rng = np.random.default_rng(seed)
     for g, m in [(1, 5), (8, 50)]:
-        rhs = _random_qtensor(rng, qtype, g, 256, 384, group)
+        rhs = _random_qtensor(rng, qtype, g, 256, 384, group, zeros)
         lhs = jnp.asarray(rng.standard_normal((m, 256)), jnp.bfloat16)
         sizes = jnp.asarray(_sizes(rng, g, m))
         out, ref = gmm_xla(lhs, rhs, sizes), gmm_reference(lhs, rhs, sizes)
@@ -99,8 +106,8 @@ def test_xla_path_matches_reference(qtype, group, seed):
 
 def test_visits_cover_every_tile_once_per_group(seed):
     rng = np.random.default_rng(seed)
-    for _ in range(50):
-        g, m, tm = int(rng.integers(1, 9)), int(rng.integers(1, 200)), int(rng.choice([8, 16, 64]))
+    for _ in range(50):  # few shapes (each compiles its ops), random group sizes
+        g, m, tm = int(rng.choice([1, 3, 8])), int(rng.choice([5, 64, 199])), int(rng.choice([8, 64]))
         sizes = _sizes(rng, g, m) if g > 1 else np.array([rng.integers(0, m + 1)], np.int32)
         vg, vt, nv, bounds = (np.asarray(a) for a in visits(jnp.asarray(sizes), m, tm))
         n = int(nv[0])
@@ -129,18 +136,21 @@ VERSIONS = {"v5e": pltpu.ChipVersion.TPU_V5E, "v6e": pltpu.ChipVersion.TPU_V6E, 
 
 @pytest.mark.parametrize("chip", ["v5e", "v6e", "v7x"])
 @pytest.mark.parametrize("qtype,group", [("int4", 32), ("int4", 128), ("int4", None), ("int8", 128), ("fp8", None),
-                                         ("mxfp4", 32)])
+                                         ("mxfp4", 32), ("int4z", 32), ("int8z", 128)])  # z: zero points
 def test_tiles_obey_the_rules(chip, qtype, group):
     c = CHIPS[chip]
+    qtype, zeros = qtype.removesuffix("z"), qtype.endswith("z")
     scale_bytes = 1 if qtype == "mxfp4" else 2
     for k, n, g in SHAPES:
         grp = group or k
         for m in (1, 16, 256, 2048):
-            t = choose_tiles(m, k, n, g, qtype, grp, scale_bytes, c)
+            t = choose_tiles(m, k, n, g, qtype, grp, scale_bytes, c, zero_bytes=int(zeros))
             assert t is not None, (chip, k, n, grp, m)
             assert k % t.tk == 0 and n % t.tn == 0 and t.tk % 128 == 0 and t.tn % 128 == 0
             assert t.tm == m or t.tm % 8 == 0
             assert (t.tk % grp == 0) if t.predot else (grp % t.tk == 0)
+            if t.predot and (zeros or scale_bytes == 1):  # 1-byte blocks of tk/group rows: whole (32, 128) tiles
+                assert (t.tk // grp) % 32 == 0 or t.tk == k, (chip, k, n, grp, t)
             # VMEM against the chip's own facts (jax's TPU info): the limit passed to Mosaic is within the
             # chip's VMEM, and the estimate covers at least what the blocks take double-buffered (lhs, the
             # packed weight tile, the output) plus the f32 accumulator, counted here from the tile sizes alone
@@ -189,18 +199,18 @@ def test_chip_of_maps_known_device_kinds_and_sends_the_rest_to_xla():
 
 # ---- deviceless compilation for real TPUs (libtpu) -----------------------------------------------
 
-def _abstract(qtype, g, k, n, group, m):
+def _abstract(qtype, g, k, n, group, m, zeros=False):
     from quantkit.quant.qtensor import STORAGE, QTensor
 
     sdt = jnp.uint8 if qtype == "mxfp4" else jnp.bfloat16
     rhs = QTensor(jax.ShapeDtypeStruct((g, k, n), STORAGE[qtype]), jax.ShapeDtypeStruct((g, k // group, n), sdt),
-                  qtype, group)
+                  qtype, group, zeros=jax.ShapeDtypeStruct((g, k // group, n), jnp.int8) if zeros else None)
     return jax.ShapeDtypeStruct((m, k), jnp.bfloat16), rhs, jax.ShapeDtypeStruct((g,), jnp.int32)
 
 
 AOT_CASES = [(chip, qtype, group) for chip in ("v5e", "v6e", "v7x") for qtype, group in [("int4", 128)]] + [
     ("v6e", "int4", 32), ("v6e", "int4", None), ("v6e", "int8", 128), ("v6e", "fp8", None), ("v6e", "mxfp4", 32),
-    ("v7x", "fp8", None)]
+    ("v7x", "fp8", None), ("v6e", "int4z", 128), ("v6e", "int8z", None)]  # z: with zero points
 
 
 # In CI, per chip and qtype: the widest-k dense linear (Llama-3-8B down_proj: the most k steps), a narrow
@@ -215,16 +225,21 @@ def _aot_case(chip, qtype, group, shapes, ms):
     size and no temporary is anywhere near a weight's size (nothing is dequantized in HBM)."""
     from quantkit.runtime.aot import compile_for
 
+    qtype, zeros = qtype.removesuffix("z"), qtype.endswith("z")
     for k, n, g in shapes:
         grp = group or k
         for m in ms:
-            lhs, rhs, gs = _abstract(qtype, g, k, n, grp, m)
-            compiled, _ = compile_for(chip, lambda a, b, c: gmm_v2(a, b, c, chip=chip), lhs, rhs, gs)
+            lhs, rhs, gs = _abstract(qtype, g, k, n, grp, m, zeros)
+            # the weight row-major, as the Runner places it (left free, XLA lays small-row scales and zero points
+            # out transposed and copies them back for the kernel on every call)
+            compiled, _ = compile_for(chip, lambda a, b, c: gmm_v2(a, b, c, chip=chip), lhs, rhs, gs, pinned=(1,))
             mem = compiled.memory_analysis()
             packed = g * k * n * weight_bits(qtype) // 8
-            scales = g * (k // grp) * n * (1 if qtype == "mxfp4" else 2)
-            inputs = packed + scales + m * k * 2 + g * 4
-            assert inputs <= mem.argument_size_in_bytes <= inputs * 1.01 + 4096, (chip, k, n, g, m)
+            side = [(1 if qtype == "mxfp4" else 2) * 8] + [8] * zeros  # bits of scales (and zero points)
+            inputs = packed + sum(g * (k // grp) * n * b // 8 for b in side) + m * k * 2 + g * 4
+            # row-major scales and zero points of few rows (6 a group for [768, n] g128) pad to whole tiles
+            padded = inputs + sum(hbm_bytes((g, k // grp, n), b, CHIPS[chip]) - g * (k // grp) * n * b // 8 for b in side)
+            assert inputs <= mem.argument_size_in_bytes <= padded * 1.01 + 4096, (chip, k, n, g, m)
             # Temporaries (visit metadata, XLA's own buffers) stay far below one weight's size.
             assert mem.temp_size_in_bytes < max(1 << 20, packed // 16), (chip, k, n, g, m, mem.temp_size_in_bytes)
 
@@ -245,8 +260,8 @@ def test_compiles_for_every_real_layer_shape(chip, qtype, group):
 
 # ---- from checkpoints written by compressed-tensors to the kernel --------------------------------
 
-@pytest.mark.parametrize("scheme", ["W4A16", "W4A16_G32", "W4A16_CHANNEL", "W8A16", "FP8_DYNAMIC", "FP8_BLOCK",
-                                    "MXFP4A16"])
+@pytest.mark.parametrize("scheme", ["W4A16", "W4A16_G32", "W4A16_CHANNEL", "W4A16_ASYM", "W8A16", "W8A16_ASYM",
+                                    "FP8_DYNAMIC", "FP8_BLOCK", "MXFP4A16"])
 def test_library_checkpoint_through_the_kernels(scheme, tmp_path, seed):
     """Weights made by the library, converted once to the kernel layout, multiply like the library's
     own decompressed weights (x @ W.T), through gmm_v2 (interpret) and the XLA path."""
@@ -267,8 +282,9 @@ def test_library_checkpoint_through_the_kernels(scheme, tmp_path, seed):
         params = {p: ck.tensors[t] for p, t in pnames.items()}
         sch = qc.scheme_for(module, classify_module(module, params)[1])
         w = lib[module + ".weight"].float().numpy()  # [out, in]
-        values, scales, qtype, group = kernel_layout(sch, {p: ck.read(t) for p, t in pnames.items()}, w.shape)
-        rhs = make_qtensor(values[None], scales[None], qtype, group)
+        la = kernel_layout(sch, {p: ck.read(t) for p, t in pnames.items()}, w.shape)
+        rhs = make_qtensor(la.values[None], la.scales[None], la.qtype, la.group,
+                           None if la.zeros is None else la.zeros[None])
         x = jnp.asarray(rng.standard_normal((24, w.shape[1])), jnp.bfloat16)
         ref = jnp.asarray(np.asarray(x, np.float32) @ w.T)
         sizes = jnp.array([24], jnp.int32)

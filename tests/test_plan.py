@@ -45,7 +45,7 @@ def _describe(tree):
 
 
 @pytest.mark.parametrize("family,scheme,group", [("llama", None, 0), ("llama", "W4A16", 32),
-                                                 ("gemma3", "W4A16", -1), ("qwen3_moe", "W4A16", 32),
+                                                 ("gemma3", "W4A16", -1), ("qwen3_moe", "W4A16_ASYM", 32),
                                                  ("qwen3", "MXFP4A16", 32), ("llama", "FP8_BLOCK", 0),
                                                  ("gemma4", "W4A16", 32), ("gemma4_moe", "W4A16", 32),
                                                  ("qwen3_5_moe", "W4A16", 32)])

@@ -61,7 +61,8 @@ def test_bfloat16_logits_close(family_ckpt):
         assert rel_err(ours, theirs) < 4e-2
 
 
-@pytest.mark.parametrize("scheme", ["W4A16", "W4A16_G32", "W4A16_CHANNEL", "W8A16", "FP8_DYNAMIC", "MXFP4A16"])
+@pytest.mark.parametrize("scheme", ["W4A16", "W4A16_G32", "W4A16_CHANNEL", "W4A16_ASYM", "W8A16", "W8A16_ASYM",
+                                    "FP8_DYNAMIC", "MXFP4A16"])
 def test_quantized_checkpoints_match_transformers_on_decompressed_weights(scheme, tmp_path):
     q = make_checkpoint(tmp_path / "q", scheme)
     library_convert_dequantize(q, tmp_path / "dense")
@@ -114,9 +115,9 @@ def test_sampling_seed_and_stops(family_ckpt):
 # ---- bad input --------------------------------------------------------------------------------------
 
 def test_rejected_checkpoint_unknown_architecture_and_long_prompt(tmp_path):
-    asym = make_checkpoint(tmp_path / "asym", "W4A16_ASYM")
-    with pytest.raises(Unsupported, match="asymmetric"):
-        load(asym)
+    nvfp4 = make_checkpoint(tmp_path / "nvfp4", "NVFP4A16")
+    with pytest.raises(Unsupported, match="NVFP4"):
+        load(nvfp4)
     T.GPT2LMHeadModel(T.GPT2Config(n_layer=1, n_embd=64, n_head=2, vocab_size=128)).save_pretrained(tmp_path / "gpt2")
     with pytest.raises(Unsupported, match="GPT2LMHeadModel.*supported: LlamaForCausalLM"):
         load(tmp_path / "gpt2", check=False)
@@ -185,7 +186,8 @@ print("REL", np.linalg.norm(four - one) / np.linalg.norm(one), np.linalg.norm(fo
 @pytest.mark.parametrize("scheme", ["dense", "W4A16_G32", "W4A16_CHANNEL"])
 def test_tensor_parallel_on_four_devices_matches_one(scheme, tmp_path):
     """Column/row-parallel layers, including row-parallel grouped and channel-scaled int4, on 4 fake CPU
-    devices give the logits of one device (float32: only the all-reduce summation order differs)."""
+    devices give the logits of one device (float32: only the all-reduce summation order differs). Zero points
+    split with their scales: test_parallel's W4A16_ASYM MoE."""
     import subprocess
     import sys
 
@@ -204,21 +206,25 @@ def test_tensor_parallel_on_four_devices_matches_one(scheme, tmp_path):
     assert "'model'" in line  # the row-parallel weight really is split
 
 
-@pytest.mark.parametrize("scheme", ["W4A16", "W8A16"])
+@pytest.mark.parametrize("scheme", ["W4A16", "W8A16", "W4A16_ASYM"])
 def test_quantized_moe_experts_match_transformers(scheme, tmp_path):
-    """Qwen3-MoE converted by quantkit to int4 / int8 g32 (experts included, router kept dense): the runtime's
-    grouped experts against transformers running the same checkpoint through compressed-tensors (which
-    decompresses to bf16: tolerance 1e-2 as for the other quantized checkpoints)."""
+    """Qwen3-MoE converted by quantkit to int4 / int8 g32, int4 with zero points (experts included, router kept
+    dense): the runtime's grouped experts against transformers running the same checkpoint through
+    compressed-tensors (which decompresses to bf16: tolerance 1e-2 as for the other quantized checkpoints).
+    With zero points on the library's own dequantized copy: transformers 5.24 allocates unpacked zero-point
+    shapes for packed asymmetric checkpoints and refuses to load them."""
     from quantkit.convert import convert
 
     torch.manual_seed(0)
     family("qwen3_moe").save_pretrained(tmp_path / "moe")
     convert(tmp_path / "moe", tmp_path / "q", scheme, 32)
-    ref = T.AutoModelForCausalLM.from_pretrained(tmp_path / "q", dtype=torch.float32).eval()
+    ref_path = library_convert_dequantize(tmp_path / "q", tmp_path / "dense") if scheme.endswith("_ASYM") else tmp_path / "q"
+    ref = T.AutoModelForCausalLM.from_pretrained(ref_path, dtype=torch.float32).eval()
     model = greedy_parity(tmp_path / "q", ref, jnp.float32, 1e-2)
     experts = model.params["layers"]["full"]["experts_gate"]  # 3 layers x 8 experts, stacked
     assert type(experts).__name__ == "QTensor" and experts.values.shape[0] == 3 * 8 and experts.group == 32
-    assert experts.qtype == {"W4A16": "int4", "W8A16": "int8"}[scheme]
+    assert experts.qtype == ("int8" if scheme == "W8A16" else "int4")
+    assert (experts.zeros is not None) == scheme.endswith("_ASYM")
 
 
 # ---- the TPU code path, run (Pallas interpret mode) on CPU -------------------------------------------
@@ -227,7 +233,7 @@ TPU_SHAPES = dict(COMMON, head_dim=64)  # q 256, kv 128 columns: every linear fi
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name,scheme", [("gemma3", None), ("qwen3_moe", "W4A16"), ("llama", "W4A16"),
+@pytest.mark.parametrize("name,scheme", [("gemma3", None), ("qwen3_moe", "W4A16"), ("llama", "W4A16_ASYM"),
                                          ("gemma4", "W4A16")])
 def test_tpu_kernels_in_interpret_mode_give_the_cpu_path_tokens(name, scheme, tmp_path):
     """The whole step with its TPU kernels (the paged-attention kernel; gmm_v2 for quantized weights) run in
@@ -259,7 +265,7 @@ def test_tpu_kernels_in_interpret_mode_give_the_cpu_path_tokens(name, scheme, tm
         tpu_logits = tpu.forward([(0, prompt, 0)])[0]
         tokens = generate(tpu, prompt, 6)
         jaxpr = str(jax.make_jaxpr(step_function(m.cfg, 8))(tpu.params, tpu.kv, tpu.last, tpu.empty(8)))
-    assert tokens == generate(Runner(m, max_model_len=64, page_size=8, weights="packed"), prompt, 6)
+    assert tokens == generate(cpu, prompt, 6)
     assert rel_err(tpu_logits, cpu_logits) < (2e-2 if scheme else 1e-4)
     # the kernels really are in the traced step: attention's output is [T, heads, lanes], gmm_v2's [T, n]
     ranks = [dims.count(",") + 1 for dims in re.findall(r"\w+\[([\d,]+)\] = pallas_call\[", jaxpr)]

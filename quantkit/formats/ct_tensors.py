@@ -5,6 +5,8 @@ the runtime's kernel layout of a served weight (`kernel_shapes` without data, `k
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from quantkit.errors import InvalidInput
 from quantkit.formats.compressed_tensors import QuantArgs, Scheme, weight_qtype
 
@@ -122,8 +124,9 @@ def _check_int_packed(t: _Tensors, w: QuantArgs) -> tuple[int, ...] | None:
         if scale.shape[:-1] != (*lead, out) or not ceil_div(lo, w.group_size) <= n_groups <= ceil_div(inp, w.group_size):
             t.errors.append(f"{t.module}.weight_scale: shape {list(scale.shape)}, expected "
                             f"{list(expected_scale_shape(w, lead, out, inp))} for group size {w.group_size}")
-    if not w.symmetric and w.strategy in ("group", "channel"):
-        t.need("weight_zero_point", {"I32"})
+    if not w.symmetric and (scale := t.params.get("weight_scale")) is not None and len(scale.shape) >= 2:
+        # zero points packed along the OUTPUT dimension: [ceil(out * b / 32), groups] (FORMATS.md)
+        t.need("weight_zero_point", {"I32"}, (*lead, ceil_div(out * w.num_bits, 32), scale.shape[-1]))
     if w.actorder == "group":
         t.need("weight_g_idx", {"I32", "I64"})
     return (*lead, out, inp)
@@ -139,6 +142,8 @@ def _check_unpacked(t: _Tensors, scheme: Scheme) -> tuple[int, ...] | None:
         return weight.shape if weight is not None else None
     *lead, out, inp = weight.shape
     t.scale(w, tuple(lead), out, inp)
+    if not w.symmetric and w.type == "int" and (scale := t.params.get("weight_scale")) is not None:
+        t.need("weight_zero_point", {"I8"}, scale.shape)  # one int8 per scale, unpacked
     a = scheme.input_activations
     if a is not None and not a.dynamic:
         t.need("input_scale", _FLOATS)
@@ -262,17 +267,18 @@ def can_dequantize(scheme: Scheme) -> bool:
     """Whether `dequantize` handles this scheme's weights."""
     w, fmt = scheme.weights, scheme.format
     if fmt in ("pack-quantized", "int-quantized"):
-        return w.type == "int" and w.symmetric and w.actorder != "group" and w.strategy in ("group", "channel")
+        return w.type == "int" and w.actorder != "group" and w.strategy in ("group", "channel")
     if fmt == "float-quantized":
         return w.type == "float" and w.num_bits == 8 and w.strategy in ("tensor", "channel", "block", "group")
     return fmt == "mxfp4-pack-quantized"
 
 
 def dequantize(scheme: Scheme, arrays: dict, shape: tuple[int, ...]):
-    """Dequantizes one module's stored weight to float32, as the library does (q * scale per group).
+    """Dequantizes one module's stored weight to float32, as the library does ((q - zero point) * scale per
+    group).
 
-    The product of a 4/8-bit value and a bf16/f16/f32 scale is exact in float32, so casting the result
-    to the scale's dtype rounds once, exactly like the library's multiply in that dtype.
+    The product of a (shifted) 4/8-bit value and a bf16/f16/f32 scale is exact in float32, so casting the
+    result to the scale's dtype rounds once, exactly like the library's multiply in that dtype.
 
     Args:
         scheme: the module's scheme (a served weight type: int pack- or int-quantized, fp8, mxfp4).
@@ -293,11 +299,12 @@ def dequantize(scheme: Scheme, arrays: dict, shape: tuple[int, ...]):
         return values * packing.expand_groups(scale, 32, inp)
     if fmt == "pack-quantized":
         q = packing.unpack_int(np.asarray(arrays["weight_packed"]), w.num_bits, inp).astype(np.float32)
-        if not w.symmetric:
-            raise ValueError("asymmetric weights are not dequantized by quantkit")
     else:  # float-quantized, int-quantized: one stored value per weight
         q = np.asarray(arrays["weight"]).astype(np.float32)
     scale = np.asarray(arrays["weight_scale"]).astype(np.float32)
+    if w.type == "int" and not w.symmetric:  # [..., out, groups] like the scales
+        q = q - packing.expand_groups(zero_points(scheme, arrays, shape[-2]).astype(np.float32),
+                                      w.group_size if w.strategy == "group" else inp, inp)
     if w.strategy == "tensor":
         return q * scale.reshape(())
     if w.strategy == "block":
@@ -315,27 +322,58 @@ def kernel_group(w: QuantArgs, inp: int) -> int:
     return {"group": w.group_size, "block": w.block_structure[1] if w.block_structure else inp}.get(w.strategy, inp)
 
 
-def kernel_shapes(scheme: Scheme, shape: tuple[int, int], scale_dtype: str = "bfloat16"):
-    """What `kernel_layout` returns for a logical [out, in] weight, without data (for `plan`):
-    (scales shape [in // group, out], scales dtype, qtype, group)."""
+def zero_points(scheme: Scheme, arrays: dict, out: int):
+    """An asymmetric int weight's zero points as stored, unpacked: int8 [..., out, groups] (pack-quantized packs
+    them along the output dimension, int-quantized stores them as they are)."""
+    import numpy as np
+
+    from quantkit.formats import packing
+
+    z = np.asarray(arrays["weight_zero_point"])
+    if scheme.format != "pack-quantized":
+        return z.astype(np.int8)
+    return np.swapaxes(packing.unpack_int(np.swapaxes(z, -1, -2), scheme.weights.num_bits, out), -1, -2)
+
+
+class KernelShapes(NamedTuple):
+    """A served weight's kernel layout without data (quant/qtensor.py): scales (and zero points) [in // group, out]."""
+    scales: tuple[int, int]
+    scale_dtype: str
+    qtype: str
+    group: int
+    zeros: bool  # int8 zero points beside the scales (asymmetric ints)
+
+
+class KernelLayout(NamedTuple):
+    """A served weight in the kernel layout, in numpy (quant/qtensor.py)."""
+    values: object  # [in, out] int8 (int4 / int8 values, e2m1 codes as signed nibbles) or float8_e4m3fn
+    scales: object  # [in // group, out] float32 / bfloat16 as stored, uint8 E8M0 for mxfp4
+    qtype: str
+    group: int
+    zeros: object = None  # [in // group, out] int8 zero points, or None (symmetric)
+
+
+def _has_zeros(w: QuantArgs) -> bool:
+    return w.type == "int" and not w.symmetric
+
+
+def kernel_shapes(scheme: Scheme, shape: tuple[int, int], scale_dtype: str = "bfloat16") -> KernelShapes:
+    """What `kernel_layout` returns for a logical [out, in] weight, without data (for `plan`)."""
     out, inp = shape
     w, fmt = scheme.weights, scheme.format
     if fmt == "mxfp4-pack-quantized":
-        return (inp // 32, out), "uint8", "mxfp4", 32
+        return KernelShapes((inp // 32, out), "uint8", "mxfp4", 32, False)
     group = kernel_group(w, inp)
-    return (inp // group, out), scale_dtype, weight_qtype(scheme), group
+    return KernelShapes((inp // group, out), scale_dtype, weight_qtype(scheme), group, _has_zeros(w))
 
 
-def kernel_layout(scheme: Scheme, arrays: dict, shape: tuple[int, int]):
+def kernel_layout(scheme: Scheme, arrays: dict, shape: tuple[int, int]) -> KernelLayout:
     """A served weight in the runtime's layout (see quant/qtensor.py), in numpy.
 
     Args:
         scheme: the module's scheme (int4 / int8 pack- or int-quantized, fp8 float-quantized, mxfp4).
         arrays: parameter name -> numpy array as stored.
         shape: logical [out, in].
-    Returns:
-        (values [in, out] int8 (int4 / int8 values or e2m1 codes as signed nibbles) or float8_e4m3fn,
-         scales [in // group, out] (float32/bfloat16 as stored, uint8 E8M0 for mxfp4), qtype, group).
     """
     import numpy as np
 
@@ -347,14 +385,16 @@ def kernel_layout(scheme: Scheme, arrays: dict, shape: tuple[int, int]):
     if fmt == "mxfp4-pack-quantized":
         packed = np.asarray(arrays["weight_packed"])
         codes = np.stack([packed & 0xF, packed >> 4], axis=-1).reshape(out, inp).astype(np.int8)
-        return np.where(codes >= 8, codes - 16, codes).astype(np.int8).T, scale.view(np.uint8).T, "mxfp4", 32
+        return KernelLayout(np.where(codes >= 8, codes - 16, codes).astype(np.int8).T, scale.view(np.uint8).T, "mxfp4", 32)
     if fmt == "pack-quantized":
         values = packing.unpack_int(np.asarray(arrays["weight_packed"]), w.num_bits, inp).T
     else:
         values = np.asarray(arrays["weight"]).T
     qtype, group = weight_qtype(scheme), kernel_group(w, inp)
     if w.strategy == "block":  # [ceil(out/br), ceil(in/bc)] -> one scale per bc inputs and per column
-        return values, np.repeat(scale.T, w.block_structure[0], axis=1)[:, :out], qtype, group
+        return KernelLayout(values, np.repeat(scale.T, w.block_structure[0], axis=1)[:, :out], qtype, group)
     if w.strategy == "tensor":
-        return values, np.broadcast_to(scale.reshape(1, 1), (1, out)).copy(), qtype, group
-    return values, scale.T, qtype, group  # group [out, in // group] or channel [out, 1] -> transposed
+        return KernelLayout(values, np.broadcast_to(scale.reshape(1, 1), (1, out)).copy(), qtype, group)
+    # group [out, in // group] or channel [out, 1] -> transposed, and the zero points with them
+    zeros = zero_points(scheme, arrays, out).T if _has_zeros(w) else None
+    return KernelLayout(values, scale.T, qtype, group, zeros)

@@ -8,8 +8,9 @@ from __future__ import annotations
 from quantkit.formats.compressed_tensors import PRESETS, QuantArgs, Scheme
 from quantkit.formats.ct_tensors import ceil_div, expected_scale_shape
 
-SCHEMES = ("W4A16", "W8A16", "FP8", "FP8_DYNAMIC", "FP8_BLOCK", "MXFP4A16", "DENSE")  # --scheme (DENSE: bf16)
-GROUPED = ("W4A16", "W8A16")  # the schemes --group-size sets (-1: one scale per output channel)
+# --scheme (DENSE: bf16); W8A16_ASYM is the one the library has no preset of: W8A16 with zero points
+SCHEMES = ("W4A16", "W4A16_ASYM", "W8A16", "W8A16_ASYM", "FP8", "FP8_DYNAMIC", "FP8_BLOCK", "MXFP4A16", "DENSE")
+GROUPED = ("W4A16", "W4A16_ASYM", "W8A16", "W8A16_ASYM")  # the schemes --group-size sets (-1: channel scales)
 
 
 def writable_scheme(scheme: str, group_size: int) -> Scheme:
@@ -18,8 +19,10 @@ def writable_scheme(scheme: str, group_size: int) -> Scheme:
     (no quantization_config) and names not in SCHEMES."""
     if scheme not in SCHEMES or scheme == "DENSE":
         raise ValueError(f"quantkit does not write scheme {scheme!r}")
-    preset = PRESETS[scheme]
+    preset = PRESETS.get(scheme) or PRESETS[scheme.removesuffix("_ASYM")]
     weights = preset["weights"]
+    if scheme.endswith("_ASYM"):
+        weights = {**weights, "symmetric": False}
     if scheme in GROUPED:
         weights = {**weights, "strategy": "channel" if group_size == -1 else "group", "group_size": group_size}
     w = QuantArgs.parse(weights, scheme)
@@ -47,19 +50,23 @@ def stored_layout(s: Scheme, shape: tuple[int, int], dtype: str) -> dict[str, tu
     out, inp = shape
     scale = expected_scale_shape(s.weights, (), out, inp) or (1,)  # (1,): per tensor
     if s.format == "pack-quantized":
-        return {"weight_packed": ("I32", (out, ceil_div(inp * s.weights.num_bits, 32))),
-                "weight_scale": (dtype, scale), "weight_shape": ("I64", (2,))}
+        bits = s.weights.num_bits
+        zero = {} if s.weights.symmetric else {"weight_zero_point": ("I32", (ceil_div(out * bits, 32), scale[-1]))}
+        return {"weight_packed": ("I32", (out, ceil_div(inp * bits, 32))),
+                "weight_scale": (dtype, scale), **zero, "weight_shape": ("I64", (2,))}
     if s.format == "mxfp4-pack-quantized":
         return {"weight_packed": ("U8", (out, inp // 2)), "weight_scale": ("U8", scale)}
     return {"weight": ("F8_E4M3", (out, inp)), "weight_scale": (dtype, scale)}
 
 
-def stored_rows(s: Scheme, values, scale, r0: int, shape: tuple[int, int], scale_dtype) -> dict[str, tuple]:
+def stored_rows(s: Scheme, values, scale, r0: int, shape: tuple[int, int], scale_dtype, zero=None) -> dict[str, tuple]:
     """The stored tensors of rows r0.. of a weight [out, in] quantized under writable Scheme `s`.
 
     Args:
-        values, scale: the rows' quantized values and scales as quantize_rows returns them.
-        r0: the chunk's first weight row (a multiple of the block height for block scales).
+        values, scale, zero: the rows' quantized values, scales and zero points (asymmetric ints) as
+            quantize_rows returns them.
+        r0: the chunk's first weight row (a multiple of the block height for block scales, of the rows
+            packed in one int32 word of zero points for those: `row_alignment`).
         shape: the whole weight's [out, in]; pack-quantized also stores it, with the first chunk.
         scale_dtype: the stored scale dtype (the weight's), except MXFP4's E8M0 bytes.
     Returns:
@@ -71,19 +78,38 @@ def stored_rows(s: Scheme, values, scale, r0: int, shape: tuple[int, int], scale
 
     if s.format == "mxfp4-pack-quantized":
         return {"weight_packed": (packing.pack_fp4(values), r0), "weight_scale": (scale, r0)}
-    scales = (scale.astype(scale_dtype), stored_row_range(s.weights, "weight_scale", r0, r0 + 1)[0])
+    scales = (scale.astype(scale_dtype), stored_row_range(s, "weight_scale", r0, r0 + 1)[0])
     if s.format == "float-quantized":
         return {"weight": (values, r0), "weight_scale": scales}
-    out = {"weight_packed": (packing.pack_int(values, s.weights.num_bits), r0), "weight_scale": scales}
+    bits = s.weights.num_bits
+    out = {"weight_packed": (packing.pack_int(values, bits), r0), "weight_scale": scales}
+    if zero is not None:  # packed along the output rows: [ceil(rows * b / 32), groups]
+        out["weight_zero_point"] = (packing.pack_int(zero.T, bits).T, r0 * bits // 32)
     return out | ({"weight_shape": (np.array(shape, np.int64), 0)} if r0 == 0 else {})
 
 
-def stored_row_range(w: QuantArgs, param: str, r0: int, r1: int) -> tuple[int, int]:
-    """The rows of stored tensor `param` (the weight or its scales) that hold weight rows r0..r1."""
+def row_alignment(s: Scheme) -> int:
+    """Weight rows a chunk of a quantized weight starts at a multiple of: a block's height, or the rows whose
+    packed zero points share an int32 word (32 / bits)."""
+    w = s.weights
+    if w.strategy == "block":
+        return w.block_structure[0]
+    return 32 // w.num_bits if _packed_zeros(s) else 1
+
+
+def _packed_zeros(s: Scheme) -> bool:
+    return s.format == "pack-quantized" and not s.weights.symmetric
+
+
+def stored_row_range(s: Scheme, param: str, r0: int, r1: int) -> tuple[int, int]:
+    """The rows of stored tensor `param` (the weight, its scales or zero points) that hold weight rows r0..r1."""
+    w = s.weights
     if param == "weight_scale" and w.strategy == "tensor":
         return 0, 1
     if param == "weight_scale" and w.strategy == "block":
         return r0 // w.block_structure[0], ceil_div(r1, w.block_structure[0])
+    if param == "weight_zero_point" and _packed_zeros(s):  # packed along the rows, r0 aligned (row_alignment)
+        return r0 * w.num_bits // 32, ceil_div(r1 * w.num_bits, 32)
     return r0, r1
 
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from quantkit.kernels.tiling import LANES, Chip, Tiles, choose_tiles
 
-# Weight types the runtime keeps quantized on device (int4 and int8 symmetric, fp8 e4m3, mxfp4).
+# Weight types the runtime keeps quantized on device (int4 and int8 with or without zero points, fp8 e4m3, mxfp4).
 SERVED_QTYPES = ("int4", "int8", "fp8", "mxfp4")
 
 
@@ -26,7 +26,7 @@ class Verdict:
 
 
 def can_use_gmm_v2(qtype: str, k: int, n: int, group_size: int | None, chip: Chip, m: int = 256, g: int = 1,
-                   scale_bytes: int = 2) -> tuple[Tiles | None, str]:
+                   scale_bytes: int = 2, zero_bytes: int = 0) -> tuple[Tiles | None, str]:
     """Tiles with which the Pallas gmm_v2 kernel serves a [k, n] weight of `qtype` on `chip`, or None
     and why not (the caller falls back to the XLA path).
 
@@ -37,6 +37,7 @@ def can_use_gmm_v2(qtype: str, k: int, n: int, group_size: int | None, chip: Chi
         chip: target facts.
         m, g: rows per call and number of groups (experts); m = 256 stands for a decode batch.
         scale_bytes: bytes per stored scale.
+        zero_bytes: bytes per stored zero point (0: none, symmetric).
     """
     if not chip.tpu:
         return None, f"{chip.name}: Pallas TPU kernels need a TPU target"
@@ -47,13 +48,14 @@ def can_use_gmm_v2(qtype: str, k: int, n: int, group_size: int | None, chip: Chi
     group = k if not group_size or group_size < 0 else group_size
     if k % group:
         return None, f"group size {group} does not divide in_features {k}"
-    tiles = choose_tiles(m, k, n, g, qtype, group, scale_bytes, chip)
+    tiles = choose_tiles(m, k, n, g, qtype, group, scale_bytes, chip, zero_bytes)
     if tiles is None:
         return None, f"no tiling of [{k}, {n}] with group {group} fits {chip.name} VMEM"
     return tiles, ""
 
 
-def kernel_path(qtype: str, k: int, n: int, group: int, chip: Chip, scale_bytes: int = 2) -> Verdict:
+def kernel_path(qtype: str, k: int, n: int, group: int, chip: Chip, scale_bytes: int = 2,
+                zero_bytes: int = 0) -> Verdict:
     """gmm_v2 for a served [k, n] weight of `qtype` with `group` inputs per scale, else the XLA path and why."""
-    tiles, why = can_use_gmm_v2(qtype, k, n, group, chip, scale_bytes=scale_bytes)
+    tiles, why = can_use_gmm_v2(qtype, k, n, group, chip, scale_bytes=scale_bytes, zero_bytes=zero_bytes)
     return Verdict("gmm_v2", "") if tiles else Verdict("xla", f"XLA fallback: {why}")

@@ -1,14 +1,15 @@
-"""gmm_v2: grouped matmul whose weights stay int4 / fp8 / mxfp4 in HBM and are dequantized per tile in VMEM.
+"""gmm_v2: grouped matmul whose weights stay int4 / int8 / fp8 / mxfp4 in HBM and are dequantized per tile in VMEM.
 
 out[i, :] = lhs[i, :] @ dequantize(rhs[group of row i])    rows sorted by group; rows past the groups -> 0
 
 One kernel serves dense layers (one group) and MoE experts (many groups). Per grid step (n tile, visit,
 k tile), the weight tile [tk, tn] is DMA'd from HBM to VMEM in its packed type (double-buffered by the
 Pallas pipeline), converted to float on the vector unit and multiplied by its scales, then fed to the
-MXU in bf16 with float32 accumulation. Scales:
-- group < tk ("pre-dot"): each group of rows of the tile is scaled before the dot;
+MXU in bf16 with float32 accumulation. Scales (and zero points z of asymmetric ints: (q - z) * s):
+- group < tk ("pre-dot"): each group of rows of the tile is shifted and scaled before the dot;
 - group >= tk (wide groups, channel scales): the dot of the unscaled tile (exact small integers or fp8
-  values in bf16) is multiplied by the tile's single scale row: scales apply to partial sums.
+  values in bf16) is multiplied by the tile's single scale row: scales apply to partial sums; a zero
+  point row z is taken off first as z * (the sum of the tile's lhs columns), since x (q - z) = xq - (sum x) z.
 A "visit" is one (group, m tile) pair: an m tile that straddles a group boundary is visited once per
 group, and each visit writes only its group's rows (megablox's scheme, reimplemented here).
 
@@ -48,7 +49,12 @@ def check_gmm_v2(lhs_shape: tuple[int, int], rhs: QTensor, chip: Chip, groups: i
     g = groups or g
     if k != k2:
         return None, f"lhs has {k} features but the weight {k2}"
-    return can_use_gmm_v2(rhs.qtype, k, n, rhs.group, chip, m=m, g=g, scale_bytes=rhs.scales.dtype.itemsize)
+    return can_use_gmm_v2(rhs.qtype, k, n, rhs.group, chip, m=m, g=g, scale_bytes=rhs.scales.dtype.itemsize,
+                          zero_bytes=_zero_bytes(rhs))
+
+
+def _zero_bytes(rhs: QTensor) -> int:
+    return 0 if rhs.zeros is None else rhs.zeros.dtype.itemsize
 
 
 # ---- group metadata --------------------------------------------------------------------------------
@@ -95,8 +101,9 @@ def _decode_scales(s: jax.Array, qtype: str) -> jax.Array:
     return e8m0_decode(s, jnp) if qtype == "mxfp4" else s.astype(jnp.float32)
 
 
-def _kernel(vg_ref, vt_ref, nv_ref, bounds_ref, off_ref, lhs_ref, q_ref, s_ref, out_ref, acc_ref, *,
+def _kernel(vg_ref, vt_ref, nv_ref, bounds_ref, off_ref, lhs_ref, q_ref, s_ref, *refs,
             qtype: str, group: int, tiles: Tiles, num_groups: int, nk: int):
+    z_ref, out_ref, acc_ref = refs if len(refs) == 3 else (None, *refs)  # zero points: asymmetric ints
     v, ki = pl.program_id(1), pl.program_id(2)
     tm, tk, tn = tiles.tm, tiles.tk, tiles.tn
     g = vg_ref[v]
@@ -113,19 +120,25 @@ def _kernel(vg_ref, vt_ref, nv_ref, bounds_ref, off_ref, lhs_ref, q_ref, s_ref, 
         if tiles.predot:
             rows = tk // group
             s = _decode_scales(s_ref[...], qtype)  # [tk/group, tn]: this k tile's scale rows
-            w = (q.reshape(rows, group, tn) * s[:, None, :]).reshape(tk, tn).astype(jnp.bfloat16)
+            q = q.reshape(rows, group, tn)
+            if z_ref is not None:
+                q = q - z_ref[...].astype(jnp.float32)[:, None, :]  # exact: small integers
+            w = (q * s[:, None, :]).reshape(tk, tn).astype(jnp.bfloat16)
             acc_ref[...] += jnp.dot(x, w, preferred_element_type=jnp.float32)
         else:
             # One scale row serves the whole k tile. Select it with a mask rather than a dynamic one-row
             # slice, which Mosaic cannot prove aligned for packed (bf16, uint8) scales.
-            s_all = _decode_scales(s_ref[...], qtype)  # [k/group, tn]
-            if s_all.shape[0] == 1:
-                s = s_all
-            else:
-                hit = jax.lax.broadcasted_iota(jnp.int32, s_all.shape, 0) == (ki * tk) // group
-                s = jnp.sum(jnp.where(hit, s_all, 0.0), axis=0, keepdims=True)  # [1, tn]
+            def tile_row(all_rows):  # [k/group, tn] f32 -> [1, tn], the row of this k tile
+                if all_rows.shape[0] == 1:
+                    return all_rows
+                hit = jax.lax.broadcasted_iota(jnp.int32, all_rows.shape, 0) == (ki * tk) // group
+                return jnp.sum(jnp.where(hit, all_rows, 0.0), axis=0, keepdims=True)
+
             part = jnp.dot(x, q.astype(jnp.bfloat16), preferred_element_type=jnp.float32)
-            acc_ref[...] += part * s
+            if z_ref is not None:
+                z = tile_row(z_ref[...].astype(jnp.float32))
+                part -= jnp.sum(x.astype(jnp.float32), axis=1, keepdims=True) * z
+            acc_ref[...] += part * tile_row(_decode_scales(s_ref[...], qtype))
 
     @pl.when((ki == nk - 1) & (v < nv_ref[0]))
     def _():
@@ -141,7 +154,8 @@ def _kernel(vg_ref, vt_ref, nv_ref, bounds_ref, off_ref, lhs_ref, q_ref, s_ref, 
 
 def cost(m: int, k: int, n: int, g: int, rhs: QTensor, tiles: Tiles, out_bytes: int = 2) -> pl.CostEstimate:
     """The static bound of tiling.traffic: bytes the call moves and FLOPs the MXU executes."""
-    moved, flops = traffic(m, k, n, g, rhs.qtype, rhs.group, rhs.scales.dtype.itemsize, tiles, out_bytes)
+    moved, flops = traffic(m, k, n, g, rhs.qtype, rhs.group, rhs.scales.dtype.itemsize, tiles, out_bytes,
+                           _zero_bytes(rhs))
     return pl.CostEstimate(flops=flops, transcendentals=0, bytes_accessed=moved)
 
 
@@ -168,6 +182,8 @@ def _call(lhs: jax.Array, rhs: QTensor, group_sizes: jax.Array, group_offset: ja
     def s_map(ni, v, ki, vg, vt, nv, bounds, off):  # pre-dot: the k tile's rows; else all rows (few)
         return off[0] + jnp.minimum(vg[v], g - 1), ki if tiles.predot else 0, ni
 
+    s_spec = pl.BlockSpec((None, tk // rhs.group if tiles.predot else srows, tn), s_map)  # zero points too
+
     def out_map(ni, v, ki, vg, vt, nv, bounds, off):
         return vt[v], ni
 
@@ -180,7 +196,7 @@ def _call(lhs: jax.Array, rhs: QTensor, group_sizes: jax.Array, group_offset: ja
             in_specs=[
                 pl.BlockSpec((tm, k if tiles.lhs_resident else tk), lhs_map),
                 pl.BlockSpec((None, tk, tn), q_map),
-                pl.BlockSpec((None, tk // rhs.group if tiles.predot else srows, tn), s_map),
+                *[s_spec] * len(rhs.arrays[1:]),
             ],
             out_specs=pl.BlockSpec((tm, tn), out_map),
             scratch_shapes=[pltpu.VMEM((tm, tn), jnp.float32)],
@@ -192,7 +208,7 @@ def _call(lhs: jax.Array, rhs: QTensor, group_sizes: jax.Array, group_offset: ja
     )(vg, vt, nv, bounds, group_offset.reshape(1).astype(jnp.int32), lhs, *(
         # weights stay in HBM: else XLA may stage a small one whole into VMEM before the call (a second copy
         # of its bytes, seen for Gemma-3-27B's o-proj and scales), where the kernel streams tiles anyway
-        pltpu.with_memory_space_constraint(a, pltpu.HBM) for a in (rhs.values, rhs.scales)))
+        pltpu.with_memory_space_constraint(a, pltpu.HBM) for a in rhs.arrays))
 
 
 # ---- public entry ----------------------------------------------------------------------------------
@@ -204,7 +220,7 @@ def gmm_v2(lhs: jax.Array, rhs: QTensor, group_sizes: jax.Array, group_offset: j
 
     Args:
         lhs: [m, k] bf16, rows sorted by group.
-        rhs: QTensor [g, k, n] (int4, fp8 or mxfp4; group or channel scales).
+        rhs: QTensor [g, k, n] (int4, int8 with or without zero points, fp8 or mxfp4; group or channel scales).
         group_sizes: int32 [g], rows per group, sum <= m; rows past the sum come out zero.
         group_offset: int32 scalar: the groups are rhs's groups offset .. offset + g - 1 (default 0). A
             layer of a stacked weight [layers, k, n] (scanned layers) is offset = layer, g = 1: the kernel

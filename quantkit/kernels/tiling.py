@@ -87,14 +87,14 @@ def weight_bits(qtype: str) -> int:
 
 
 def vmem_estimate(tm: int, tk: int, tn: int, k: int, group: int, qtype: str, scale_bytes: int,
-                  lhs_resident: bool = False) -> int:
-    """VMEM of one step: double-buffered lhs, weight, scales (pre-dot: the tile's tk/group rows; else
-    all k/group rows of its columns) and output blocks, the f32 accumulator, and the dequantized tile
-    (f32 and bf16 copies)."""
+                  lhs_resident: bool = False, zero_bytes: int = 0) -> int:
+    """VMEM of one step: double-buffered lhs, weight, scales and zero points (pre-dot: the tile's tk/group
+    rows; else all k/group rows of its columns) and output blocks, the f32 accumulator, and the dequantized
+    tile (f32 and bf16 copies)."""
     lhs = 2 * tm * (k if lhs_resident else tk) * 2
     rhs = 2 * tk * tn * weight_bits(qtype) // 8
     rows = tk // group if group < tk else max(1, k // group)
-    scales = 2 * round_up(rows, 8) * tn * scale_bytes
+    scales = 2 * round_up(rows, 8) * tn * scale_bytes + 2 * round_up(rows, 32) * tn * zero_bytes
     out = 2 * tm * tn * 2
     acc = tm * tn * 4
     tmp = tk * tn * (4 + 4 + 2)  # decoded f32, scaled f32, bf16 operand
@@ -102,10 +102,10 @@ def vmem_estimate(tm: int, tk: int, tn: int, k: int, group: int, qtype: str, sca
 
 
 def traffic(m: int, k: int, n: int, g: int, qtype: str, group: int, scale_bytes: int, tiles: Tiles,
-            out_bytes: int = 2) -> tuple[int, int]:
+            out_bytes: int = 2, zero_bytes: int = 0) -> tuple[int, int]:
     """(bytes moved, FLOPs executed) by one gmm_v2 call, bounded statically.
 
-    Each visit reads its group's packed weight tile by tile and its scale rows once; at most min(g, m)
+    Each visit reads its group's packed weight tile by tile and its scale (and zero point) rows once; at most min(g, m)
     groups hold rows, so there are at most tiles_m + min(g, m) - 1 visits. lhs: a resident [tm, k] block
     is fetched when the m tile changes (once per call with one m tile, else once per m tile and n tile);
     otherwise once per n tile. The output is written once. FLOPs are what the MXU executes: whole m tiles
@@ -113,14 +113,14 @@ def traffic(m: int, k: int, n: int, g: int, qtype: str, group: int, scale_bytes:
     """
     tiles_m = -(-m // tiles.tm)
     visits = min(tiles_m + min(g, m) - 1, tiles_m * g)
-    weight = k * n * weight_bits(qtype) // 8 + max(1, k // group) * n * scale_bytes
+    weight = k * n * weight_bits(qtype) // 8 + max(1, k // group) * n * (scale_bytes + zero_bytes)
     lhs_reads = 1 if (tiles.lhs_resident and tiles_m == 1) else n // tiles.tn
     moved = visits * weight + lhs_reads * m * k * 2 + m * n * out_bytes
     return moved, 2 * visits * min(tiles.tm, m) * k * n
 
 
 def choose_tiles(m: int, k: int, n: int, g: int, qtype: str, group: int, scale_bytes: int,
-                 chip: Chip) -> Tiles | None:
+                 chip: Chip, zero_bytes: int = 0) -> Tiles | None:
     """Picks gmm_v2 blocks for lhs [m, k] x weights [g, k, n] on `chip`, or None if nothing fits.
 
     Rules: blocks obey the (8, 128) rule (tk, tn multiples of 128 dividing k and n; tm a multiple of 8
@@ -133,33 +133,34 @@ def choose_tiles(m: int, k: int, n: int, g: int, qtype: str, group: int, scale_b
     """
     limit = chip.vmem_bytes * 3 // 4
     if g == 1:
-        return _choose_kn(m if m <= 512 else 512, m, k, n, g, qtype, group, scale_bytes, chip, limit)
+        return _choose_kn(m if m <= 512 else 512, k, n, qtype, group, scale_bytes, chip, limit, zero_bytes)
     # Grouped: a tall m tile wastes MXU work on rows of other groups, a short one re-reads the weights
     # of groups that straddle tiles; take the m tile with the lowest roofline time on this chip.
     best = None
     for tm in (8, 16, 32, 64, 128, 256, 512):
         if tm > round_up(m, 8) and tm != 8:
             break
-        tiles = _choose_kn(tm, m, k, n, g, qtype, group, scale_bytes, chip, limit)
+        tiles = _choose_kn(tm, k, n, qtype, group, scale_bytes, chip, limit, zero_bytes)
         if tiles is None:
             continue
-        moved, flops = traffic(m, k, n, g, qtype, group, scale_bytes, tiles)
+        moved, flops = traffic(m, k, n, g, qtype, group, scale_bytes, tiles, zero_bytes=zero_bytes)
         t = max(moved / chip.hbm_bytes_per_s, flops / chip.bf16_flops)
         if best is None or t < best[0]:
             best = (t, tiles)
     return best[1] if best else None
 
 
-def _choose_kn(tm: int, m: int, k: int, n: int, g: int, qtype: str, group: int, scale_bytes: int, chip: Chip,
-               limit: int) -> Tiles | None:
+def _choose_kn(tm: int, k: int, n: int, qtype: str, group: int, scale_bytes: int, chip: Chip, limit: int,
+               zero_bytes: int) -> Tiles | None:
     """tk and tn for a given tm (see choose_tiles)."""
     bits = weight_bits(qtype)
     # tk a multiple of the group (scales before the dot), or a divisor of it (scales on partial sums,
     # one scale row per k step: the natural choice for groups at least as wide as the MXU and for
     # channel scales).
     # A pre-dot tile's scales come as their own block of tk/group rows: a multiple of 8 rows for f32 and
-    # bf16, of 32 for uint8 (its HBM tiling is (32, 128); deviceless compiles refuse less), or all of k.
-    sub = 32 if scale_bytes == 1 else 8
+    # bf16, of 32 for uint8 scales and int8 zero points (their HBM tiling is (32, 128); deviceless compiles
+    # refuse less), or all of k.
+    sub = 32 if scale_bytes == 1 or zero_bytes else 8
 
     def fits_group(t: int) -> bool:
         if group % t == 0:
@@ -172,7 +173,6 @@ def _choose_kn(tm: int, m: int, k: int, n: int, g: int, qtype: str, group: int, 
     tks = [t for t in divisors(k, max(MAX_TILE, k if k <= 8192 else 0)) if fits_group(t)]
     tns = divisors(n, MAX_TILE)
     resident = 2 * tm * k * 2 <= limit // 4  # keep [tm, k] of lhs in VMEM across n tiles
-    del m, g
     best = None
     for tk in tks:
         for tn in tns:
@@ -180,7 +180,7 @@ def _choose_kn(tm: int, m: int, k: int, n: int, g: int, qtype: str, group: int, 
             tile_bytes = tk * tn * bits // 8
             if k * n * bits // 8 >= BIG_WEIGHT_BYTES and steps < MIN_STEPS:
                 continue
-            vmem = vmem_estimate(tm, tk, tn, k, group, qtype, scale_bytes, resident)
+            vmem = vmem_estimate(tm, tk, tn, k, group, qtype, scale_bytes, resident, zero_bytes)
             if vmem * 4 > limit * 3:
                 continue
             # Prefer big tiles, but not below the overhead floor; ties -> wider tn (lane-dense output).

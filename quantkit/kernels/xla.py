@@ -25,8 +25,7 @@ def gmm_xla(lhs: jax.Array, rhs: QTensor, group_sizes: jax.Array, group_offset: 
     g = group_sizes.shape[0]
     if group_offset is not None or g != rhs.shape[0]:
         off = jnp.zeros((), jnp.int32) if group_offset is None else jnp.asarray(group_offset, jnp.int32)
-        rhs = QTensor(jax.lax.dynamic_slice_in_dim(rhs.values, off, g),
-                      jax.lax.dynamic_slice_in_dim(rhs.scales, off, g), rhs.qtype, rhs.group)
+        rhs = rhs.with_arrays(*(jax.lax.dynamic_slice_in_dim(a, off, g) for a in rhs.arrays))
     w = rhs.dequantize().astype(lhs.dtype)  # [g, k, n]
     if g == 1:
         out = jnp.dot(lhs, w[0], preferred_element_type=jnp.float32)

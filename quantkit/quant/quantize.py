@@ -22,9 +22,10 @@ MX_GROUP = 32
 
 
 def kind_of(w: QuantArgs) -> str:
-    """What quantize_rows does for weight args `w`: "int" (symmetric ints, group or channel scales), "fp8"
-    (e4m3, channel or block scales) or "mxfp4" (e2m1, E8M0 scales per 32). ValueError for anything else."""
-    if w.type == "int" and w.symmetric and w.strategy in ("group", "channel") and w.actorder is None:
+    """What quantize_rows does for weight args `w`: "int" (ints, group or channel scales, with zero points when
+    asymmetric), "fp8" (e4m3, channel or block scales) or "mxfp4" (e2m1, E8M0 scales per 32). ValueError for
+    anything else."""
+    if w.type == "int" and w.strategy in ("group", "channel") and w.actorder is None:
         return "int"
     if w.type == "float" and w.num_bits == 8 and w.strategy in ("channel", "block"):
         return "fp8"
@@ -104,13 +105,33 @@ def _scale(absmax: np.ndarray, kind: str, qmax: float, dtype: np.dtype) -> np.nd
     return np.where(s == 0, _eps(dtype), s)
 
 
-def _qdq(x: np.ndarray, scale: np.ndarray, kind: str, qmax: float, dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
-    """Quantizes grouped x [.., g] with per-group scale [.., 1]: (stored values, error q*scale - x in float32)."""
+def _asymmetric(lo: np.ndarray, hi: np.ndarray, qmax: float, dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
+    """Scale and integer zero point (float32) of groups with minimum `lo` and maximum `hi` (widened to hold 0),
+    each operation rounded to the weight's dtype as the library computes them: scale = (hi - lo) / (2^b - 1),
+    zero point = round(qmin - lo / scale) clamped to the range; an all-zero group gets zero point 0 (the
+    library's NaN cast to int8) and the dtype's eps as its scale."""
+    qmin = -float(np.ceil(qmax))  # a Python float: float32 arrays stay float32
+    lo, hi = np.minimum(lo, 0), np.maximum(hi, 0)
+    scale = round_to(round_to(hi - lo, dtype) / np.float32(2 * qmax), dtype)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        z = round_to(np.float32(qmin) - round_to(lo / scale, dtype), dtype)
+    z = np.rint(np.nan_to_num(np.clip(z, qmin, float(np.floor(qmax))), nan=0.0))
+    return np.where(scale == 0, _eps(dtype), scale), z
+
+
+def _qdq(x: np.ndarray, scale: np.ndarray, kind: str, qmax: float, dtype: np.dtype,
+         zero: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Quantizes grouped x [.., g] with per-group scale (and integer zero point) [.., 1]: (stored values, error
+    (q - zero) * scale - x in float32)."""
     y = round_to(x / scale, dtype)
     if kind == "int":  # clamp to the integer range before rounding, as the library does
+        if zero is not None:
+            y = round_to(y + zero, dtype)
         np.clip(y, -np.ceil(qmax), np.floor(qmax), out=y)  # -8..7 for int4
         np.rint(y, out=y)  # round half to even, like torch.round
         q = y.astype(np.int8)
+        if zero is not None:
+            y -= zero
     else:
         np.clip(y, -qmax, qmax, out=y)
         if kind == "fp8":
@@ -138,6 +159,7 @@ class Quantized:
     ref2: float  # sum of squared weights (NaN/Inf when the weights hold any)
     err2: float  # sum of squared errors q*scale - w of the chosen scales (float32, before a loader's rounding)
     minmax_err2: float  # the same for the min-max scales, to report what the MSE search gained
+    zero: np.ndarray | None = None  # [rows, G] int8 zero points of asymmetric ints
 
 
 def _sumsq(x: np.ndarray) -> float:
@@ -152,30 +174,39 @@ def quantize_rows(w: np.ndarray, args: QuantArgs, observer: str = "minmax") -> Q
         w: [rows, in] in the weight's dtype (bfloat16, float16 or float32); for block scales `rows` is
            a multiple of the block height except at the end of the tensor.
         args: the weights' QuantizationArgs (a kind `kind_of` accepts).
-        observer: "minmax", or "mse" (per group, the clipping ratio that minimises |error|^2.4).
+        observer: "minmax", or "mse" (per group, the clipping ratio that minimises |error|^2.4; asymmetric:
+            the minimum and the maximum shrunk alike).
     Returns:
-        Quantized (values and scales in the shapes above, error sums).
+        Quantized (values, scales and zero points in the shapes above, error sums).
     """
     dtype = np.dtype(w.dtype)
     kind = kind_of(args)
     qmax = _qmax(kind, args.num_bits)
     x = _groups(w.astype(np.float32), args)
-    absmax = np.maximum(x.max(axis=-1, keepdims=True), -x.min(axis=-1, keepdims=True))  # exact in the weight dtype
-    scale = _scale(absmax, kind, qmax, dtype)
-    q, err = _qdq(x, scale, kind, qmax, dtype)
+    lo, hi = x.min(axis=-1, keepdims=True), x.max(axis=-1, keepdims=True)  # exact in the weight dtype
+
+    def params(shrink: float):  # (scale, zero point or None) of the range shrunk by `shrink`
+        f = np.float32(1 - shrink)
+        if not args.symmetric:
+            return _asymmetric(round_to(lo * f, dtype), round_to(hi * f, dtype), qmax, dtype)
+        return _scale(round_to(np.maximum(hi, -lo) * f, dtype), kind, qmax, dtype), None
+
+    scale, zero = params(0.0)
+    q, err = _qdq(x, scale, kind, qmax, dtype, zero)
     minmax_err2 = _sumsq(err)
     if observer == "mse":
         best = (np.abs(err) ** MSE_NORM).sum(-1, keepdims=True)
         for shrink in MSE_STEPS[1:]:
-            s = _scale(round_to(absmax * np.float32(1 - shrink), dtype), kind, qmax, dtype)
-            q2, e2 = _qdq(x, s, kind, qmax, dtype)
+            s, z = params(shrink)
+            q2, e2 = _qdq(x, s, kind, qmax, dtype, z)
             cost = (np.abs(e2) ** MSE_NORM).sum(-1, keepdims=True)
             better = cost < best
             best = np.where(better, cost, best)
-            scale = np.where(better, s, scale)
+            scale, zero = np.where(better, s, scale), None if z is None else np.where(better, z, zero)
             q, err = np.where(better, q2, q), np.where(better, e2, err)
     elif observer != "minmax":
         raise ValueError(f"unknown observer {observer!r}")
     stored_scale = packing.float_to_e8m0(scale[..., 0]) if kind == "mxfp4" else scale[..., 0]
     err2 = minmax_err2 if observer == "minmax" else _sumsq(err)
-    return Quantized(_ungroup(q, args, w.shape), stored_scale, _sumsq(x), err2, minmax_err2)
+    return Quantized(_ungroup(q, args, w.shape), stored_scale, _sumsq(x), err2, minmax_err2,
+                     None if zero is None else zero[..., 0].astype(np.int8))

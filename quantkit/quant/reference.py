@@ -34,8 +34,10 @@ def decode_scales(qt: QTensor) -> jax.Array:
 
 
 def dequantize(qt: QTensor) -> jax.Array:
-    """float32 [g, k, n]."""
-    return decode_values(qt) * jnp.repeat(decode_scales(qt), qt.group, axis=1)
+    """float32 [g, k, n]: (value - zero point) * scale, per element (groups expanded by indexing)."""
+    rows = jnp.arange(qt.shape[1]) // qt.group
+    zero = 0.0 if qt.zeros is None else qt.zeros.astype(jnp.float32)[:, rows]
+    return (decode_values(qt) - zero) * decode_scales(qt)[:, rows]
 
 
 def row_groups(group_sizes: jax.Array, m: int) -> jax.Array:

@@ -48,7 +48,7 @@ def lane_widths(cfg: ModelConfig, qc: QuantConfig | None) -> tuple[int, int]:
         scheme = qc.scheme_for(down.module[0] if down.kind == "experts" else down.module, "Linear") if qc else None
         if weight_qtype(scheme) == "dense":
             return padded
-        return padded if padded % kernel_shapes(scheme, (cfg.hidden_size, padded))[3] == 0 else m
+        return padded if padded % kernel_shapes(scheme, (cfg.hidden_size, padded)).group == 0 else m
 
     return width(cfg.intermediate_size, "down"), width(cfg.moe_intermediate_size, "experts_down")
 

@@ -34,18 +34,19 @@ def abstract(cfg: ModelConfig, qc: QuantConfig | None, dtype=jnp.bfloat16) -> di
             one = leaf(s.module[0])
             n = len(s.module)
             if isinstance(one, QTensor):
-                return QTensor(*(jax.ShapeDtypeStruct((n * a.shape[0], *a.shape[1:]), a.dtype)
-                                 for a in (one.values, one.scales)), one.qtype, one.group)
+                return one.with_arrays(*(jax.ShapeDtypeStruct((n * a.shape[0], *a.shape[1:]), a.dtype)
+                                         for a in one.arrays))
             return jax.ShapeDtypeStruct((n, *one.shape), one.dtype)
         scheme = qc.scheme_for(s.module[0] if s.kind == "experts" else s.module, "Linear") if qc else None
         quantized = s.kind in ("linear", "experts") and weight_qtype(scheme) != "dense"
         if not quantized:
             return jax.ShapeDtypeStruct(s.shape, jnp.float32 if s.kind in ("norm", "router", "tensor", "conv") else dtype)
         *g, k, n = s.shape
-        scales, sdtype, qtype, group = kernel_shapes(scheme, (n, k))
+        ks = kernel_shapes(scheme, (n, k))
         g = g[0] if g else 1
-        return QTensor(jax.ShapeDtypeStruct((g, k, n), STORAGE[qtype]),
-                       jax.ShapeDtypeStruct((g, *scales), jnp.dtype(sdtype)), qtype, group)
+        return QTensor(jax.ShapeDtypeStruct((g, k, n), STORAGE[ks.qtype]),
+                       jax.ShapeDtypeStruct((g, *ks.scales), jnp.dtype(ks.scale_dtype)), ks.qtype, ks.group,
+                       zeros=jax.ShapeDtypeStruct((g, *ks.scales), jnp.int8) if ks.zeros else None)
 
     return jax.tree_util.tree_map(leaf, skeleton(cfg, lane_widths(cfg, qc)),
                                   is_leaf=lambda x: isinstance(x, Slot))
@@ -99,18 +100,17 @@ class _Reader:
             return None
         arrays = {p: np.asarray(self.ckpt.read(n)) for p, n in pnames.items()}
         shape = logical_shape({p: a.shape for p, a in arrays.items()}, arrays.get("weight_shape"))
-        values, scales, qtype, group = kernel_layout(scheme, arrays, shape)
-        if scales.dtype == np.float16:
-            scales = scales.astype(np.float32)
-        return values, scales, qtype, group
+        layout = kernel_layout(scheme, arrays, shape)
+        if layout.scales.dtype == np.float16:
+            layout = layout._replace(scales=layout.scales.astype(np.float32))
+        return layout
 
     def linear(self, module: str, shape: tuple[int, int]):
         """A Linear's weight, zero-padded to `shape` [in, out]: a QTensor [1, in, out] on the host if quantized, else dense."""
         layout = self._layout(module)
         if layout is None:
             return _pad(self.array(module).T, shape)
-        values, scales, qtype, group = layout
-        return _padded_qtensor(values[None], scales[None], qtype, group, shape)
+        return _padded_qtensor([layout], shape)
 
     def experts(self, modules: list[str], packed: tuple[str, int, int] | None, shape: tuple[int, int, int]):
         """Stacked expert weights, a host QTensor or dense [experts, in, out], zero-padded to `shape`; from `packed`,
@@ -124,10 +124,9 @@ class _Reader:
         layouts = [self._layout(m) for m in modules]
         if all(la is None for la in layouts):
             return np.stack([self.linear(m, shape[1:]) for m in modules])
-        if any(la is None for la in layouts) or len({(la[2], la[3]) for la in layouts}) != 1:
+        if any(la is None for la in layouts) or len({(la.qtype, la.group, la.zeros is None) for la in layouts}) != 1:
             raise Unsupported(f"experts {modules[0]}..: mixed quantization across experts is not supported")
-        return _padded_qtensor(np.stack([la[0] for la in layouts]), np.stack([la[1] for la in layouts]),
-                               *layouts[0][2:], shape[1:])
+        return _padded_qtensor(layouts, shape[1:])
 
     def slot(self, s: Slot):
         """One Slot's host data (not a stack)."""
@@ -151,15 +150,19 @@ def _pad(w: np.ndarray, shape: tuple[int, ...], value=0) -> np.ndarray:
                   constant_values=value)
 
 
-def _padded_qtensor(values, scales, qtype: str, group: int, shape: tuple[int, int]) -> QTensor:
-    """values [g, k, n] and scales [g, k // group, n] zero-padded to [g, *shape] (lane_widths): zero values
-    (whatever their scale) add nothing; the new scales are 1 (E8M0 127)."""
-    k, n = shape
-    group = k if group == values.shape[1] else group  # channel scales span the padded rows too
-    one = 127 if scales.dtype == np.uint8 else 1
-    values, scales = _pad(values, shape), _pad(scales, (k // group, n), one)
-    check_qtensor(values.shape, scales.shape, qtype, group)
-    return QTensor(values, scales, qtype, group)
+def _padded_qtensor(layouts: list, shape: tuple[int, int]) -> QTensor:
+    """The g KernelLayouts (formats/ct_tensors.py) of one weight or of g experts stacked into a host QTensor
+    [g, *shape], zero-padded (lane_widths): zero values and zero points add nothing whatever their scale;
+    the new scales are 1 (E8M0 127). A channel scale and zero point span the padded rows too: their inputs
+    are the zero outputs of the padded columns of the layer before."""
+    first, (k, n) = layouts[0], shape
+    group = k if first.group == first.values.shape[0] else first.group
+    one = 127 if first.scales.dtype == np.uint8 else 1
+    values = _pad(np.stack([la.values for la in layouts]), shape)
+    scales = _pad(np.stack([la.scales for la in layouts]), (k // group, n), one)
+    zeros = None if first.zeros is None else _pad(np.stack([la.zeros for la in layouts]), (k // group, n))
+    check_qtensor(values.shape, scales.shape, first.qtype, group, None if zeros is None else zeros.shape)
+    return QTensor(values, scales, first.qtype, group, zeros=zeros)
 
 
 @partial(jax.jit, donate_argnums=0)
@@ -240,18 +243,21 @@ def load(path: str | Path, dtype=jnp.bfloat16, check: bool = True, mesh=None, ep
         else:
             g = first.values.shape[0]
             shape = (n * g, *first.values.shape[1:])
-            scales = (n * g, *first.scales.shape[1:])
             (vs, ss), split = ((one, one), "") if mesh is None else \
                 shardings(key, cfg, mesh, shape, kind, ep, first.scales.shape[1])
-            outs = [(shape, STORAGE[first.qtype], vs), (scales, first.scales.dtype, ss)]
+            dtypes = (STORAGE[first.qtype], *(a.dtype for a in first.arrays[1:]))
+            outs = [((n * g, *a.shape[1:]), dt, sh)  # zero points placed as the scales
+                    for a, dt, sh in zip(first.arrays, dtypes, (vs, ss, ss))]
+
         cache = {0: first}
 
         def read(i):
             h = cache.pop(i) if i in cache else r.slot(entries[i])
             if quantized:
-                if (h.qtype, h.group, h.scales.dtype) != (first.qtype, first.group, first.scales.dtype):
+                if (h.qtype, h.group, *(a.dtype for a in h.arrays[1:])) != \
+                        (first.qtype, first.group, *(a.dtype for a in first.arrays[1:])):
                     raise Unsupported(f"{entries[0].module}..: layers quantized differently are not supported")
-                return h.values, h.scales
+                return h.arrays
             return (h[None] if s.kind == "stack" else h,)
 
         # expert parallel: layer-major rows go where sharding.expert_rows puts them
@@ -263,7 +269,7 @@ def load(path: str | Path, dtype=jnp.bfloat16, check: bool = True, mesh=None, ep
 
         placed = _assemble(read, n, outs, rows)
         if quantized:
-            return QTensor(*placed, first.qtype, first.group, mesh, split)
+            return first.with_arrays(*placed, mesh=mesh, split=split)
         return placed[0]
 
     sk = skeleton(cfg, lane_widths(cfg, qc))

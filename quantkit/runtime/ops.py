@@ -93,14 +93,16 @@ def _per_shard(x: jax.Array, w: QTensor, group_sizes: jax.Array, group_offset) -
     channel = w.group == w.shape[1]  # one scale row: replicated when the rows are split, and spans a shard
     offset = jnp.zeros((), jnp.int32) if group_offset is None else jnp.asarray(group_offset, jnp.int32)
 
-    def body(x, values, scales, sizes, off):
-        y = grouped_matmul(x, QTensor(values, scales, w.qtype, values.shape[1] if channel else w.group), sizes, off)
+    def body(x, arrays, sizes, off):
+        mine = w.with_arrays(*arrays, group=arrays[0].shape[1] if channel else w.group, mesh=None, split="")
+        y = grouped_matmul(x, mine, sizes, off)
         return jax.lax.psum(y, ax) if k_split else y
 
-    return jax.shard_map(body, mesh=w.mesh, in_specs=(P(None, ax) if k_split else P(), spec,
-                                                      P() if channel and k_split else spec, P(), P()),
+    rows = P() if channel and k_split else spec  # scales and zero points
+    return jax.shard_map(body, mesh=w.mesh, in_specs=(P(None, ax) if k_split else P(),
+                                                      (spec, rows, rows)[:len(w.arrays)], P(), P()),
                          out_specs=P(None, ax) if w.split == "n" else P(), check_vma=False)(
-        x, w.values, w.scales, group_sizes, offset)
+        x, w.arrays, group_sizes, offset)
 
 
 def qmatmul(x: jax.Array, w: QTensor, layer=None) -> jax.Array:

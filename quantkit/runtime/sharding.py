@@ -145,11 +145,11 @@ def shard_params(params: dict, cfg: ModelConfig, mesh: Mesh, put=_put, ep: bool 
         if not isinstance(w, QTensor):
             return put(w, shardings(key, cfg, mesh, w.shape, kind, ep)[0])
         (vs, ss), split = shardings(key, cfg, mesh, w.shape, kind, ep, w.scales.shape[1])
-        values, scales = w.values, w.scales
-        if split == "e" and w.split != "e" and isinstance(values, jax.Array | np.ndarray):
+        arrays = w.arrays
+        if split == "e" and w.split != "e" and isinstance(w.values, jax.Array | np.ndarray):
             order = expert_rows(layers, w.shape[0] // layers, tp)
-            values, scales = values[order], scales[order]
-        return QTensor(put(values, vs), put(scales, ss), w.qtype, w.group, mesh, split)
+            arrays = [a[order] for a in arrays]
+        return w.with_arrays(*(put(a, sh) for a, sh in zip(arrays, (vs, ss, ss))), mesh=mesh, split=split)
 
     out = {k: place(k, v) for k, v in params.items() if k != "layers"}
     out["layers"] = {kind: {key: place(key, w, kind, len(stack["attn_norm"])) for key, w in stack.items()}

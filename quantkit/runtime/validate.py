@@ -53,9 +53,6 @@ def _act_reason(name: str, a: QuantArgs | None) -> str | None:
 
 
 def _int_reason(w: QuantArgs, fmt: str) -> str | None:
-    if not w.symmetric:
-        return (f"asymmetric int{w.num_bits} weights with zero points (W{w.num_bits}A16_ASYM) are not supported: "
-                "the runtime serves symmetric ints; re-quantize with `quantkit convert --scheme W4A16`")
     if w.actorder == "group":
         return ("activation-ordered groups (actorder=group, weight_g_idx) permute input columns and are not "
                 "supported; re-quantize with actorder=weight or without actorder")
@@ -71,7 +68,7 @@ def _int_reason(w: QuantArgs, fmt: str) -> str | None:
 
 def unsupported_reason(scheme: Scheme) -> str | None:
     """Why quantkit cannot serve weights stored under `scheme` at all (whatever the chip), or None if it can:
-    symmetric int4 and int8 (pack- or int-quantized, group or channel scales), fp8 e4m3 (float-quantized,
+    int4 and int8 with or without zero points (pack- or int-quantized, group or channel scales), fp8 e4m3 (float-quantized,
     tensor, channel or block scales) and mxfp4, with no activation quantization other than fp8."""
     w, fmt = scheme.weights, scheme.format
     if fmt in SPARSE_FORMATS:
@@ -138,8 +135,9 @@ def weight_path(scheme: Scheme | None, shape: tuple[int, ...] | None, chip: Chip
     if shape is None or len(shape) < 2:
         return Verdict(None, "weight shape unknown")
     out, inp = shape[-2:]
-    _, sdtype, qtype, group = kernel_shapes(scheme, (out, inp))
-    return kernel_path(qtype, inp, out, group, chip, scale_bytes=1 if sdtype == "uint8" else 2)
+    k = kernel_shapes(scheme, (out, inp))
+    return kernel_path(k.qtype, inp, out, k.group, chip, scale_bytes=1 if k.scale_dtype == "uint8" else 2,
+                       zero_bytes=int(k.zeros))
 
 
 def problem(severity: str, where: str, message: str) -> dict:

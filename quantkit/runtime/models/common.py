@@ -148,11 +148,11 @@ def _expert_parallel(x, weights, experts, w: tuple, num_experts: int, act: Calla
     tp = mesh.shape[AXIS]
     local = num_experts // tp
     # At views of device-major stacked QTensors (values, scales, layer), or one layer's dense experts
-    parts = [(a.w.values, a.w.scales, jnp.asarray(a.index, jnp.int32)) if isinstance(a, At) else (a,) for a in w]
-    specs = [(spec("e", 3), spec("e", 3), P()) if len(p) == 3 else (spec("e", 3),) for p in parts]
+    parts = [(a.w.arrays, jnp.asarray(a.index, jnp.int32)) if isinstance(a, At) else a for a in w]
+    specs = [((spec("e", 3),) * len(a.w.arrays), P()) if isinstance(a, At) else spec("e", 3) for a in w]
 
     def body(x, weights, experts, parts):
-        mine = tuple(At(QTensor(p[0], p[1], a.w.qtype, a.w.group), p[2], local) if isinstance(a, At) else p[0]
+        mine = tuple(At(a.w.with_arrays(*p[0], mesh=None, split=""), p[1], local) if isinstance(a, At) else p
                      for p, a in zip(parts, w))
         e = experts - jax.lax.axis_index(AXIS) * local
         e = jnp.where((e >= 0) & (e < local), e, local)  # another device's expert: dropped
