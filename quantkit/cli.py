@@ -206,7 +206,7 @@ def convert(
                                         "for DENSE).", show_default=False)],
     dst: Annotated[Path, typer.Argument(help="Output directory (must not exist unless --force).", show_default=False)],
     scheme: Annotated[SchemeName, typer.Option(help="Target scheme (compressed-tensors preset names).")] = SchemeName.W4A16,
-    group_size: Annotated[int, typer.Option(help="W4A16 / W8A16 group size; -1 = one scale per output channel.")] = 128,
+    group_size: Annotated[int, typer.Option(help="W4A16 / W8A16 (and _ASYM) group size; -1 = one scale per output channel.")] = 128,
     ignore: Annotated[list[str] | None, typer.Option(help="Module name or re:<regex> to keep unquantized "
                                                       "(repeatable).")] = None,
     observer: Annotated[Observer, typer.Option(help="minmax, or mse: per group, the clipping ratio with the "
@@ -360,7 +360,7 @@ def plan(
     scheme: Annotated[SchemeName | None, typer.Option(help="How the weights would be stored \\[default: as the "
                                                            "checkpoint says; bf16 without a quantization_config].",
                                                       show_default=False)] = None,
-    group_size: Annotated[int, typer.Option(help="W4A16 / W8A16 group size (-1: channel).")] = 128,
+    group_size: Annotated[int, typer.Option(help="W4A16 / W8A16 (and _ASYM) group size (-1: channel).")] = 128,
     search: Annotated[bool, typer.Option(help="Also find the largest --max-num-seqs that fits.")] = True,
     kv_cache_dtype: Annotated[KvCacheDtype, typer.Option(help=KV_HELP)] = KvCacheDtype.auto,
     enable_expert_parallel: EpOption = False,

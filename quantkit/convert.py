@@ -168,7 +168,7 @@ def _quantize_job(module: str, src: str, shape: tuple, dtype: str, scheme: str, 
     g = s.weights.group_size if s.weights.strategy == "group" else 0
     if g and inp % g:
         raise InvalidInput(f"{src}: in_features {inp} is not divisible by group size {g}; "
-                           + ("MXFP4 needs a multiple of 32" if scheme == "MXFP4A16" else _divisor_hint(inp)))
+                           + ("MX schemes need a multiple of 32" if scheme.startswith("MX") else _divisor_hint(inp)))
     layout = stored_layout(s, (out, inp), dtype)
     return Job("quantize", module, {"weight": src}, (out, inp), dtype, {f"{module}.{q}": v for q, v in layout.items()},
                row0=row0)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from quantkit.errors import InvalidInput
 from quantkit.formats.compressed_tensors import weight_qtype
-from quantkit.formats.ct_tensors import check_module_data
+from quantkit.formats.ct_tensors import check_module_data, served_qtype
 from quantkit.formats.hf import Checkpoint
 from quantkit.formats.safetensors_io import DTYPES, FLOAT_DTYPES
 from quantkit.kernels.tiling import CHIPS, Chip, hbm_bytes
@@ -24,12 +24,12 @@ LAYER_KINDS = ("linear", "moe_experts")
 
 def _device_bytes(qtype: str, params: dict, shape: tuple[int, ...] | None, chip: Chip) -> int:
     """HBM bytes for one module on `chip`, in the runtime's layout: weights [..., in, out]
-    (out in lanes), scales and zero points [..., groups, out]; int4/mxfp4 packed, int8/fp8 and zero points 1
+    (out in lanes), scales and zero points [..., groups, out]; int4/mxfp4 packed, int8/fp8/mxfp8 and zero points 1
     byte, dense weights bf16."""
     total = 0
     if shape is not None and len(shape) >= 2:
         dev_shape = (*shape[:-2], shape[-1], shape[-2])
-        bits = {"int4": 4, "mxfp4": 4, "int8": 8, "fp8": 8}.get(qtype, 16)
+        bits = {"int4": 4, "mxfp4": 4, "int8": 8, "fp8": 8, "mxfp8": 8}.get(qtype, 16)
         total += hbm_bytes(dev_shape, bits, chip)
     for param, info in params.items():
         if param in ("weight", "weight_packed") and shape is not None and len(shape) >= 2:
@@ -75,7 +75,7 @@ def _inspect_module(ckpt: Checkpoint, m: ModuleCheck, chip: Chip, deep: bool, se
         "servable": not m.errors and (path is not None or not m.has_weight),
         "reason": reason or None,
         "bytes_on_disk": sum(i.nbytes for i in m.params.values()),
-        "hbm_bytes": _device_bytes(qtype, m.params, shape, chip),
+        "hbm_bytes": _device_bytes(served_qtype(m.scheme) if quantized else qtype, m.params, shape, chip),
     }
     return layer, probs
 

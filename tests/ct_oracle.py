@@ -84,10 +84,13 @@ SCHEMES = [
     "W8A16",
     "W8A16_INT",
     "W8A16_ASYM",
+    "W3A16",
+    "W6A16",
     "FP8",
     "FP8_DYNAMIC",
     "FP8_BLOCK",
     "MXFP4A16",
+    "MXFP8A16",
     "NVFP4A16",
     "MIXED",
 ]
@@ -101,10 +104,13 @@ EXPECTED_FORMAT = {
     "W8A16": "pack-quantized",
     "W8A16_INT": "int-quantized",
     "W8A16_ASYM": "pack-quantized",
+    "W3A16": "pack-quantized",
+    "W6A16": "pack-quantized",
     "FP8": "float-quantized",
     "FP8_DYNAMIC": "float-quantized",
     "FP8_BLOCK": "float-quantized",
     "MXFP4A16": "mxfp4-pack-quantized",
+    "MXFP8A16": "mxfp8-quantized",
     "NVFP4A16": "nvfp4-pack-quantized",
     "MIXED": "mixed-precision",
 }
@@ -160,6 +166,16 @@ EXPECTED_DOWN_PROJ = {
         "weight_zero_point": ("int32", (64, 4)),  # packed along dim 0
         "weight_shape": ("int64", (2,)),
     },
+    "W3A16": {  # 3-bit values run across int32 words (compressed-tensors >= 0.18)
+        "weight_packed": ("int32", (256, 48)),
+        "weight_scale": ("bfloat16", (256, 4)),
+        "weight_shape": ("int64", (2,)),
+    },
+    "W6A16": {
+        "weight_packed": ("int32", (256, 96)),
+        "weight_scale": ("bfloat16", (256, 4)),
+        "weight_shape": ("int64", (2,)),
+    },
     "FP8": {
         "weight": ("float8_e4m3fn", (256, 512)),
         "weight_scale": ("bfloat16", (1,)),
@@ -175,6 +191,10 @@ EXPECTED_DOWN_PROJ = {
     },
     "MXFP4A16": {
         "weight_packed": ("uint8", (256, 256)),
+        "weight_scale": ("uint8", (256, 16)),
+    },
+    "MXFP8A16": {
+        "weight": ("float8_e4m3fn", (256, 512)),
         "weight_scale": ("uint8", (256, 16)),
     },
     "NVFP4A16": {

@@ -31,10 +31,13 @@ REL_ERR = {
     "W8A16": 0.02,
     "W8A16_INT": 0.02,
     "W8A16_ASYM": 0.02,
+    "W3A16": 0.4,
+    "W6A16": 0.05,
     "FP8": 0.1,
     "FP8_DYNAMIC": 0.1,
     "FP8_BLOCK": 0.1,
     "MXFP4A16": 0.2,
+    "MXFP8A16": 0.1,
     "NVFP4A16": 0.2,
     "MIXED": 0.2,  # mlp: 4-bit; attention (fp8) checked against 0.1 below
 }

@@ -25,8 +25,8 @@ from quantkit.formats.ct_tensors import dequantize
 from quantkit.formats.hf import Checkpoint, classify_module, group_modules
 from quantkit.inspect import inspect_checkpoint
 
-SERVABLE = ["W4A16", "W4A16_G32", "W4A16_CHANNEL", "W4A16_ASYM", "W8A16", "W8A16_INT", "W8A16_ASYM", "FP8",
-            "FP8_DYNAMIC", "FP8_BLOCK", "MXFP4A16", "MIXED"]
+SERVABLE = ["W4A16", "W4A16_G32", "W4A16_CHANNEL", "W4A16_ASYM", "W8A16", "W8A16_INT", "W8A16_ASYM", "W3A16",
+            "W6A16", "FP8", "FP8_DYNAMIC", "FP8_BLOCK", "MXFP4A16", "MXFP8A16", "MIXED"]
 UNSUPPORTED = {"NVFP4A16": "NVFP4"}
 QUANTKIT = [sys.executable, "-m", "quantkit.cli"]
 
@@ -172,6 +172,18 @@ def test_config_level_unsupported(ckpts, tmp_path, edit, expect):
     r = inspect_checkpoint(path)
     assert r["exit_code"] == 3
     assert any(expect in p["message"] for p in r["problems"] if p["severity"] == "unsupported")
+
+
+def test_odd_bit_ints_of_the_old_packing_are_refused(ckpts, tmp_path):
+    """3-bit values are read in compressed-tensors' layout since 0.18 (across int32 words); the same bytes under
+    an older version's config would be read wrong, so they are refused with the reason (2-bit ones are not:
+    16 to a word in both layouts)."""
+    path = _copy(ckpts["W3A16"], tmp_path)
+    assert inspect_checkpoint(path)["exit_code"] == 0
+    _edit_config(path, lambda qc: qc.update(version="0.17.1"))
+    r = inspect_checkpoint(path)
+    assert r["exit_code"] == 3 and any("int3 weights packed by compressed-tensors 0.17.1" in p["message"]
+                                       for p in r["problems"] if p["severity"] == "unsupported")
 
 
 @pytest.mark.parametrize("scheme,edit,expect", [

@@ -40,6 +40,9 @@ def _random_qtensor(rng, qtype, g, k, n, group, zeros=False):
     elif qtype == "fp8":
         values = (rng.standard_normal((g, k, n)) * 64).astype(jnp.float8_e4m3fn)
         scales = rng.uniform(0.5, 2.0, (g, k // group, n)).astype(np.float32) / 4096
+    elif qtype == "mxfp8":  # fp8 values, E8M0 scales around 2^-12
+        values = (rng.standard_normal((g, k, n)) * 64).astype(jnp.float8_e4m3fn)
+        scales = rng.integers(113, 118, (g, k // group, n)).astype(np.uint8)
     else:  # mxfp4: e2m1 codes as signed nibbles, E8M0 scales around 2^-6
         values = rng.integers(-8, 8, (g, k, n)).astype(np.int8)
         scales = rng.integers(119, 124, (g, k // group, n)).astype(np.uint8)
@@ -61,7 +64,7 @@ CASES = [  # qtype, group (None = channel), tk, zero points; k = 512. Pre-dot sc
     # tiles (f32 8 rows, uint8 scales and int8 zero points 32) or are all of k.
     ("int4", 32, 256, False), ("int4", 64, 512, False), ("int4", 128, 512, False), ("int4", 256, 512, False),
     ("int4", 256, 256, False), ("int4", None, 128, False), ("int8", 128, 512, False), ("int8", None, 256, False),
-    ("fp8", None, 256, False), ("fp8", 128, 512, False), ("mxfp4", 32, 512, False),
+    ("fp8", None, 256, False), ("fp8", 128, 512, False), ("mxfp4", 32, 512, False), ("mxfp8", 32, 512, False),
     # zero points: pre-dot (the tile's rows shifted), one of several rows per k tile, channel (one row)
     ("int4", 32, 512, True), ("int4", 256, 128, True), ("int8", None, 256, True),
 ]
@@ -90,7 +93,8 @@ def test_kernel_matches_reference(qtype, group, tk, zeros, g, m, seed):
 
 
 @pytest.mark.parametrize("qtype,group,zeros", [("int4", 32, False), ("int4", 256, False), ("int8", 64, False),
-                                               ("fp8", 256, False), ("mxfp4", 32, False), ("int4", 32, True),
+                                               ("fp8", 256, False), ("mxfp4", 32, False), ("mxfp8", 32, False),
+                                               ("int4", 32, True),
                                                ("int8", 256, True)])
 def test_xla_path_matches_reference(qtype, group, zeros, seed):
     rng = np.random.default_rng(seed)
@@ -136,11 +140,11 @@ VERSIONS = {"v5e": pltpu.ChipVersion.TPU_V5E, "v6e": pltpu.ChipVersion.TPU_V6E, 
 
 @pytest.mark.parametrize("chip", ["v5e", "v6e", "v7x"])
 @pytest.mark.parametrize("qtype,group", [("int4", 32), ("int4", 128), ("int4", None), ("int8", 128), ("fp8", None),
-                                         ("mxfp4", 32), ("int4z", 32), ("int8z", 128)])  # z: zero points
+                                         ("mxfp4", 32), ("mxfp8", 32), ("int4z", 32), ("int8z", 128)])  # z: zero points
 def test_tiles_obey_the_rules(chip, qtype, group):
     c = CHIPS[chip]
     qtype, zeros = qtype.removesuffix("z"), qtype.endswith("z")
-    scale_bytes = 1 if qtype == "mxfp4" else 2
+    scale_bytes = 1 if qtype.startswith("mx") else 2
     for k, n, g in SHAPES:
         grp = group or k
         for m in (1, 16, 256, 2048):
@@ -202,7 +206,7 @@ def test_chip_of_maps_known_device_kinds_and_sends_the_rest_to_xla():
 def _abstract(qtype, g, k, n, group, m, zeros=False):
     from quantkit.quant.qtensor import STORAGE, QTensor
 
-    sdt = jnp.uint8 if qtype == "mxfp4" else jnp.bfloat16
+    sdt = jnp.uint8 if qtype.startswith("mx") else jnp.bfloat16
     rhs = QTensor(jax.ShapeDtypeStruct((g, k, n), STORAGE[qtype]), jax.ShapeDtypeStruct((g, k // group, n), sdt),
                   qtype, group, zeros=jax.ShapeDtypeStruct((g, k // group, n), jnp.int8) if zeros else None)
     return jax.ShapeDtypeStruct((m, k), jnp.bfloat16), rhs, jax.ShapeDtypeStruct((g,), jnp.int32)
@@ -210,7 +214,7 @@ def _abstract(qtype, g, k, n, group, m, zeros=False):
 
 AOT_CASES = [(chip, qtype, group) for chip in ("v5e", "v6e", "v7x") for qtype, group in [("int4", 128)]] + [
     ("v6e", "int4", 32), ("v6e", "int4", None), ("v6e", "int8", 128), ("v6e", "fp8", None), ("v6e", "mxfp4", 32),
-    ("v7x", "fp8", None), ("v6e", "int4z", 128), ("v6e", "int8z", None)]  # z: with zero points
+    ("v7x", "fp8", None), ("v6e", "int4z", 128), ("v6e", "int8z", None), ("v6e", "mxfp8", 32)]  # z: zero points
 
 
 # In CI, per chip and qtype: the widest-k dense linear (Llama-3-8B down_proj: the most k steps), a narrow
@@ -235,7 +239,7 @@ def _aot_case(chip, qtype, group, shapes, ms):
             compiled, _ = compile_for(chip, lambda a, b, c: gmm_v2(a, b, c, chip=chip), lhs, rhs, gs, pinned=(1,))
             mem = compiled.memory_analysis()
             packed = g * k * n * weight_bits(qtype) // 8
-            side = [(1 if qtype == "mxfp4" else 2) * 8] + [8] * zeros  # bits of scales (and zero points)
+            side = [(1 if qtype.startswith("mx") else 2) * 8] + [8] * zeros  # bits of scales (and zero points)
             inputs = packed + sum(g * (k // grp) * n * b // 8 for b in side) + m * k * 2 + g * 4
             # row-major scales and zero points of few rows (6 a group for [768, n] g128) pad to whole tiles
             padded = inputs + sum(hbm_bytes((g, k // grp, n), b, CHIPS[chip]) - g * (k // grp) * n * b // 8 for b in side)
@@ -247,7 +251,9 @@ def _aot_case(chip, qtype, group, shapes, ms):
 @pytest.mark.slow
 @pytest.mark.parametrize("chip,qtype,group", AOT_CASES)
 def test_compiles_for_representative_layer_shapes(chip, qtype, group):
-    _aot_case(chip, qtype, group, REPRESENTATIVE, (1, 2048))
+    """Each chip at a decode and a prefill row count (int4 g128); the other weight types at the prefill count,
+    whose tall m tiles take the most VMEM (each compile is a few seconds)."""
+    _aot_case(chip, qtype, group, REPRESENTATIVE, (1, 2048) if (qtype, group) == ("int4", 128) else (2048,))
 
 
 @pytest.mark.exhaustive
@@ -261,7 +267,7 @@ def test_compiles_for_every_real_layer_shape(chip, qtype, group):
 # ---- from checkpoints written by compressed-tensors to the kernel --------------------------------
 
 @pytest.mark.parametrize("scheme", ["W4A16", "W4A16_G32", "W4A16_CHANNEL", "W4A16_ASYM", "W8A16", "W8A16_ASYM",
-                                    "FP8_DYNAMIC", "FP8_BLOCK", "MXFP4A16"])
+                                    "FP8_DYNAMIC", "FP8_BLOCK", "MXFP4A16", "MXFP8A16"])
 def test_library_checkpoint_through_the_kernels(scheme, tmp_path, seed):
     """Weights made by the library, converted once to the kernel layout, multiply like the library's
     own decompressed weights (x @ W.T), through gmm_v2 (interpret) and the XLA path."""

@@ -4,6 +4,7 @@ import copy
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -329,3 +330,15 @@ def test_loader_validates_without_the_inspect_command(tmp_path, monkeypatch):
     with pytest.raises(InvalidInput, match=r"weights\.num_bits: expected an integer, got null"):
         load(path)
     assert "quantkit.inspect" not in sys.modules
+
+
+def test_docs_preset_table_is_what_quantkit_says(capsys):
+    """docs/formats.md's table of every preset per chip is scripts/scheme_table.py's output as the code is now:
+    serving a new scheme without regenerating it fails here."""
+    import runpy
+
+    root = Path(__file__).resolve().parents[1]
+    runpy.run_path(str(root / "scripts" / "scheme_table.py"), run_name="__main__")
+    table = capsys.readouterr().out.strip().splitlines()
+    docs = (root / "docs" / "formats.md").read_text().splitlines()
+    assert len(table) > 30 and all(line in docs for line in table), [line for line in table if line not in docs]

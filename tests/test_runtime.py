@@ -61,9 +61,13 @@ def test_bfloat16_logits_close(family_ckpt):
         assert rel_err(ours, theirs) < 4e-2
 
 
-@pytest.mark.parametrize("scheme", ["W4A16", "W4A16_G32", "W4A16_CHANNEL", "W4A16_ASYM", "W8A16", "W8A16_ASYM",
-                                    "FP8_DYNAMIC", "MXFP4A16"])
+@pytest.mark.parametrize("scheme", ["W4A16", "W4A16_CHANNEL", "W4A16_ASYM", "W8A16_ASYM", "W3A16", "FP8_DYNAMIC",
+                                    "MXFP4A16", "MXFP8A16"])
 def test_quantized_checkpoints_match_transformers_on_decompressed_weights(scheme, tmp_path):
+    """Each way a weight reaches the kernels (int4 group / channel / with zero points, int8 with zero points,
+    3-bit in an int4 container, fp8, the MX types), end to end. g32, symmetric int8 and 6-bit weights take the
+    same loader paths (test_kernels and test_inspect compare their layouts with the library; the MoE test
+    below runs W8A16)."""
     q = make_checkpoint(tmp_path / "q", scheme)
     library_convert_dequantize(q, tmp_path / "dense")
     ref = T.AutoModelForCausalLM.from_pretrained(tmp_path / "dense", dtype=torch.float32).eval()
@@ -229,7 +233,9 @@ def test_quantized_moe_experts_match_transformers(scheme, tmp_path):
 
 # ---- the TPU code path, run (Pallas interpret mode) on CPU -------------------------------------------
 
-TPU_SHAPES = dict(COMMON, head_dim=64)  # q 256, kv 128 columns: every linear fits gmm_v2
+# q 256, kv 128 columns: every linear fits gmm_v2; two layers (interpret mode runs each kernel call element by
+# element: its time grows with the layers, and two hold one of each kind)
+TPU_SHAPES = dict(COMMON, head_dim=64, num_hidden_layers=2)
 
 
 @pytest.mark.slow
@@ -247,10 +253,12 @@ def test_tpu_kernels_in_interpret_mode_give_the_cpu_path_tokens(name, scheme, tm
 
     torch.manual_seed(0)
     model = family(name)
-    if name == "gemma4":  # full layers: 4 heads x 128, one KV head of 128 (k_eq_v)
-        model = perturbed(T.Gemma4ForCausalLM(gemma4_config(head_dim=64, global_head_dim=128))).eval()
+    if name == "gemma4":  # a sliding layer, then a full one: 4 heads x 128, one KV head of 128 (k_eq_v)
+        model = perturbed(T.Gemma4ForCausalLM(gemma4_config(head_dim=64, global_head_dim=128,
+                                                            num_hidden_layers=2))).eval()
     else:
-        model = type(model)(type(model.config)(**{**model.config.to_dict(), **TPU_SHAPES})).eval()
+        kinds = {"layer_types": ["sliding_attention", "full_attention"]} if name == "gemma3" else {}
+        model = type(model)(type(model.config)(**{**model.config.to_dict(), **TPU_SHAPES, **kinds})).eval()
     model.save_pretrained(tmp_path / "m")
     path = tmp_path / "m"
     if scheme:

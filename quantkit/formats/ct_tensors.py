@@ -163,6 +163,16 @@ def _check_fp4(t: _Tensors) -> tuple[int, ...] | None:
     return (*lead, out, 2 * half)
 
 
+def _check_mxfp8(t: _Tensors) -> tuple[int, ...] | None:
+    """mxfp8: one fp8 e4m3 value per weight, E8M0 scales per 32 inputs."""
+    weight = t.need("weight", {"F8_E4M3"})
+    if weight is None or len(weight.shape) < 2:
+        return None
+    *lead, out, inp = weight.shape
+    t.need("weight_scale", {"U8", "F8_E8M0"}, (*lead, out, ceil_div(inp, 32)))
+    return weight.shape
+
+
 def check_module_tensors(module: str, scheme: Scheme | None, params: dict) -> tuple[tuple[int, ...] | None, list[str]]:
     """Checks that a module's tensors are what `scheme` says they must be (names, dtypes, shapes).
 
@@ -184,6 +194,8 @@ def check_module_tensors(module: str, scheme: Scheme | None, params: dict) -> tu
         shape = _check_unpacked(t, scheme)
     elif fmt in ("mxfp4-pack-quantized", "nvfp4-pack-quantized"):
         shape = _check_fp4(t)
+    elif fmt == "mxfp8-quantized":
+        shape = _check_mxfp8(t)
     else:  # other formats are reported unsupported; only the presence of a weight tensor is checked
         shape = None
         if not (params.get(stored_weight_name(scheme)) or params.get("weight") or params.get("weight_packed")):
@@ -270,7 +282,7 @@ def can_dequantize(scheme: Scheme) -> bool:
         return w.type == "int" and w.actorder != "group" and w.strategy in ("group", "channel")
     if fmt == "float-quantized":
         return w.type == "float" and w.num_bits == 8 and w.strategy in ("tensor", "channel", "block", "group")
-    return fmt == "mxfp4-pack-quantized"
+    return fmt in ("mxfp4-pack-quantized", "mxfp8-quantized")
 
 
 def dequantize(scheme: Scheme, arrays: dict, shape: tuple[int, ...]):
@@ -293,8 +305,9 @@ def dequantize(scheme: Scheme, arrays: dict, shape: tuple[int, ...]):
 
     w, fmt = scheme.weights, scheme.format
     inp = shape[-1]
-    if fmt == "mxfp4-pack-quantized":
-        values = packing.unpack_fp4(np.asarray(arrays["weight_packed"]))
+    if fmt in ("mxfp4-pack-quantized", "mxfp8-quantized"):
+        values = packing.unpack_fp4(np.asarray(arrays["weight_packed"])) if fmt.startswith("mxfp4") else \
+            np.asarray(arrays["weight"]).astype(np.float32)
         scale = packing.e8m0_to_float(np.asarray(arrays["weight_scale"]))
         return values * packing.expand_groups(scale, 32, inp)
     if fmt == "pack-quantized":
@@ -357,14 +370,23 @@ def _has_zeros(w: QuantArgs) -> bool:
     return w.type == "int" and not w.symmetric
 
 
+def served_qtype(scheme: Scheme) -> str:
+    """The kernel qtype (quant/qtensor.py) a weight of `scheme` is held in on device: ints of 2-4 bits in int4,
+    of 5-8 bits in int8 (the values as they are, in the container the kernels unpack), others as stored."""
+    qtype = weight_qtype(scheme)
+    if scheme.weights is not None and scheme.weights.type == "int" and qtype != "dense":
+        return "int4" if scheme.weights.num_bits <= 4 else "int8"
+    return qtype
+
+
 def kernel_shapes(scheme: Scheme, shape: tuple[int, int], scale_dtype: str = "bfloat16") -> KernelShapes:
     """What `kernel_layout` returns for a logical [out, in] weight, without data (for `plan`)."""
     out, inp = shape
     w, fmt = scheme.weights, scheme.format
-    if fmt == "mxfp4-pack-quantized":
-        return KernelShapes((inp // 32, out), "uint8", "mxfp4", 32, False)
+    if fmt in ("mxfp4-pack-quantized", "mxfp8-quantized"):
+        return KernelShapes((inp // 32, out), "uint8", weight_qtype(scheme), 32, False)
     group = kernel_group(w, inp)
-    return KernelShapes((inp // group, out), scale_dtype, weight_qtype(scheme), group, _has_zeros(w))
+    return KernelShapes((inp // group, out), scale_dtype, served_qtype(scheme), group, _has_zeros(w))
 
 
 def kernel_layout(scheme: Scheme, arrays: dict, shape: tuple[int, int]) -> KernelLayout:
@@ -386,11 +408,13 @@ def kernel_layout(scheme: Scheme, arrays: dict, shape: tuple[int, int]) -> Kerne
         packed = np.asarray(arrays["weight_packed"])
         codes = np.stack([packed & 0xF, packed >> 4], axis=-1).reshape(out, inp).astype(np.int8)
         return KernelLayout(np.where(codes >= 8, codes - 16, codes).astype(np.int8).T, scale.view(np.uint8).T, "mxfp4", 32)
+    if fmt == "mxfp8-quantized":
+        return KernelLayout(np.asarray(arrays["weight"]).T, scale.view(np.uint8).T, "mxfp8", 32)
     if fmt == "pack-quantized":
         values = packing.unpack_int(np.asarray(arrays["weight_packed"]), w.num_bits, inp).T
     else:
         values = np.asarray(arrays["weight"]).T
-    qtype, group = weight_qtype(scheme), kernel_group(w, inp)
+    qtype, group = served_qtype(scheme), kernel_group(w, inp)
     if w.strategy == "block":  # [ceil(out/br), ceil(in/bc)] -> one scale per bc inputs and per column
         return KernelLayout(values, np.repeat(scale.T, w.block_structure[0], axis=1)[:, :out], qtype, group)
     if w.strategy == "tensor":

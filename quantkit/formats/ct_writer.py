@@ -9,7 +9,8 @@ from quantkit.formats.compressed_tensors import PRESETS, QuantArgs, Scheme
 from quantkit.formats.ct_tensors import ceil_div, expected_scale_shape
 
 # --scheme (DENSE: bf16); W8A16_ASYM is the one the library has no preset of: W8A16 with zero points
-SCHEMES = ("W4A16", "W4A16_ASYM", "W8A16", "W8A16_ASYM", "FP8", "FP8_DYNAMIC", "FP8_BLOCK", "MXFP4A16", "DENSE")
+SCHEMES = ("W4A16", "W4A16_ASYM", "W8A16", "W8A16_ASYM", "FP8", "FP8_DYNAMIC", "FP8_BLOCK", "MXFP4A16", "MXFP8A16",
+           "DENSE")
 GROUPED = ("W4A16", "W4A16_ASYM", "W8A16", "W8A16_ASYM")  # the schemes --group-size sets (-1: channel scales)
 
 
@@ -27,7 +28,9 @@ def writable_scheme(scheme: str, group_size: int) -> Scheme:
         weights = {**weights, "strategy": "channel" if group_size == -1 else "group", "group_size": group_size}
     w = QuantArgs.parse(weights, scheme)
     acts = preset.get("input_activations")
-    fmt = "pack-quantized" if w.type == "int" else "mxfp4-pack-quantized" if w.num_bits == 4 else "float-quantized"
+    mx = w.scale_dtype == "torch.uint8"
+    fmt = "pack-quantized" if w.type == "int" else "mxfp4-pack-quantized" if w.num_bits == 4 else \
+        "mxfp8-quantized" if mx else "float-quantized"
     return Scheme(scheme, ("Linear",), fmt, w, QuantArgs.parse(acts, scheme) if acts else None)
 
 
@@ -56,6 +59,8 @@ def stored_layout(s: Scheme, shape: tuple[int, int], dtype: str) -> dict[str, tu
                 "weight_scale": (dtype, scale), **zero, "weight_shape": ("I64", (2,))}
     if s.format == "mxfp4-pack-quantized":
         return {"weight_packed": ("U8", (out, inp // 2)), "weight_scale": ("U8", scale)}
+    if s.format == "mxfp8-quantized":
+        return {"weight": ("F8_E4M3", (out, inp)), "weight_scale": ("U8", scale)}
     return {"weight": ("F8_E4M3", (out, inp)), "weight_scale": (dtype, scale)}
 
 
@@ -78,6 +83,8 @@ def stored_rows(s: Scheme, values, scale, r0: int, shape: tuple[int, int], scale
 
     if s.format == "mxfp4-pack-quantized":
         return {"weight_packed": (packing.pack_fp4(values), r0), "weight_scale": (scale, r0)}
+    if s.format == "mxfp8-quantized":
+        return {"weight": (values, r0), "weight_scale": (scale, r0)}
     scales = (scale.astype(scale_dtype), stored_row_range(s, "weight_scale", r0, r0 + 1)[0])
     if s.format == "float-quantized":
         return {"weight": (values, r0), "weight_scale": scales}

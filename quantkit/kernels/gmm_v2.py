@@ -1,4 +1,4 @@
-"""gmm_v2: grouped matmul whose weights stay int4 / int8 / fp8 / mxfp4 in HBM and are dequantized per tile in VMEM.
+"""gmm_v2: grouped matmul whose weights stay int4 / int8 / fp8 / mxfp4 / mxfp8 in HBM and are dequantized per tile in VMEM.
 
 out[i, :] = lhs[i, :] @ dequantize(rhs[group of row i])    rows sorted by group; rows past the groups -> 0
 
@@ -26,10 +26,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from quantkit.formats.packing import e8m0_decode, fp4_decode
 from quantkit.kernels.dispatch import can_use_gmm_v2
 from quantkit.kernels.tiling import CHIPS, Chip, Tiles, traffic
-from quantkit.quant.qtensor import QTensor
+from quantkit.quant.qtensor import QTensor, decode_scales, decode_values
 
 # ---- configs --------------------------------------------------------------------------------------
 
@@ -92,15 +91,6 @@ def visits(group_sizes: jax.Array, m: int, tm: int) -> tuple[jax.Array, jax.Arra
 
 # ---- the kernel ------------------------------------------------------------------------------------
 
-def _decode_tile(q: jax.Array, qtype: str) -> jax.Array:
-    """Packed tile -> float32 values before scaling (int4 ints, fp8 values, e2m1 values)."""
-    return fp4_decode(q, jnp) if qtype == "mxfp4" else q.astype(jnp.float32)
-
-
-def _decode_scales(s: jax.Array, qtype: str) -> jax.Array:
-    return e8m0_decode(s, jnp) if qtype == "mxfp4" else s.astype(jnp.float32)
-
-
 def _kernel(vg_ref, vt_ref, nv_ref, bounds_ref, off_ref, lhs_ref, q_ref, s_ref, *refs,
             qtype: str, group: int, tiles: Tiles, num_groups: int, nk: int):
     z_ref, out_ref, acc_ref = refs if len(refs) == 3 else (None, *refs)  # zero points: asymmetric ints
@@ -116,10 +106,10 @@ def _kernel(vg_ref, vt_ref, nv_ref, bounds_ref, off_ref, lhs_ref, q_ref, s_ref, 
     @pl.when(real)
     def _():
         x = lhs_ref[:, pl.ds(pl.multiple_of(ki * tk, 128), tk)] if tiles.lhs_resident else lhs_ref[...]  # [tm, tk]
-        q = _decode_tile(q_ref[...], qtype)  # [tk, tn] f32
+        q = decode_values(q_ref[...], qtype)  # [tk, tn] f32
         if tiles.predot:
             rows = tk // group
-            s = _decode_scales(s_ref[...], qtype)  # [tk/group, tn]: this k tile's scale rows
+            s = decode_scales(s_ref[...], qtype)  # [tk/group, tn]: this k tile's scale rows
             q = q.reshape(rows, group, tn)
             if z_ref is not None:
                 q = q - z_ref[...].astype(jnp.float32)[:, None, :]  # exact: small integers
@@ -138,7 +128,7 @@ def _kernel(vg_ref, vt_ref, nv_ref, bounds_ref, off_ref, lhs_ref, q_ref, s_ref, 
             if z_ref is not None:
                 z = tile_row(z_ref[...].astype(jnp.float32))
                 part -= jnp.sum(x.astype(jnp.float32), axis=1, keepdims=True) * z
-            acc_ref[...] += part * tile_row(_decode_scales(s_ref[...], qtype))
+            acc_ref[...] += part * tile_row(decode_scales(s_ref[...], qtype))
 
     @pl.when((ki == nk - 1) & (v < nv_ref[0]))
     def _():
@@ -220,7 +210,8 @@ def gmm_v2(lhs: jax.Array, rhs: QTensor, group_sizes: jax.Array, group_offset: j
 
     Args:
         lhs: [m, k] bf16, rows sorted by group.
-        rhs: QTensor [g, k, n] (int4, int8 with or without zero points, fp8 or mxfp4; group or channel scales).
+        rhs: QTensor [g, k, n] (int4, int8 with or without zero points, fp8, mxfp4 or mxfp8; group or channel
+            scales).
         group_sizes: int32 [g], rows per group, sum <= m; rows past the sum come out zero.
         group_offset: int32 scalar: the groups are rhs's groups offset .. offset + g - 1 (default 0). A
             layer of a stacked weight [layers, k, n] (scanned layers) is offset = layer, g = 1: the kernel

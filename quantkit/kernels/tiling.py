@@ -83,7 +83,7 @@ class Tiles:
 
 
 def weight_bits(qtype: str) -> int:
-    return 8 if qtype in ("fp8", "int8") else 4
+    return 8 if qtype in ("fp8", "int8", "mxfp8") else 4
 
 
 def vmem_estimate(tm: int, tk: int, tn: int, k: int, group: int, qtype: str, scale_bytes: int,

@@ -5,9 +5,9 @@ Invariants:
   128 lanes; g = 1 for a dense layer, the number of experts for MoE. Storage dtype by logical type:
   int4 -> jnp.int4 (q in [-8, 7]); int8 -> jnp.int8 (q in [-128, 127]); fp8 -> jnp.float8_e4m3fn;
   mxfp4 -> jnp.int4 holding the e2m1 code bits (code = sign << 3 | magnitude index, read as a
-  two's-complement nibble), since Mosaic has no float4 vectors. Always 4 or 8 bits per weight in HBM; never dequantized there.
+  two's-complement nibble), since Mosaic has no float4 vectors; mxfp8 -> jnp.float8_e4m3fn. Always 4 or 8 bits per weight in HBM; never dequantized there.
 - `scales` [g, k // group, n]: one scale per `group` consecutive input features and output column.
-  group == k means channel scales. int4/int8/fp8: float32 or bfloat16; mxfp4: uint8 E8M0 exponents.
+  group == k means channel scales. int4/int8/fp8: float32 or bfloat16; mxfp4/mxfp8: uint8 E8M0 exponents.
   fp8 block [128, 128] scales are stored as group 128 with each column's block scale repeated.
 - `zeros` (asymmetric ints only, else None) [g, k // group, n] int8: the integer zero point of each scale
   group, z in the qtype's range; the logical value is then (q - z) * scale. Kept as stored, never folded
@@ -33,9 +33,9 @@ import numpy as np
 
 from quantkit.formats.packing import e8m0_decode, fp4_decode
 
-QTYPES = ("int4", "int8", "fp8", "mxfp4")
-STORAGE = {"int4": jnp.int4, "int8": jnp.int8, "fp8": jnp.float8_e4m3fn, "mxfp4": jnp.int4}
-BITS = {"int4": 4, "int8": 8, "fp8": 8, "mxfp4": 4}  # bits per stored weight
+QTYPES = ("int4", "int8", "fp8", "mxfp4", "mxfp8")
+STORAGE = {"int4": jnp.int4, "int8": jnp.int8, "fp8": jnp.float8_e4m3fn, "mxfp4": jnp.int4, "mxfp8": jnp.float8_e4m3fn}
+BITS = {"int4": 4, "int8": 8, "fp8": 8, "mxfp4": 4, "mxfp8": 8}  # bits per stored weight
 
 
 @partial(jax.tree_util.register_dataclass, data_fields=["values", "scales", "zeros"],
@@ -44,7 +44,7 @@ BITS = {"int4": 4, "int8": 8, "fp8": 8, "mxfp4": 4}  # bits per stored weight
 class QTensor:
     values: jax.Array  # [g, k, n]
     scales: jax.Array  # [g, k // group, n]
-    qtype: str  # static: "int4" | "int8" | "fp8" | "mxfp4"
+    qtype: str  # static: "int4" | "int8" | "fp8" | "mxfp4" | "mxfp8"
     group: int  # static: input features per scale (k for channel scales)
     mesh: Any = None  # static: jax.sharding.Mesh of a tensor-parallel weight
     split: str = ""  # static: "n" | "k" | "" (see above)
@@ -67,9 +67,7 @@ class QTensor:
     def dequantize(self) -> jax.Array:
         """The logical values, float32 [g, k, n]: decode(values) * scale of each row's group, with the one
         FP4/E8M0 decoding (formats/packing.py; quant/reference.py keeps an independent one as the oracle)."""
-        mx = self.qtype == "mxfp4"
-        values = fp4_decode(self.values, jnp) if mx else self.values.astype(jnp.float32)  # [g, k, n]
-        scales = e8m0_decode(self.scales, jnp) if mx else self.scales.astype(jnp.float32)  # [g, k // group, n]
+        values, scales = decode_values(self.values, self.qtype), decode_scales(self.scales, self.qtype)
         if self.zeros is not None:
             values = values - jnp.repeat(self.zeros.astype(jnp.float32), self.group, axis=1)
         return values * jnp.repeat(scales, self.group, axis=1)
@@ -77,6 +75,17 @@ class QTensor:
     def nbytes(self) -> int:
         """HBM bytes of values (packed), scales and zero points."""
         return self.values.size * BITS[self.qtype] // 8 + sum(a.size * a.dtype.itemsize for a in self.arrays[1:])
+
+
+def decode_values(values: jax.Array, qtype: str) -> jax.Array:
+    """Stored values (a whole weight or a kernel's tile) -> float32 before scaling: ints and fp8 as they are,
+    e2m1 codes to their values (formats/packing.py, the one FP4 decoding)."""
+    return fp4_decode(values, jnp) if qtype == "mxfp4" else values.astype(jnp.float32)
+
+
+def decode_scales(scales: jax.Array, qtype: str) -> jax.Array:
+    """Stored scales -> float32: E8M0 exponent bytes of the MX types to powers of two, others as they are."""
+    return e8m0_decode(scales, jnp) if qtype.startswith("mxfp") else scales.astype(jnp.float32)
 
 
 def check_qtensor(values: tuple, scales: tuple, qtype: str, group: int, zeros: tuple | None = None) -> None:

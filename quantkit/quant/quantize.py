@@ -23,20 +23,20 @@ MX_GROUP = 32
 
 def kind_of(w: QuantArgs) -> str:
     """What quantize_rows does for weight args `w`: "int" (ints, group or channel scales, with zero points when
-    asymmetric), "fp8" (e4m3, channel or block scales) or "mxfp4" (e2m1, E8M0 scales per 32). ValueError for
-    anything else."""
+    asymmetric), "fp8" (e4m3, channel or block scales), "mxfp4" (e2m1) or "mxfp8" (e4m3) with E8M0 scales per
+    32. ValueError for anything else."""
     if w.type == "int" and w.strategy in ("group", "channel") and w.actorder is None:
         return "int"
     if w.type == "float" and w.num_bits == 8 and w.strategy in ("channel", "block"):
         return "fp8"
-    if w.type == "float" and w.num_bits == 4 and w.strategy == "group" and w.group_size == MX_GROUP \
+    if w.type == "float" and w.num_bits in (4, 8) and w.strategy == "group" and w.group_size == MX_GROUP \
             and w.scale_dtype == "torch.uint8":
-        return "mxfp4"
+        return f"mxfp{w.num_bits}"
     raise ValueError(f"quantkit does not quantize weights as {w.as_json()}")
 
 
 def _qmax(kind: str, num_bits: int) -> float:
-    return {"int": (2 ** num_bits - 1) / 2, "fp8": FP8_MAX, "mxfp4": FP4_MAX}[kind]
+    return {"int": (2 ** num_bits - 1) / 2, "fp8": FP8_MAX, "mxfp4": FP4_MAX, "mxfp8": FP8_MAX}[kind]
 
 
 def round_to(x: np.ndarray, dtype: np.dtype) -> np.ndarray:
@@ -82,9 +82,10 @@ def _ungroup(x: np.ndarray, args: QuantArgs, shape: tuple[int, int]) -> np.ndarr
     return x.reshape(rows, cols)
 
 
-def _mx_exponent(absmax: np.ndarray, dtype: np.dtype) -> np.ndarray:
-    """E8M0 byte of an MX group: absmax rounded to a power of two (up only from mantissa 1.75), minus
-    fp4's emax (2), biased by 127; done on the bits of `dtype` as the library does."""
+def _mx_exponent(absmax: np.ndarray, dtype: np.dtype, emax: int) -> np.ndarray:
+    """E8M0 byte of an MX group: absmax rounded to a power of two (up only from mantissa 1.75, for every element
+    type, as the library does), minus the element type's largest exponent `emax` (fp4 2, fp8 e4m3 8), biased
+    by 127; done on the bits of `dtype` as the library does."""
     if dtype == np.float32:
         bits, mant, ebits, view = absmax.view(np.uint32).astype(np.int64), 23, 8, np.uint32
     else:
@@ -93,14 +94,14 @@ def _mx_exponent(absmax: np.ndarray, dtype: np.dtype) -> np.ndarray:
     mask = ((1 << (ebits + 1)) - 1) << mant
     p2 = ((bits + (1 << (mant - 2))) & mask).astype(view).view(np.float32 if view == np.uint32 else dtype)
     with np.errstate(divide="ignore"):
-        e = 127 + np.floor(np.log2(p2.astype(np.float32))) - 2
+        e = 127 + np.floor(np.log2(p2.astype(np.float32))) - emax
     return np.clip(e, 0, 255).astype(np.uint8)
 
 
 def _scale(absmax: np.ndarray, kind: str, qmax: float, dtype: np.dtype) -> np.ndarray:
     """Scales (float32 values exactly representable in the stored type) from group absmax."""
-    if kind == "mxfp4":
-        return packing.e8m0_to_float(_mx_exponent(absmax, dtype))
+    if kind.startswith("mxfp"):
+        return packing.e8m0_to_float(_mx_exponent(absmax, dtype, 2 if kind == "mxfp4" else 8))
     s = round_to(absmax / np.float32(qmax), dtype)
     return np.where(s == 0, _eps(dtype), s)
 
@@ -134,7 +135,7 @@ def _qdq(x: np.ndarray, scale: np.ndarray, kind: str, qmax: float, dtype: np.dty
             y -= zero
     else:
         np.clip(y, -qmax, qmax, out=y)
-        if kind == "fp8":
+        if kind in ("fp8", "mxfp8"):
             q = y.astype(ml_dtypes.float8_e4m3fn)
             y = q.astype(np.float32)
         else:
@@ -155,7 +156,7 @@ class Quantized:
     """Result of quantize_rows: stored values and scales, and error sums for the report."""
 
     values: np.ndarray  # [rows, in]: int8 / float8_e4m3fn / fp4 codes (uint8)
-    scale: np.ndarray  # [rows, G] or [R, C]: float32 scales, or E8M0 bytes for mxfp4
+    scale: np.ndarray  # [rows, G] or [R, C]: float32 scales, or E8M0 bytes for mxfp4 / mxfp8
     ref2: float  # sum of squared weights (NaN/Inf when the weights hold any)
     err2: float  # sum of squared errors q*scale - w of the chosen scales (float32, before a loader's rounding)
     minmax_err2: float  # the same for the min-max scales, to report what the MSE search gained
@@ -206,7 +207,7 @@ def quantize_rows(w: np.ndarray, args: QuantArgs, observer: str = "minmax") -> Q
             q, err = np.where(better, q2, q), np.where(better, e2, err)
     elif observer != "minmax":
         raise ValueError(f"unknown observer {observer!r}")
-    stored_scale = packing.float_to_e8m0(scale[..., 0]) if kind == "mxfp4" else scale[..., 0]
+    stored_scale = packing.float_to_e8m0(scale[..., 0]) if kind.startswith("mxfp") else scale[..., 0]
     err2 = minmax_err2 if observer == "minmax" else _sumsq(err)
     return Quantized(_ungroup(q, args, w.shape), stored_scale, _sumsq(x), err2, minmax_err2,
                      None if zero is None else zero[..., 0].astype(np.int8))

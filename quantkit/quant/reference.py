@@ -28,7 +28,7 @@ def decode_values(qt: QTensor) -> jax.Array:
 
 def decode_scales(qt: QTensor) -> jax.Array:
     """Scales as float32 [g, k // group, n] (E8M0 bytes -> 2**(e - 127), 255 -> NaN)."""
-    if qt.qtype == "mxfp4":
+    if qt.qtype in ("mxfp4", "mxfp8"):
         return jnp.asarray(E8M0_VALUES)[qt.scales.astype(jnp.int32)]
     return qt.scales.astype(jnp.float32)
 

@@ -56,9 +56,9 @@ def _int_reason(w: QuantArgs, fmt: str) -> str | None:
     if w.actorder == "group":
         return ("activation-ordered groups (actorder=group, weight_g_idx) permute input columns and are not "
                 "supported; re-quantize with actorder=weight or without actorder")
-    if w.num_bits not in (4, 8):
-        return (f"int{w.num_bits} weights (W{w.num_bits}A16) are not supported: the runtime serves int4 and "
-                "int8 (W4A16, W8A16), fp8 and mxfp4; convert with `quantkit convert --scheme W4A16` or W8A16")
+    if not 2 <= w.num_bits <= 8:
+        return (f"int{w.num_bits} weights are not supported: the runtime serves ints of 2 to 8 bits, fp8, mxfp4 "
+                "and mxfp8; convert with `quantkit convert --scheme W4A16` or W8A16")
     if fmt not in ("pack-quantized", "int-quantized"):
         return f"int{w.num_bits} weights stored as {fmt} are not supported; only pack- and int-quantized are"
     if w.strategy not in ("group", "channel"):
@@ -69,7 +69,7 @@ def _int_reason(w: QuantArgs, fmt: str) -> str | None:
 def unsupported_reason(scheme: Scheme) -> str | None:
     """Why quantkit cannot serve weights stored under `scheme` at all (whatever the chip), or None if it can:
     int4 and int8 with or without zero points (pack- or int-quantized, group or channel scales), fp8 e4m3 (float-quantized,
-    tensor, channel or block scales) and mxfp4, with no activation quantization other than fp8."""
+    tensor, channel or block scales), mxfp4 and mxfp8, with no activation quantization other than fp8."""
     w, fmt = scheme.weights, scheme.format
     if fmt in SPARSE_FORMATS:
         return (f"sparse format {fmt} is not supported (its compressor was removed in compressed-tensors 0.15); "
@@ -84,7 +84,9 @@ def unsupported_reason(scheme: Scheme) -> str | None:
     if qtype == "nvfp4":
         return ("NVFP4 (fp4 with fp8 block-16 scales and a global scale) is not supported yet; "
                 "convert to MXFP4A16 or W4A16 with `quantkit convert`")
-    if qtype.startswith("mxfp") and qtype != "mxfp4":
+    if qtype in ("mxfp4", "mxfp8"):
+        return None
+    if qtype.startswith("mxfp"):
         return f"{qtype.upper()} ({fmt}) is not supported yet; convert to MXFP4A16 or FP8_DYNAMIC"
     if w.type == "int":
         return _int_reason(w, fmt)
@@ -93,8 +95,6 @@ def unsupported_reason(scheme: Scheme) -> str | None:
             return f"fp8 weights stored as {fmt} are not supported; only float-quantized fp8 is"
         if w.strategy not in ("tensor", "channel", "block"):
             return f"fp8 with {w.strategy} scales is not supported; only tensor, channel and block scales are"
-        return None
-    if qtype == "mxfp4":
         return None
     return f"{w.type}{w.num_bits} weights in format {fmt} are not supported"
 
@@ -116,12 +116,26 @@ def config_findings(raw: dict | None, qc: QuantConfig | None) -> list[tuple[str,
                     "supported by the runtime"))
     if qc.kv_cache_scheme is not None and kv_scheme_reason(qc.kv_cache_scheme):
         out.append(("unsupported", kv_scheme_reason(qc.kv_cache_scheme)))
+    odd = sorted({g.weights.num_bits for g in qc.groups if g.weights is not None and g.weights.type == "int"
+                  and g.format in (None, "pack-quantized") and g.weights.num_bits in (3, 5, 6, 7)})
+    if odd and _version(qc.version) < (0, 18):
+        out.append(("unsupported", f"int{odd[0]} weights packed by compressed-tensors {qc.version}: before 0.18 a "
+                    f"word held {32 // odd[0]} whole values, quantkit reads the layout of 0.18 on (values across "
+                    "words); re-save the checkpoint with compressed-tensors >= 0.18"))
     if qc.status not in (None, "compressed"):
         out.append(("warning", f"quantization_status is {qc.status!r}, expected 'compressed'"))
     if any(g.input_activations is not None for g in qc.groups):
         out.append(("warning", "fp8 activation quantization in the scheme: the runtime computes activations in "
                     "bf16 (weights stay quantized)"))
     return out
+
+
+def _version(text: str | None) -> tuple[int, ...]:
+    """A version string's leading numbers ("0.17.1" -> (0, 17, 1)); None or no number: the newest."""
+    import re
+
+    nums = re.findall(r"\d+", (text or "").split("+")[0])[:3]
+    return tuple(int(n) for n in nums) if nums else (1 << 30,)
 
 
 def weight_path(scheme: Scheme | None, shape: tuple[int, ...] | None, chip: Chip) -> Verdict:

@@ -1,0 +1,60 @@
+"""Prints docs/formats.md's table of every compressed-tensors preset scheme with quantkit's verdict per chip.
+
+Each preset is taken from the compressed-tensors library itself (`preset_name_to_scheme`), with the storage
+format the library picks for a Linear (`infer_module_format`, what its compressors write), serialized as a
+config group and parsed by quantkit; its verdict is quantkit's own (`runtime.validate.weight_path`) for a
+Llama-3-8B down projection [out 4096, in 14336] on each chip: served on `gmm_v2` (weights packed in HBM), on
+the XLA path, or refused with the reason `inspect` gives.
+
+Usage: .venv/bin/python scripts/scheme_table.py   (a few seconds; imports torch and compressed-tensors)
+"""
+
+from __future__ import annotations
+
+import torch
+from compressed_tensors.compressors.format import infer_module_format
+from compressed_tensors.quantization.quant_scheme import PRESET_SCHEMES, preset_name_to_scheme
+
+from quantkit.formats.compressed_tensors import parse_quantization_config, weight_qtype
+from quantkit.kernels.tiling import CHIPS
+from quantkit.runtime.validate import weight_path
+
+SHAPE = (4096, 14336)  # Llama-3-8B down_proj [out, in]
+CHIP_COLUMNS = ("v5e", "v6e", "v7x", "cpu")
+EXTRA = {"W8A16_ASYM": ("W8A16", {"symmetric": False})}  # written by `quantkit convert`; no preset of the library
+
+
+def library_scheme(name: str):
+    """The library's scheme of preset `name` (or an EXTRA variant) and the format it stores a Linear in."""
+    base, change = EXTRA.get(name, (name, {}))
+    scheme = preset_name_to_scheme(base, ["Linear"])
+    if change:
+        scheme = scheme.model_copy(update={"weights": scheme.weights.model_copy(update=change)})
+    return scheme, infer_module_format(torch.nn.Linear, scheme).value
+
+
+def verdicts(name: str) -> tuple[str, str, list[str]]:
+    """(format, stored weight type, verdict per chip) of preset `name`."""
+    lib, fmt = library_scheme(name)
+    group = lib.model_dump(exclude_none=True, exclude={"targets", "format"})
+    qc = parse_quantization_config({"quant_method": "compressed-tensors", "format": fmt,
+                                    "config_groups": {"g": {"targets": ["Linear"], "format": fmt, **group}}})
+    scheme = qc.groups[0] if qc.groups and qc.groups[0].weights is not None else None
+    out = []
+    for chip in CHIP_COLUMNS:
+        v = weight_path(scheme, SHAPE, CHIPS[chip])
+        out.append(f"`{v.path}`" if v.path else f"refused: {v.reason.split(';')[0]}")
+    return fmt, weight_qtype(scheme), out
+
+
+def main() -> None:
+    print("| scheme | format (the library's) | weights | v5e, v6e, v7x | cpu |")
+    print("|---|---|---|---|---|")
+    for name in [*sorted(PRESET_SCHEMES), *EXTRA]:
+        fmt, qtype, cells = verdicts(name)
+        tpu = cells[0] if len(set(cells[:3])) == 1 else "; ".join(f"{c}: {v}" for c, v in zip(CHIP_COLUMNS, cells))
+        print(f"| {name} | `{fmt}` | {qtype} | {tpu} | {'same' if cells[3] == cells[0] else cells[3]} |")
+
+
+if __name__ == "__main__":
+    main()
