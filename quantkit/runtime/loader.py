@@ -248,7 +248,6 @@ def load(path: str | Path, dtype=jnp.bfloat16, check: bool = True, mesh=None, ep
             dtypes = (STORAGE[first.qtype], *(a.dtype for a in first.arrays[1:]))
             outs = [((n * g, *a.shape[1:]), dt, sh)  # zero points placed as the scales
                     for a, dt, sh in zip(first.arrays, dtypes, (vs, ss, ss))]
-
         cache = {0: first}
 
         def read(i):

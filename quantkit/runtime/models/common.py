@@ -147,7 +147,7 @@ def _expert_parallel(x, weights, experts, w: tuple, num_experts: int, act: Calla
 
     tp = mesh.shape[AXIS]
     local = num_experts // tp
-    # At views of device-major stacked QTensors (values, scales, layer), or one layer's dense experts
+    # At views of device-major stacked QTensors (their arrays, the layer), or one layer's dense experts
     parts = [(a.w.arrays, jnp.asarray(a.index, jnp.int32)) if isinstance(a, At) else a for a in w]
     specs = [((spec("e", 3),) * len(a.w.arrays), P()) if isinstance(a, At) else spec("e", 3) for a in w]
 
