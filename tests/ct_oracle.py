@@ -86,6 +86,7 @@ SCHEMES = [
     "W8A16_ASYM",
     "W3A16",
     "W6A16",
+    "W4AFP8",
     "FP8",
     "FP8_DYNAMIC",
     "FP8_BLOCK",
@@ -106,6 +107,7 @@ EXPECTED_FORMAT = {
     "W8A16_ASYM": "pack-quantized",
     "W3A16": "pack-quantized",
     "W6A16": "pack-quantized",
+    "W4AFP8": "int-quantized",
     "FP8": "float-quantized",
     "FP8_DYNAMIC": "float-quantized",
     "FP8_BLOCK": "float-quantized",
@@ -175,6 +177,10 @@ EXPECTED_DOWN_PROJ = {
         "weight_packed": ("int32", (256, 96)),
         "weight_scale": ("bfloat16", (256, 4)),
         "weight_shape": ("int64", (2,)),
+    },
+    "W4AFP8": {  # int4 values one per int8 (int-quantized), fp8 dynamic activations
+        "weight": ("int8", (256, 512)),
+        "weight_scale": ("bfloat16", (256, 4)),
     },
     "FP8": {
         "weight": ("float8_e4m3fn", (256, 512)),

@@ -26,7 +26,7 @@ from quantkit.formats.hf import Checkpoint, classify_module, group_modules
 from quantkit.inspect import inspect_checkpoint
 
 SERVABLE = ["W4A16", "W4A16_G32", "W4A16_CHANNEL", "W4A16_ASYM", "W8A16", "W8A16_INT", "W8A16_ASYM", "W3A16",
-            "W6A16", "FP8", "FP8_DYNAMIC", "FP8_BLOCK", "MXFP4A16", "MXFP8A16", "MIXED"]
+            "W6A16", "W4AFP8", "FP8", "FP8_DYNAMIC", "FP8_BLOCK", "MXFP4A16", "MXFP8A16", "MIXED"]
 UNSUPPORTED = {"NVFP4A16": "NVFP4"}
 QUANTKIT = [sys.executable, "-m", "quantkit.cli"]
 

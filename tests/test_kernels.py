@@ -267,7 +267,7 @@ def test_compiles_for_every_real_layer_shape(chip, qtype, group):
 # ---- from checkpoints written by compressed-tensors to the kernel --------------------------------
 
 @pytest.mark.parametrize("scheme", ["W4A16", "W4A16_G32", "W4A16_CHANNEL", "W4A16_ASYM", "W8A16", "W8A16_ASYM",
-                                    "FP8_DYNAMIC", "FP8_BLOCK", "MXFP4A16", "MXFP8A16"])
+                                    "W4AFP8", "FP8_DYNAMIC", "FP8_BLOCK", "MXFP4A16", "MXFP8A16"])
 def test_library_checkpoint_through_the_kernels(scheme, tmp_path, seed):
     """Weights made by the library, converted once to the kernel layout, multiply like the library's
     own decompressed weights (x @ W.T), through gmm_v2 (interpret) and the XLA path."""
