@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Creates .venv if needed, installs quantkit with its test oracles, runs the whole test suite on every core
-# (pytest-xdist; one persistent JAX compilation cache shared by the workers, tests/conftest.py).
+# (pytest-xdist, scheduled by tests/conftest.py; one persistent JAX compilation cache shared by the workers).
 # torch==2.13.0 is installed first so that pip takes the local CPU build, not a multi-GB CUDA one.
 # Extra arguments go to pytest; --exhaustive also runs the full matrices behind the representative CI cases.
 set -euo pipefail

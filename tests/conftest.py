@@ -25,6 +25,14 @@ os.environ["QUANTKIT_JAX_CACHE"] = _CACHE
 os.environ["JAX_COMPILATION_CACHE_DIR"] = _CACHE
 os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0.5"
 
+# XLA:CPU without LLVM's optimization passes, here and in every subprocess: the tests' programs are tiny, and
+# compiling them is most of their time (a 2-layer model's step: 3.5 s -> 2.2 s; test_engine 106 s -> 90 s).
+# bfloat16 logits come out bit for bit the same, float32 ones move in their last bits (a tiny Llama's logits:
+# 1e-7 relative), far inside every tolerance here. libtpu's deviceless compiles ignore the flag (the same
+# bytes and temporaries for Gemma-3-27B's plan).
+# Tests that start processes with more CPU devices add their flag to these.
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0"
+
 
 def seed_of(name: str) -> int:
     """The seed of test `name`: crc32 of its node id, so that a failure reproduces on the next run."""
@@ -43,10 +51,29 @@ def pytest_addoption(parser):
 
 
 def pytest_collection_modifyitems(config, items):
-    """Tests marked `exhaustive` run only with --exhaustive (deselected otherwise, not skipped)."""
-    if config.getoption("--exhaustive"):
-        return
-    keep = [i for i in items if i.get_closest_marker("exhaustive") is None]
-    if len(keep) < len(items):
-        config.hook.pytest_deselected(items=[i for i in items if i.get_closest_marker("exhaustive") is not None])
-        items[:] = keep
+    """Tests marked `exhaustive` run only with --exhaustive (deselected otherwise, not skipped); tests marked
+    `slow` run first, so that the xdist workers end on short tests, at about the same time."""
+    if not config.getoption("--exhaustive"):
+        keep = [i for i in items if i.get_closest_marker("exhaustive") is None]
+        if len(keep) < len(items):
+            config.hook.pytest_deselected(items=[i for i in items if i.get_closest_marker("exhaustive") is not None])
+            items[:] = keep
+    items.sort(key=lambda i: i.get_closest_marker("slow") is None)  # stable: collection order otherwise
+
+
+# Modules whose module-scoped fixture is costly enough to run on one worker only: test_serve's server compiles
+# every step program of its buckets while it starts (~40 s).
+ONE_WORKER = {"tests/test_serve.py"}
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """pytest-xdist: each test is a unit of work handed to whichever worker is free, except that the tests of
+    a module in ONE_WORKER are one unit (xdist's own loadgroup marks do not take with pytest 9)."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class Scheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::")[0]
+            return module if module in ONE_WORKER else nodeid
+
+    return Scheduling(config, log)

@@ -26,7 +26,8 @@ SHAPE = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_at
 
 
 def _env(devices: int) -> dict:
-    return {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
+    flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}"  # conftest's too
+    return {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": flags}
 
 
 @pytest.fixture(scope="module")

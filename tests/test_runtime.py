@@ -167,7 +167,7 @@ def test_generate_cli_streams_what_the_library_generates(tmp_path):
 
 TP_SCRIPT = r"""
 import os, sys
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
 os.environ["JAX_PLATFORMS"] = "cpu"
 import numpy as np, jax, jax.numpy as jnp
 from quantkit.runtime.loader import load

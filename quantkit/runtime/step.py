@@ -60,6 +60,14 @@ def _cut(x: jax.Array, enough, iters: int = 40) -> jax.Array:
     return jax.lax.fori_loop(0, iters, body, (lo, hi))[0]
 
 
+def _argmax(x: jax.Array) -> jax.Array:
+    """jnp.argmax over the last axis (the first index of the largest value) as two plain reductions: the
+    variadic (value, index) reduction of jnp.argmax took 1.5 s of a v6e compile at a 128k vocabulary, this
+    0.7 s."""
+    hit = x == jnp.max(x, axis=-1, keepdims=True)
+    return jnp.min(jnp.where(hit, jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1), x.shape[-1] - 1), axis=-1)
+
+
 def sample(logits: jax.Array, keys: jax.Array, temperature, top_k, top_p) -> jax.Array:
     """One token per row of logits [b, vocab] with per-row keys [b, 2] and parameters [b].
 
@@ -77,8 +85,9 @@ def sample(logits: jax.Array, keys: jax.Array, temperature, top_k, top_p) -> jax
         return jnp.where((top_p[:, None] < 1) & (p < floor[:, None]), -jnp.inf, x)
 
     scaled = jax.lax.cond(jnp.any((top_k > 0) | (top_p < 1)), filtered, lambda: scaled)
-    drawn = jax.vmap(jax.random.categorical)(keys, scaled)
-    return jnp.where(temperature <= 0, jnp.argmax(logits, axis=-1), drawn)
+    # jax.random.categorical's Gumbel-max draw, with the cheaper argmax
+    drawn = _argmax(scaled + jax.vmap(lambda k: jax.random.gumbel(k, scaled.shape[-1:], scaled.dtype))(keys))
+    return jnp.where(temperature <= 0, _argmax(logits), drawn)
 
 
 def pick(logits: jax.Array, s: dict, next_pos: jax.Array):
@@ -91,7 +100,7 @@ def pick(logits: jax.Array, s: dict, next_pos: jax.Array):
     keys = jax.vmap(lambda seed, p: jax.random.fold_in(jax.random.PRNGKey(seed), p))(s["seed"], next_pos)
     allowed = jax.lax.cond(jnp.any(s["banned"] != NO_TOKEN), lambda: jax.vmap(
         lambda row, ids: row.at[ids].set(-jnp.inf, mode="drop"))(logits, s["banned"]), lambda: logits)
-    tok = jax.lax.cond(jnp.all(s["temperature"] <= 0), lambda: jnp.argmax(allowed, axis=-1),
+    tok = jax.lax.cond(jnp.all(s["temperature"] <= 0), lambda: _argmax(allowed),
                        lambda: sample(allowed, keys, s["temperature"], s["top_k"], s["top_p"]))
     logp = jax.nn.log_softmax(logits, axis=-1)
     b = logits.shape[0]

@@ -41,11 +41,12 @@ def _unit_lower_solve(a: jax.Array, b: jax.Array) -> jax.Array:
     """(I + a)^-1 b for strictly lower-triangular a [..., C, C]: a is nilpotent (a^C = 0), so
     (I + a)^-1 = (I - a)(I + a^2)(I + a^4)... over log2(C) factors: matmuls only (the MXU's work; XLA's
     triangular solve is a sequential loop on a TPU and compiles slowly on a CPU)."""
-    p, x = -a, b
-    for _ in range(max(1, (a.shape[-1] - 1).bit_length())):
-        x = x + jnp.einsum("...tu,...uv->...tv", p, x, precision=HI)
-        p = jnp.einsum("...tu,...uv->...tv", p, p, precision=HI)
-    return x
+    def factor(_, px):  # as a loop: one body to compile (a float32 matmul is six MXU passes on a TPU)
+        p, x = px
+        return jnp.einsum("...tu,...uv->...tv", p, p, precision=HI), x + jnp.einsum("...tu,...uv->...tv", p, x,
+                                                                                   precision=HI)
+
+    return jax.lax.fori_loop(0, max(1, (a.shape[-1] - 1).bit_length()), factor, (-a, b))[1]
 
 
 def delta_rule_chunk(s0, q, k, v, g, beta):
