@@ -132,9 +132,6 @@ def test_generate_cli_takes_tp_and_expert_parallel(models):
     assert heads.returncode == 1 and "8 attention heads do not split over 3 devices" in heads.stderr
     more = _cli(*base, "--tp", "16")
     assert more.returncode == 1 and "--tp 16 needs 16 devices, 8 available" in more.stderr
-    experts = _cli("generate", str(models["moe"]), "--prompt", "x", "--tp", "8", "--enable-expert-parallel",
-                   "--max-tokens", "2")
-    assert experts.returncode == 0, experts.stderr[-2000:]  # 8 experts over 8 devices: one each
     for p in (heads, more):
         assert "Traceback" not in p.stderr and p.stderr.count("\n") == 1
 
