@@ -66,6 +66,7 @@ def pytest_collection_modifyitems(config, items):
 ONE_WORKER = {"tests/test_serve.py"}
 
 
+@pytest.hookimpl(optionalhook=True)  # a run without xdist (-p no:xdist) has no such hook
 def pytest_xdist_make_scheduler(config, log):
     """pytest-xdist: each test is a unit of work handed to whichever worker is free, except that the tests of
     a module in ONE_WORKER are one unit (xdist's own loadgroup marks do not take with pytest 9)."""
