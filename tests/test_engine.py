@@ -184,6 +184,25 @@ def test_top_k_top_p_keep_what_a_sorted_vocabulary_keeps(k, p):
     assert seen == allowed
 
 
+def test_greedy_and_draws_are_numpys_argmax_and_jax_categoricals(seed):
+    """`pick`'s argmax (two reductions, cheaper to compile for a TPU) is numpy's: the first index of the
+    largest value, ties and all--inf rows included; an unfiltered draw is jax.random.categorical's."""
+    import jax
+
+    from quantkit.runtime.step import _argmax, sample
+
+    rng = np.random.default_rng(seed)
+    x = rng.integers(-3, 4, (64, 300)).astype(np.float32)  # few values: many tied maxima
+    x[0] = -np.inf
+    x[1, [7, 200]] = 50.0
+    assert (np.asarray(_argmax(jnp.asarray(x))) == np.argmax(x, axis=-1)).all(), seed
+    logits = jnp.asarray(rng.standard_normal((64, 300)).astype(np.float32) * 2)
+    keys = jax.random.split(jax.random.PRNGKey(seed), 64)
+    drawn = sample(logits, keys, jnp.ones(64), jnp.zeros(64, jnp.int32), jnp.ones(64))
+    expect = jax.vmap(jax.random.categorical)(keys, logits)
+    assert (np.asarray(drawn) == np.asarray(expect)).all() and len(set(np.asarray(drawn).tolist())) > 20, seed
+
+
 # ---- prefix caching -------------------------------------------------------------------------------------
 
 def _expected_hit(prompt, earlier, ps=8):
