@@ -35,7 +35,7 @@ import numpy as np
 from quantkit.errors import InvalidInput, QuantkitError, Unsupported
 from quantkit.formats import packing
 from quantkit.formats.compressed_tensors import Scheme, match_name
-from quantkit.formats.ct_tensors import can_dequantize, dequantize, logical_shape
+from quantkit.formats.ct_tensors import FUSED, can_dequantize, dequantize, logical_shape
 from quantkit.formats.ct_writer import (GROUPED, SCHEMES, output_config, row_alignment, stored_layout, stored_row_range, stored_rows,
                                        writable_scheme)
 from quantkit.formats.hf import (
@@ -43,7 +43,7 @@ from quantkit.formats.hf import (
     exclusion_pattern, group_modules, packed_experts,
 )
 from quantkit.formats.safetensors_io import DTYPES, FLOAT_DTYPES
-from quantkit.quant.quantize import quantize_rows
+from quantkit.quant.quantize import global_scale, quantize_rows
 from quantkit.runtime.models import ARCHITECTURES
 from quantkit.runtime.validate import Validation, unsupported_reason, validate_checkpoint
 
@@ -74,6 +74,7 @@ class Job:
     scheme: Scheme | None = None  # dequantize: the source scheme
     bytes_in: int = 0
     row0: int = 0  # quantize: the weight's first row in its source tensor seen as 2-D (packed experts)
+    gscale: float | None = None  # quantize to NVFP4: the weight's global scale (fused siblings share one)
 
     def nbytes_out(self) -> int:
         return sum(_nbytes(d, s) for d, s in self.outputs.values())
@@ -165,10 +166,10 @@ def _quantize_job(module: str, src: str, shape: tuple, dtype: str, scheme: str, 
     """Quantizes weight [out, in] of Linear `module`, rows row0.. of tensor `src` (seen as 2-D)."""
     out, inp = shape
     s = writable_scheme(scheme, group_size)
-    g = s.weights.group_size if s.weights.strategy == "group" else 0
+    g = s.weights.group_size if s.weights.strategy in ("group", "tensor_group") else 0
     if g and inp % g:
         raise InvalidInput(f"{src}: in_features {inp} is not divisible by group size {g}; "
-                           + ("MX schemes need a multiple of 32" if scheme.startswith("MX") else _divisor_hint(inp)))
+                           + (f"{scheme} needs a multiple of {g}" if scheme not in GROUPED else _divisor_hint(inp)))
     layout = stored_layout(s, (out, inp), dtype)
     return Job("quantize", module, {"weight": src}, (out, inp), dtype, {f"{module}.{q}": v for q, v in layout.items()},
                row0=row0)
@@ -181,7 +182,8 @@ def _dequantize_job(ckpt: Checkpoint, module: str, sch: Scheme, pnames: dict, pa
     shape = logical_shape({p: i.shape for p, i in params.items()},
                           ckpt.read(pnames["weight_shape"]) if "weight_shape" in pnames else None)
     out_dtype = "BF16"
-    src = {p: n for p, n in pnames.items() if p in ("weight", "weight_packed", "weight_scale", "weight_zero_point")}
+    src = {p: n for p, n in pnames.items()
+           if p in ("weight", "weight_packed", "weight_scale", "weight_zero_point", "weight_global_scale")}
     outputs = {f"{module}.weight": (out_dtype, shape)}
     if "bias" in pnames:
         src_bias = pnames["bias"]
@@ -336,14 +338,14 @@ def run_job(job: Job, ckpt: Checkpoint, writer: _Writer, scheme: str, group_size
         for r0 in range(0, out, step):
             rows = ckpt.read_rows(job.src["weight"], job.row0 + r0, job.row0 + min(out, r0 + step), flat=True)
             with np.errstate(invalid="ignore"):  # NaN weights are reported just below
-                r = quantize_rows(rows, s.weights, observer)
+                r = quantize_rows(rows, s.weights, observer, job.gscale)
             if not math.isfinite(r.ref2):
                 _finite(job.src["weight"], rows.astype(np.float32))
             stats.ref2 += r.ref2
             stats.err2 += r.err2
             stats.minmax_err2 += r.minmax_err2
             for param, (arr, first) in stored_rows(s, r.values, r.scale, r0, job.shape,
-                                                   DTYPES[job.dtype][1], r.zero).items():
+                                                   DTYPES[job.dtype][1], r.zero, job.gscale).items():
                 writer.write(f"{job.name}.{param}", arr, first)
             progress(rows.nbytes)
         return stats.row(job, scheme, job.nbytes_out())
@@ -483,10 +485,49 @@ def _open_source(src: Path) -> Validation:
     return checked
 
 
+def _absmax(rows: np.ndarray) -> float:
+    """The largest |value| of float rows, exactly, from their bits (sign cleared: integer order is float order
+    for finite values; NaN, above every finite one, makes it NaN)."""
+    u = {2: np.uint16, 4: np.uint32}[rows.dtype.itemsize]
+    bits = (np.ascontiguousarray(rows).view(u) & u(np.iinfo(u).max >> 1)).max(initial=0)
+    return float(np.array(bits, u).view(rows.dtype).astype(np.float32))
+
+
+def _global_scales(jobs: list[Job], ckpt: Checkpoint, pool: ThreadPoolExecutor, tick: Callable[[int], None]) -> None:
+    """NVFP4: sets each quantize job's global scale from its weight's absmax (one pass over its rows), fused
+    siblings (q/k/v, gate/up of one module) given the smallest of theirs, as llm-compressor writes them (vLLM
+    fuses the siblings into one weight, which needs one global scale)."""
+    quant = [j for j in jobs if j.action == "quantize"]
+
+    def absmax(j: Job) -> float:
+        out, inp = j.shape
+        step, m = _rows_per_chunk(inp, 1), 0.0
+        for r0 in range(0, out, step):
+            rows = ckpt.read_rows(j.src["weight"], j.row0 + r0, j.row0 + min(out, r0 + step), flat=True)
+            m = max(m, _absmax(rows))
+            tick(rows.nbytes)
+        return m
+
+    for j, m in zip(quant, pool.map(absmax, quant)):
+        j.gscale = float(global_scale(m, DTYPES[j.dtype][1]))
+    family: dict[tuple, list[Job]] = {}
+    for j in quant:
+        parent, _, leaf = j.name.rpartition(".")
+        names = next((names for names in FUSED if leaf in names), None)
+        if names is not None:
+            family.setdefault((parent, names), []).append(j)
+    for siblings in family.values():
+        shared = min(j.gscale for j in siblings)
+        for j in siblings:
+            j.gscale = shared
+
+
 def _run_jobs(jobs: list[Job], ckpt: Checkpoint, shards: list[Shard], scheme: str, group_size: int, observer: str,
               workers: int, progress: Callable[[int, int], None] | None) -> list[dict]:
-    """Runs every job on `workers` threads into the preallocated shards; returns the report rows in job order."""
-    total = sum(j.bytes_in for j in jobs)
+    """Runs every job on `workers` threads into the preallocated shards; returns the report rows in job order.
+    NVFP4 first reads every weight once for its global scale (counted in the progress)."""
+    nv = writable_scheme(scheme, group_size).format == "nvfp4-pack-quantized" if scheme != "DENSE" else False
+    total = sum(j.bytes_in for j in jobs) + (sum(j.bytes_in for j in jobs if j.action == "quantize") if nv else 0)
     done = [0]
     lock = threading.Lock()
 
@@ -499,6 +540,8 @@ def _run_jobs(jobs: list[Job], ckpt: Checkpoint, shards: list[Shard], scheme: st
     writer = _Writer(shards)
     try:
         with ThreadPoolExecutor(max_workers=workers) as pool:
+            if nv:
+                _global_scales(jobs, ckpt, pool, tick)
             futures = [pool.submit(run_job, j, ckpt, writer, scheme, group_size, observer, tick) for j in jobs]
             try:
                 return [f.result() for f in futures]

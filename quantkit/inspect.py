@@ -24,12 +24,12 @@ LAYER_KINDS = ("linear", "moe_experts")
 
 def _device_bytes(qtype: str, params: dict, shape: tuple[int, ...] | None, chip: Chip) -> int:
     """HBM bytes for one module on `chip`, in the runtime's layout: weights [..., in, out]
-    (out in lanes), scales and zero points [..., groups, out]; int4/mxfp4 packed, int8/fp8/mxfp8 and zero points 1
-    byte, dense weights bf16."""
+    (out in lanes), scales and zero points [..., groups, out]; int4/mxfp4/nvfp4 packed, int8/fp8/mxfp8 and zero
+    points 1 byte, dense weights bf16."""
     total = 0
     if shape is not None and len(shape) >= 2:
         dev_shape = (*shape[:-2], shape[-1], shape[-2])
-        bits = {"int4": 4, "mxfp4": 4, "int8": 8, "fp8": 8, "mxfp8": 8}.get(qtype, 16)
+        bits = {"int4": 4, "mxfp4": 4, "nvfp4": 4, "int8": 8, "fp8": 8, "mxfp8": 8}.get(qtype, 16)
         total += hbm_bytes(dev_shape, bits, chip)
     for param, info in params.items():
         if param in ("weight", "weight_packed") and shape is not None and len(shape) >= 2:

@@ -46,6 +46,7 @@ from compressed_tensors.quantization import (
     apply_quantization_config,
     preset_name_to_scheme,
 )
+from compressed_tensors.quantization.quant_scheme import PRESET_SCHEMES
 from compressed_tensors.quantization.utils import (
     calculate_qparams,
     generate_gparam,
@@ -309,7 +310,7 @@ def _quant_config(scheme: str | None, ignore: Iterable[str], kv_strategy: str | 
             f"group_{i}": _scheme(preset, [target])
             for i, (target, (preset, _)) in enumerate(MIXED_GROUPS.items())
         }
-    elif scheme in SCHEMES:
+    elif scheme in SCHEMES or scheme in PRESET_SCHEMES:  # another preset: e.g. an unsupported example
         groups = {"group_0": _scheme(scheme, ["Linear"])}
     else:
         raise KeyError(f"unknown scheme {scheme!r}; known: {SCHEMES}")

@@ -30,7 +30,7 @@ CASES = {  # our (scheme, group size) -> the oracle's scheme name
     ("W4A16", 128): "W4A16", ("W4A16", 32): "W4A16_G32", ("W4A16", -1): "W4A16_CHANNEL",
     ("W8A16", 128): "W8A16", ("FP8_DYNAMIC", 128): "FP8_DYNAMIC", ("FP8_BLOCK", 128): "FP8_BLOCK",
     ("MXFP4A16", 128): "MXFP4A16", ("W4A16_ASYM", 128): "W4A16_ASYM", ("W8A16_ASYM", 128): "W8A16_ASYM",
-    ("MXFP8A16", 128): "MXFP8A16",
+    ("MXFP8A16", 128): "MXFP8A16", ("NVFP4A16", 128): "NVFP4A16",
 }
 QUANTKIT = [sys.executable, "-m", "quantkit.cli"]
 
@@ -77,7 +77,8 @@ def test_tensors_equal_the_library_bit_for_bit(converted, library, case):
     _assert_same_bytes(converted[case], library[CASES[case]])
 
 
-@pytest.mark.parametrize("case", [("W4A16", 128), ("FP8_BLOCK", 128), ("W4A16_ASYM", 128)], ids=lambda c: c[0])
+@pytest.mark.parametrize("case", [("W4A16", 128), ("FP8_BLOCK", 128), ("W4A16_ASYM", 128), ("NVFP4A16", 128)],
+                         ids=lambda c: c[0])
 def test_many_row_chunks_give_the_library_bytes(src, library, case, tmp_path, monkeypatch):
     """Chunks of 8-16 rows (block scales: 128, one block row) instead of whole tensors: every chunk's values
     and scales land at their own rows, in both directions (quantize, and DENSE's reads of block scales and of
@@ -122,11 +123,13 @@ def test_library_decompresses_ours_to_exactly_our_dense(converted, case, tmp_pat
 
 @pytest.mark.parametrize("case,tol", [(("W4A16", 128), 0.3), (("W4A16", -1), 0.32), (("W8A16", 128), 0.022),
                                       (("FP8_DYNAMIC", 128), 0.1),
-                                      (("MXFP4A16", 128), 0.32), (("MXFP8A16", 128), 0.07)], ids=lambda c: str(c))
+                                      (("MXFP4A16", 128), 0.32), (("MXFP8A16", 128), 0.07), (("NVFP4A16", 128), 0.24)],
+                         ids=lambda c: str(c))
 def test_transformers_loads_and_runs_dst(converted, library, src, case, tol):
     """Logits of transformers on our checkpoint equal its logits on the library's (same bytes), and stay
     close to the bf16 model. Tolerances: the relative logit error measured here (W4A16 g128 0.222, channel
-    0.238, W8A16 g128 0.0168, FP8_DYNAMIC 0.070, MXFP4A16 0.243, MXFP8A16 0.053) plus about 30% headroom. They are about
+    0.238, W8A16 g128 0.0168, FP8_DYNAMIC 0.070, MXFP4A16 0.243, MXFP8A16 0.053, NVFP4A16 0.185) plus about 30%
+    headroom. They are about
     twice the per-weight relative error (4-bit 0.11, fp8 0.027) because this untrained random model has no redundancy to absorb
     weight noise, and transformers also quantizes FP8_DYNAMIC activations per token. A wrong scale or a
     misplaced nibble gives errors near 1."""
@@ -532,7 +535,8 @@ def test_vision_tower_stays_dense_and_transformers_loads_multimodal(tmp_path):
 
 
 @pytest.mark.parametrize("case", [("W4A16", 128), ("W4A16", -1), ("W8A16", 128), ("FP8_DYNAMIC", 128),
-                                  ("MXFP4A16", 128), ("W4A16_ASYM", 128), ("W8A16_ASYM", 128), ("MXFP8A16", 128)],
+                                  ("MXFP4A16", 128), ("W4A16_ASYM", 128), ("W8A16_ASYM", 128), ("MXFP8A16", 128),
+                                  ("NVFP4A16", 128)],
                          ids=lambda c: f"{c[0]}-g{c[1]}")
 def test_library_convert_checkpoint_dequantizes_ours_like_our_dense(converted, case, tmp_path):
     """The library's model-free path (convert_checkpoint + CompressedTensorsDequantizer) on our output. (It is

@@ -26,15 +26,15 @@ from quantkit.formats.hf import Checkpoint, classify_module, group_modules
 from quantkit.inspect import inspect_checkpoint
 
 SERVABLE = ["W4A16", "W4A16_G32", "W4A16_CHANNEL", "W4A16_ASYM", "W8A16", "W8A16_INT", "W8A16_ASYM", "W3A16",
-            "W6A16", "W4AFP8", "FP8", "FP8_DYNAMIC", "FP8_BLOCK", "MXFP4A16", "MXFP8A16", "MIXED"]
-UNSUPPORTED = {"NVFP4A16": "NVFP4"}
+            "W6A16", "W4AFP8", "FP8", "FP8_DYNAMIC", "FP8_BLOCK", "MXFP4A16", "MXFP8A16", "NVFP4A16", "MIXED"]
+UNSUPPORTED = {"W8A8": "int8 token input activation"}  # int8 activations: not served yet
 QUANTKIT = [sys.executable, "-m", "quantkit.cli"]
 
 
 @pytest.fixture(scope="session")
 def ckpts(tmp_path_factory):
     root = tmp_path_factory.mktemp("ckpts")
-    return {s: make_checkpoint(root / s, s) for s in SCHEMES}
+    return {s: make_checkpoint(root / s, s) for s in (*SCHEMES, *UNSUPPORTED)}
 
 
 def _copy(src: Path, tmp_path: Path) -> Path:
@@ -213,6 +213,16 @@ def test_odd_bit_ints_of_the_old_packing_are_refused(ckpts, tmp_path):
      "model.layers.0.mlp.down_proj.weight_zero_point: shape [32, 4], expected [64, 4]"),
     ("W4A16_ASYM", lambda t: t.update({"model.layers.0.mlp.down_proj.weight_zero_point": torch.zeros(32, 4, dtype=torch.int8)}),
      "model.layers.0.mlp.down_proj.weight_zero_point: dtype I8, expected I32"),
+    # nvfp4 global scales the library would reject (read by every validation, not only --deep)
+    ("NVFP4A16", lambda t: t.update({"model.layers.1.mlp.down_proj.weight_global_scale": torch.zeros(1)}),
+     "model.layers.1.mlp.down_proj.weight_global_scale is [0.0]: a global scale must be finite and > 0"),
+    ("NVFP4A16", lambda t: t.update({"model.layers.0.self_attn.o_proj.weight_global_scale": torch.tensor([float("nan")])}),
+     "model.layers.0.self_attn.o_proj.weight_global_scale is [nan]"),
+    ("NVFP4A16", lambda t: t.update({"model.layers.1.self_attn.v_proj.weight_global_scale":
+                                     t["model.layers.1.self_attn.v_proj.weight_global_scale"] * 2}),
+     "model.layers.1.self_attn.v_proj.weight_global_scale is [") ,
+    ("NVFP4A16", lambda t: t.update({"model.layers.0.mlp.up_proj.weight_global_scale": torch.ones(2)}),
+     "model.layers.0.mlp.up_proj.weight_global_scale: shape [2], expected [1]"),
 ])
 def test_structural_errors_exit_1(ckpts, tmp_path, scheme, edit, expect):
     path = _copy(ckpts[scheme], tmp_path)
@@ -220,6 +230,12 @@ def test_structural_errors_exit_1(ckpts, tmp_path, scheme, edit, expect):
     r = inspect_checkpoint(path)
     assert r["exit_code"] == 1 and not r["servable"]
     assert any(expect in p["message"] for p in r["problems"] if p["severity"] == "error"), r["problems"]
+    if scheme == "NVFP4A16":  # the loader refuses it the same way, before placing anything
+        from quantkit.errors import InvalidInput
+        from quantkit.runtime.loader import load
+
+        with pytest.raises(InvalidInput, match=re.escape(expect)):
+            load(path)
 
 
 @pytest.mark.parametrize("scheme,tensor,value,expect", [
@@ -276,7 +292,7 @@ def _run(*args):
 
 
 def test_cli_json_contract(ckpts):
-    p = _run("inspect", ckpts["NVFP4A16"], "--json", "--target", "v5e")
+    p = _run("inspect", ckpts["W8A8"], "--json", "--target", "v5e")
     assert p.returncode == 3
     r = json.loads(p.stdout)
     for key in ("path", "architecture", "quant_method", "format", "version", "num_tensors", "bytes_on_disk",
@@ -318,7 +334,7 @@ def test_cli_help_example_runs_as_the_help_says(ckpts):
         assert argv[:2] == ["quantkit", "inspect"], example
         i = next(i for i in range(2, len(argv)) if not argv[i].startswith("-") and not argv[i - 1].startswith("-"))
         for scheme, verdict in ((max((s for s in SCHEMES if s in argv[i]), key=len, default="W4A16"),
-                                 "valid and servable"), ("NVFP4A16", "valid but not servable")):
+                                 "valid and servable"), ("W8A8", "valid but not servable")):
             run = _run(*argv[1:i], ckpts[scheme], *argv[i + 1:])
             assert run.returncode == codes[verdict], (example, scheme, run.stderr)
             if "--json" in argv:
@@ -352,17 +368,17 @@ def test_cli_invalid_checkpoint_one_error_line_and_the_report(ckpts, tmp_path, j
 
 @pytest.mark.parametrize("json_out", [False, True])
 def test_cli_unsupported_checkpoint_one_error_line_and_the_report(ckpts, json_out):
-    p = _run("inspect", ckpts["NVFP4A16"], *(["--json"] if json_out else []))
+    p = _run("inspect", ckpts["W8A8"], *(["--json"] if json_out else []))
     assert p.returncode == 3
     (line,) = p.stderr.splitlines()
-    assert line.startswith(f"error: {ckpts['NVFP4A16']}: model.layers.0.mlp.down_proj: NVFP4")
+    assert line.startswith(f"error: {ckpts['W8A8']}: model.layers.0.mlp.down_proj: int8 token input activation")
     assert "(and 13 more problems" in line  # the other 13 quantized layers
     if json_out:
         r = json.loads(p.stdout)
         first = r["problems"][0]
         assert r["exit_code"] == 3 and f"{first['where']}: {first['message']}" in line
     else:
-        assert "NVFP4" in p.stdout and "not servable" in p.stdout
+        assert "int8 token input activation" in p.stdout and "not servable" in p.stdout
 
 
 def test_inspect_path_imports_no_heavy_library(ckpts):

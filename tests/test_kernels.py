@@ -31,7 +31,7 @@ INTERPRET = pltpu.InterpretParams()  # uninitialized memory = NaN
 
 def _random_qtensor(rng, qtype, g, k, n, group, zeros=False):
     """Random values and scales of `qtype`; `zeros`: int zero points over the whole range as well."""
-    zp = None
+    zp = gscale = None
     if qtype in ("int4", "int8"):
         half = 8 if qtype == "int4" else 128
         values = rng.integers(-half, half, (g, k, n)).astype(np.int8)
@@ -43,10 +43,14 @@ def _random_qtensor(rng, qtype, g, k, n, group, zeros=False):
     elif qtype == "mxfp8":  # fp8 values, E8M0 scales around 2^-12
         values = (rng.standard_normal((g, k, n)) * 64).astype(jnp.float8_e4m3fn)
         scales = rng.integers(113, 118, (g, k // group, n)).astype(np.uint8)
+    elif qtype == "nvfp4":  # e2m1 codes, fp8 scales over 448, a global scale per group (448 * 6 / absmax)
+        values = rng.integers(-8, 8, (g, k, n)).astype(np.int8)
+        scales = rng.uniform(16, 448, (g, k // group, n)).astype(jnp.float8_e4m3fn)
+        gscale = (448 * 6 / rng.uniform(0.5, 4.0, g)).astype(np.float32)
     else:  # mxfp4: e2m1 codes as signed nibbles, E8M0 scales around 2^-6
         values = rng.integers(-8, 8, (g, k, n)).astype(np.int8)
         scales = rng.integers(119, 124, (g, k // group, n)).astype(np.uint8)
-    return make_qtensor(values, scales, qtype, group, zp)
+    return make_qtensor(values, scales, qtype, group, zp, gscale)
 
 
 def _sizes(rng, g, m):
@@ -65,6 +69,7 @@ CASES = [  # qtype, group (None = channel), tk, zero points; k = 512. Pre-dot sc
     ("int4", 32, 256, False), ("int4", 64, 512, False), ("int4", 128, 512, False), ("int4", 256, 512, False),
     ("int4", 256, 256, False), ("int4", None, 128, False), ("int8", 128, 512, False), ("int8", None, 256, False),
     ("fp8", None, 256, False), ("fp8", 128, 512, False), ("mxfp4", 32, 512, False), ("mxfp8", 32, 512, False),
+    ("nvfp4", 16, 512, False),
     # zero points: pre-dot (the tile's rows shifted), one of several rows per k tile, channel (one row)
     ("int4", 32, 512, True), ("int4", 256, 128, True), ("int8", None, 256, True),
 ]
@@ -94,6 +99,7 @@ def test_kernel_matches_reference(qtype, group, tk, zeros, g, m, seed):
 
 @pytest.mark.parametrize("qtype,group,zeros", [("int4", 32, False), ("int4", 256, False), ("int8", 64, False),
                                                ("fp8", 256, False), ("mxfp4", 32, False), ("mxfp8", 32, False),
+                                               ("nvfp4", 16, False),
                                                ("int4", 32, True),
                                                ("int8", 256, True)])
 def test_xla_path_matches_reference(qtype, group, zeros, seed):
@@ -140,11 +146,12 @@ VERSIONS = {"v5e": pltpu.ChipVersion.TPU_V5E, "v6e": pltpu.ChipVersion.TPU_V6E, 
 
 @pytest.mark.parametrize("chip", ["v5e", "v6e", "v7x"])
 @pytest.mark.parametrize("qtype,group", [("int4", 32), ("int4", 128), ("int4", None), ("int8", 128), ("fp8", None),
-                                         ("mxfp4", 32), ("mxfp8", 32), ("int4z", 32), ("int8z", 128)])  # z: zero points
+                                         ("mxfp4", 32), ("mxfp8", 32), ("nvfp4", 16), ("int4z", 32),
+                                         ("int8z", 128)])  # z: zero points
 def test_tiles_obey_the_rules(chip, qtype, group):
     c = CHIPS[chip]
     qtype, zeros = qtype.removesuffix("z"), qtype.endswith("z")
-    scale_bytes = 1 if qtype.startswith("mx") else 2
+    scale_bytes = 1 if qtype in ("mxfp4", "mxfp8", "nvfp4") else 2
     for k, n, g in SHAPES:
         grp = group or k
         for m in (1, 16, 256, 2048):
@@ -206,15 +213,17 @@ def test_chip_of_maps_known_device_kinds_and_sends_the_rest_to_xla():
 def _abstract(qtype, g, k, n, group, m, zeros=False):
     from quantkit.quant.qtensor import STORAGE, QTensor
 
-    sdt = jnp.uint8 if qtype.startswith("mx") else jnp.bfloat16
+    sdt = {"mxfp4": jnp.uint8, "mxfp8": jnp.uint8, "nvfp4": jnp.float8_e4m3fn}.get(qtype, jnp.bfloat16)
     rhs = QTensor(jax.ShapeDtypeStruct((g, k, n), STORAGE[qtype]), jax.ShapeDtypeStruct((g, k // group, n), sdt),
-                  qtype, group, zeros=jax.ShapeDtypeStruct((g, k // group, n), jnp.int8) if zeros else None)
+                  qtype, group, zeros=jax.ShapeDtypeStruct((g, k // group, n), jnp.int8) if zeros else None,
+                  gscale=jax.ShapeDtypeStruct((g,), jnp.float32) if qtype == "nvfp4" else None)
     return jax.ShapeDtypeStruct((m, k), jnp.bfloat16), rhs, jax.ShapeDtypeStruct((g,), jnp.int32)
 
 
 AOT_CASES = [(chip, qtype, group) for chip in ("v5e", "v6e", "v7x") for qtype, group in [("int4", 128)]] + [
     ("v6e", "int4", 32), ("v6e", "int4", None), ("v6e", "int8", 128), ("v6e", "fp8", None), ("v6e", "mxfp4", 32),
-    ("v7x", "fp8", None), ("v6e", "int4z", 128), ("v6e", "int8z", None), ("v6e", "mxfp8", 32)]  # z: zero points
+    ("v7x", "fp8", None), ("v6e", "int4z", 128), ("v6e", "int8z", None), ("v6e", "mxfp8", 32),
+    ("v6e", "nvfp4", 16)]  # z: zero points
 
 
 # In CI, per chip and qtype: the widest-k dense linear (Llama-3-8B down_proj: the most k steps), a narrow
@@ -239,8 +248,8 @@ def _aot_case(chip, qtype, group, shapes, ms):
             compiled, _ = compile_for(chip, lambda a, b, c: gmm_v2(a, b, c, chip=chip), lhs, rhs, gs, pinned=(1,))
             mem = compiled.memory_analysis()
             packed = g * k * n * weight_bits(qtype) // 8
-            side = [(1 if qtype.startswith("mx") else 2) * 8] + [8] * zeros  # bits of scales (and zero points)
-            inputs = packed + sum(g * (k // grp) * n * b // 8 for b in side) + m * k * 2 + g * 4
+            side = [(1 if qtype in ("mxfp4", "mxfp8", "nvfp4") else 2) * 8] + [8] * zeros  # bits of scales, zero points
+            inputs = packed + sum(g * (k // grp) * n * b // 8 for b in side) + m * k * 2 + g * 4 * (1 + (qtype == "nvfp4"))
             # row-major scales and zero points of few rows (6 a group for [768, n] g128) pad to whole tiles
             padded = inputs + sum(hbm_bytes((g, k // grp, n), b, CHIPS[chip]) - g * (k // grp) * n * b // 8 for b in side)
             assert inputs <= mem.argument_size_in_bytes <= padded * 1.01 + 4096, (chip, k, n, g, m)
@@ -267,7 +276,7 @@ def test_compiles_for_every_real_layer_shape(chip, qtype, group):
 # ---- from checkpoints written by compressed-tensors to the kernel --------------------------------
 
 @pytest.mark.parametrize("scheme", ["W4A16", "W4A16_G32", "W4A16_CHANNEL", "W4A16_ASYM", "W8A16", "W8A16_ASYM",
-                                    "W4AFP8", "FP8_DYNAMIC", "FP8_BLOCK", "MXFP4A16", "MXFP8A16"])
+                                    "W4AFP8", "FP8_DYNAMIC", "FP8_BLOCK", "MXFP4A16", "MXFP8A16", "NVFP4A16"])
 def test_library_checkpoint_through_the_kernels(scheme, tmp_path, seed):
     """Weights made by the library, converted once to the kernel layout, multiply like the library's
     own decompressed weights (x @ W.T), through gmm_v2 (interpret) and the XLA path."""
@@ -290,7 +299,7 @@ def test_library_checkpoint_through_the_kernels(scheme, tmp_path, seed):
         w = lib[module + ".weight"].float().numpy()  # [out, in]
         la = kernel_layout(sch, {p: ck.read(t) for p, t in pnames.items()}, w.shape)
         rhs = make_qtensor(la.values[None], la.scales[None], la.qtype, la.group,
-                           None if la.zeros is None else la.zeros[None])
+                           None if la.zeros is None else la.zeros[None], None if la.gscale is None else [la.gscale])
         x = jnp.asarray(rng.standard_normal((24, w.shape[1])), jnp.bfloat16)
         ref = jnp.asarray(np.asarray(x, np.float32) @ w.T)
         sizes = jnp.array([24], jnp.int32)

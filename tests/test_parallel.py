@@ -35,7 +35,8 @@ def models(tmp_path_factory):
     """A dense Llama (8 heads, 2 KV heads: split at tp 2, replicated at 4 and 8) and a Qwen3-MoE (8 experts)
     converted to W4A16_ASYM g32 (zero points) by quantkit, experts included, both with a tokenizer; test_runtime's tiny
     Gemma 4 MoE (8 experts beside the dense MLP, 4 heads) and Qwen3.5-MoE (Gated DeltaNet layers and their
-    state slots, gated attention with 4 heads / 2 KV heads, 8 experts and a shared expert; W4A16 g32)."""
+    state slots, gated attention with 4 heads / 2 KV heads, 8 experts and a shared expert; NVFP4A16: a global
+    scale per expert, split with the experts under expert parallelism, replicated under tensor parallelism)."""
     from quantkit.convert import convert
 
     tmp = tmp_path_factory.mktemp("parallel")
@@ -50,7 +51,7 @@ def models(tmp_path_factory):
     torch.manual_seed(0)
     _family("gemma4_moe").save_pretrained(tmp / "gemma4-moe")  # bf16 experts packed in 3-D tensors
     _family("qwen3_5_moe").save_pretrained(tmp / "qwen3_5-moe")
-    convert(tmp / "qwen3_5-moe", tmp / "qwen3_5-moe-w4", "W4A16", 32)  # GDN projections left bf16, replicated
+    convert(tmp / "qwen3_5-moe", tmp / "qwen3_5-moe-w4", "NVFP4A16")  # GDN projections left bf16, replicated
     return {"dense": dense, "moe": tmp / "moe-w4", "gemma4_moe": tmp / "gemma4-moe", "qwen3_5_moe": tmp / "qwen3_5-moe-w4"}
 
 
@@ -93,7 +94,7 @@ SCANNED = ("moe", "gemma4_moe", "qwen3_5_moe")
 
 @pytest.mark.parametrize("name", ["dense", "moe", "gemma4_moe", "qwen3_5_moe"])
 def test_two_four_eight_devices_give_one_devices_tokens(models, name):
-    """Tensor parallel (and for the MoEs, expert parallel too), with packed int4 weights (the grouped matmul per
+    """Tensor parallel (and for the MoEs, expert parallel too), with packed int4 / nvfp4 weights (the grouped matmul per
     shard / on each device's own experts) and dequantized dense ones, and Gemma 4's bf16 experts: the
     prompt's float32 logits within 1e-5 of one device's, and the same 8 greedy tokens."""
     import numpy as np

@@ -62,10 +62,10 @@ def test_bfloat16_logits_close(family_ckpt):
 
 
 @pytest.mark.parametrize("scheme", ["W4A16", "W4A16_CHANNEL", "W4A16_ASYM", "W8A16_ASYM", "W3A16", "FP8_DYNAMIC",
-                                    "MXFP4A16", "MXFP8A16"])
+                                    "MXFP4A16", "MXFP8A16", "NVFP4A16"])
 def test_quantized_checkpoints_match_transformers_on_decompressed_weights(scheme, tmp_path):
     """Each way a weight reaches the kernels (int4 group / channel / with zero points, int8 with zero points,
-    3-bit in an int4 container, fp8, the MX types), end to end. g32, symmetric int8 and 6-bit weights take the
+    3-bit in an int4 container, fp8, the MX types, nvfp4 with its global scales), end to end. g32, symmetric int8 and 6-bit weights take the
     same loader paths (test_kernels and test_inspect compare their layouts with the library; the MoE test
     below runs W8A16)."""
     q = make_checkpoint(tmp_path / "q", scheme)
@@ -119,9 +119,9 @@ def test_sampling_seed_and_stops(family_ckpt):
 # ---- bad input --------------------------------------------------------------------------------------
 
 def test_rejected_checkpoint_unknown_architecture_and_long_prompt(tmp_path):
-    nvfp4 = make_checkpoint(tmp_path / "nvfp4", "NVFP4A16")
-    with pytest.raises(Unsupported, match="NVFP4"):
-        load(nvfp4)
+    w8a8 = make_checkpoint(tmp_path / "w8a8", "W8A8")
+    with pytest.raises(Unsupported, match="int8 token input activation"):
+        load(w8a8)
     T.GPT2LMHeadModel(T.GPT2Config(n_layer=1, n_embd=64, n_head=2, vocab_size=128)).save_pretrained(tmp_path / "gpt2")
     with pytest.raises(Unsupported, match="GPT2LMHeadModel.*supported: LlamaForCausalLM"):
         load(tmp_path / "gpt2", check=False)
@@ -210,9 +210,10 @@ def test_tensor_parallel_on_four_devices_matches_one(scheme, tmp_path):
     assert "'model'" in line  # the row-parallel weight really is split
 
 
-@pytest.mark.parametrize("scheme", ["W4A16", "W8A16", "W4A16_ASYM"])
+@pytest.mark.parametrize("scheme", ["W4A16", "W8A16", "W4A16_ASYM", "NVFP4A16"])
 def test_quantized_moe_experts_match_transformers(scheme, tmp_path):
-    """Qwen3-MoE converted by quantkit to int4 / int8 g32, int4 with zero points (experts included, router kept
+    """Qwen3-MoE converted by quantkit to int4 / int8 g32, int4 with zero points, nvfp4 (one global scale per
+    expert, gate and up sharing theirs; experts included, router kept
     dense): the runtime's grouped experts against transformers running the same checkpoint through
     compressed-tensors (which decompresses to bf16: tolerance 1e-2 as for the other quantized checkpoints).
     With zero points on the library's own dequantized copy: transformers 5.24 allocates unpacked zero-point
@@ -222,13 +223,20 @@ def test_quantized_moe_experts_match_transformers(scheme, tmp_path):
     torch.manual_seed(0)
     family("qwen3_moe").save_pretrained(tmp_path / "moe")
     convert(tmp_path / "moe", tmp_path / "q", scheme, 32)
-    ref_path = library_convert_dequantize(tmp_path / "q", tmp_path / "dense") if scheme.endswith("_ASYM") else tmp_path / "q"
+    # the library's own dequantized copy for zero points (below) and nvfp4 (transformers runs it in bf16 only)
+    lib_copy = scheme.endswith("_ASYM") or scheme == "NVFP4A16"
+    ref_path = library_convert_dequantize(tmp_path / "q", tmp_path / "dense") if lib_copy else tmp_path / "q"
     ref = T.AutoModelForCausalLM.from_pretrained(ref_path, dtype=torch.float32).eval()
     model = greedy_parity(tmp_path / "q", ref, jnp.float32, 1e-2)
     experts = model.params["layers"]["full"]["experts_gate"]  # 3 layers x 8 experts, stacked
-    assert type(experts).__name__ == "QTensor" and experts.values.shape[0] == 3 * 8 and experts.group == 32
-    assert experts.qtype == ("int8" if scheme == "W8A16" else "int4")
+    assert type(experts).__name__ == "QTensor" and experts.values.shape[0] == 3 * 8
+    assert experts.qtype == {"W8A16": "int8", "NVFP4A16": "nvfp4"}.get(scheme, "int4")
+    assert experts.group == (16 if scheme == "NVFP4A16" else 32)
     assert (experts.zeros is not None) == scheme.endswith("_ASYM")
+    if scheme == "NVFP4A16":  # one global scale per expert, all different, gate's equal to up's
+        g = np.asarray(experts.gscale)
+        assert g.shape == (24,) and len(set(g.tolist())) == 24
+        assert np.array_equal(g, np.asarray(model.params["layers"]["full"]["experts_up"].gscale))
 
 
 # ---- the TPU code path, run (Pallas interpret mode) on CPU -------------------------------------------

@@ -159,7 +159,7 @@ def _check_fp4(t: _Tensors) -> tuple[int, ...] | None:
     mx = t.fmt.startswith("mx")
     t.need("weight_scale", {"U8", "F8_E8M0"} if mx else {"F8_E4M3"}, (*lead, out, ceil_div(2 * half, 32 if mx else 16)))
     if not mx:
-        t.need("weight_global_scale", {"F32"})
+        t.need("weight_global_scale", {"F32"}, (*lead, 1))
     return (*lead, out, 2 * half)
 
 
@@ -232,7 +232,9 @@ def check_module_data(module: str, scheme: Scheme | None, params: dict, read, sh
     w = scheme.weights if scheme is not None and scheme.format != "dense" else None
     for param, info in params.items():
         arr, where = read(info.name), f"{module}.{param}"
-        if param.endswith("scale") or param == "weight_global_scale":
+        if param == "weight_global_scale":
+            continue  # read by every validation (check_global_scales)
+        if param.endswith("scale"):
             e8m0 = info.dtype in ("U8", "F8_E8M0")
             values = packing.e8m0_to_float(arr) if e8m0 else arr.astype(np.float32)
             if not np.isfinite(values).all():
@@ -282,7 +284,7 @@ def can_dequantize(scheme: Scheme) -> bool:
         return w.type == "int" and w.actorder != "group" and w.strategy in ("group", "channel")
     if fmt == "float-quantized":
         return w.type == "float" and w.num_bits == 8 and w.strategy in ("tensor", "channel", "block", "group")
-    return fmt in ("mxfp4-pack-quantized", "mxfp8-quantized")
+    return fmt in ("mxfp4-pack-quantized", "mxfp8-quantized", "nvfp4-pack-quantized")
 
 
 def dequantize(scheme: Scheme, arrays: dict, shape: tuple[int, ...]):
@@ -310,6 +312,9 @@ def dequantize(scheme: Scheme, arrays: dict, shape: tuple[int, ...]):
             np.asarray(arrays["weight"]).astype(np.float32)
         scale = packing.e8m0_to_float(np.asarray(arrays["weight_scale"]))
         return values * packing.expand_groups(scale, 32, inp)
+    if fmt == "nvfp4-pack-quantized":  # fp8 scales over the global scale, in float32 (the library's order)
+        scale = np.asarray(arrays["weight_scale"]).astype(np.float32) / global_scale(arrays)[..., None]
+        return packing.unpack_fp4(np.asarray(arrays["weight_packed"])) * packing.expand_groups(scale, 16, inp)
     if fmt == "pack-quantized":
         q = packing.unpack_int(np.asarray(arrays["weight_packed"]), w.num_bits, inp).astype(np.float32)
     else:  # float-quantized, int-quantized: one stored value per weight
@@ -335,6 +340,45 @@ def kernel_group(w: QuantArgs, inp: int) -> int:
     return {"group": w.group_size, "block": w.block_structure[1] if w.block_structure else inp}.get(w.strategy, inp)
 
 
+def global_scale(arrays: dict):
+    """An nvfp4 weight's `weight_global_scale` as float32 [..., 1] ([1] stored per weight, [experts, 1] for
+    stacked experts)."""
+    import numpy as np
+
+    return np.asarray(arrays["weight_global_scale"], np.float32)
+
+
+FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # siblings servers fuse into one matmul
+
+
+def check_global_scales(scales: dict) -> list[tuple[str, str]]:
+    """(tensor, message) for each nvfp4 `weight_global_scale` the library would reject: not one finite value
+    > 0, or one that differs from a fused sibling's (q/k/v, gate/up of one parent module share one global
+    scale: llm-compressor writes them so, and vLLM fuses the siblings into one weight).
+
+    Args:
+        scales: module name -> its weight_global_scale as stored (numpy).
+    """
+    import numpy as np
+
+    found, good = [], {}
+    for module, value in scales.items():
+        where, v = f"{module}.weight_global_scale", np.asarray(value, np.float32).reshape(-1)
+        if not (np.isfinite(v).all() and (v > 0).all()):
+            found.append((where, f"{where} is {v.tolist()}: a global scale must be finite and > 0"))
+        else:
+            good[module] = v
+    for module, v in good.items():
+        parent, _, leaf = module.rpartition(".")
+        for names in FUSED:
+            if leaf in names[1:] and (first := f"{parent}.{names[0]}") in good and not np.array_equal(good[first], v):
+                found.append((f"{module}.weight_global_scale",
+                              f"{module}.weight_global_scale is {v.tolist()} but {first}'s is {good[first].tolist()}: "
+                              f"fused layers ({'/'.join(names)}) must share one global scale; re-quantize them "
+                              "together (llm-compressor does)"))
+    return found
+
+
 def zero_points(scheme: Scheme, arrays: dict, out: int):
     """An asymmetric int weight's zero points as stored, unpacked: int8 [..., out, groups] (pack-quantized packs
     them along the output dimension, int-quantized stores them as they are)."""
@@ -356,6 +400,10 @@ class KernelShapes(NamedTuple):
     group: int
     zeros: bool  # int8 zero points beside the scales (asymmetric ints)
 
+    @property
+    def scale_bytes(self) -> int:
+        return {"uint8": 1, "float8_e4m3fn": 1, "float32": 4}.get(self.scale_dtype, 2)
+
 
 class KernelLayout(NamedTuple):
     """A served weight in the kernel layout, in numpy (quant/qtensor.py)."""
@@ -364,6 +412,7 @@ class KernelLayout(NamedTuple):
     qtype: str
     group: int
     zeros: object = None  # [in // group, out] int8 zero points, or None (symmetric)
+    gscale: float | None = None  # nvfp4's global scale
 
 
 def _has_zeros(w: QuantArgs) -> bool:
@@ -385,6 +434,8 @@ def kernel_shapes(scheme: Scheme, shape: tuple[int, int], scale_dtype: str = "bf
     w, fmt = scheme.weights, scheme.format
     if fmt in ("mxfp4-pack-quantized", "mxfp8-quantized"):
         return KernelShapes((inp // 32, out), "uint8", weight_qtype(scheme), 32, False)
+    if fmt == "nvfp4-pack-quantized":
+        return KernelShapes((inp // 16, out), "float8_e4m3fn", "nvfp4", 16, False)
     group = kernel_group(w, inp)
     return KernelShapes((inp // group, out), scale_dtype, served_qtype(scheme), group, _has_zeros(w))
 
@@ -404,10 +455,13 @@ def kernel_layout(scheme: Scheme, arrays: dict, shape: tuple[int, int]) -> Kerne
     out, inp = shape
     w, fmt = scheme.weights, scheme.format
     scale = np.asarray(arrays["weight_scale"])
-    if fmt == "mxfp4-pack-quantized":
+    if fmt in ("mxfp4-pack-quantized", "nvfp4-pack-quantized"):  # e2m1 codes as signed nibbles
         packed = np.asarray(arrays["weight_packed"])
         codes = np.stack([packed & 0xF, packed >> 4], axis=-1).reshape(out, inp).astype(np.int8)
-        return KernelLayout(np.where(codes >= 8, codes - 16, codes).astype(np.int8).T, scale.view(np.uint8).T, "mxfp4", 32)
+        codes = np.where(codes >= 8, codes - 16, codes).astype(np.int8).T
+        if fmt.startswith("nvfp4"):
+            return KernelLayout(codes, scale.T, "nvfp4", 16, gscale=float(global_scale(arrays).reshape(())))
+        return KernelLayout(codes, scale.view(np.uint8).T, "mxfp4", 32)
     if fmt == "mxfp8-quantized":
         return KernelLayout(np.asarray(arrays["weight"]).T, scale.view(np.uint8).T, "mxfp8", 32)
     if fmt == "pack-quantized":

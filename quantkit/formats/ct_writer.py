@@ -10,7 +10,7 @@ from quantkit.formats.ct_tensors import ceil_div, expected_scale_shape
 
 # --scheme (DENSE: bf16); W8A16_ASYM is the one the library has no preset of: W8A16 with zero points
 SCHEMES = ("W4A16", "W4A16_ASYM", "W8A16", "W8A16_ASYM", "FP8", "FP8_DYNAMIC", "FP8_BLOCK", "MXFP4A16", "MXFP8A16",
-           "DENSE")
+           "NVFP4A16", "DENSE")
 GROUPED = ("W4A16", "W4A16_ASYM", "W8A16", "W8A16_ASYM")  # the schemes --group-size sets (-1: channel scales)
 
 
@@ -29,8 +29,8 @@ def writable_scheme(scheme: str, group_size: int) -> Scheme:
     w = QuantArgs.parse(weights, scheme)
     acts = preset.get("input_activations")
     mx = w.scale_dtype == "torch.uint8"
-    fmt = "pack-quantized" if w.type == "int" else "mxfp4-pack-quantized" if w.num_bits == 4 else \
-        "mxfp8-quantized" if mx else "float-quantized"
+    fmt = "pack-quantized" if w.type == "int" else "nvfp4-pack-quantized" if w.strategy == "tensor_group" else \
+        "mxfp4-pack-quantized" if w.num_bits == 4 else "mxfp8-quantized" if mx else "float-quantized"
     return Scheme(scheme, ("Linear",), fmt, w, QuantArgs.parse(acts, scheme) if acts else None)
 
 
@@ -49,7 +49,8 @@ def writable_config(scheme: str, group_size: int, ignore: list[str], version: st
 
 def stored_layout(s: Scheme, shape: tuple[int, int], dtype: str) -> dict[str, tuple[str, tuple]]:
     """Tensors a Linear weight [out, in] of float `dtype` becomes under writable Scheme `s`:
-    {param: (dtype name, shape)}; scales in the weight's dtype except MXFP4's E8M0 bytes."""
+    {param: (dtype name, shape)}; scales in the weight's dtype except the MX types' E8M0 bytes and NVFP4's fp8
+    (with its float32 global scale)."""
     out, inp = shape
     scale = expected_scale_shape(s.weights, (), out, inp) or (1,)  # (1,): per tensor
     if s.format == "pack-quantized":
@@ -59,12 +60,16 @@ def stored_layout(s: Scheme, shape: tuple[int, int], dtype: str) -> dict[str, tu
                 "weight_scale": (dtype, scale), **zero, "weight_shape": ("I64", (2,))}
     if s.format == "mxfp4-pack-quantized":
         return {"weight_packed": ("U8", (out, inp // 2)), "weight_scale": ("U8", scale)}
+    if s.format == "nvfp4-pack-quantized":
+        return {"weight_packed": ("U8", (out, inp // 2)), "weight_scale": ("F8_E4M3", scale),
+                "weight_global_scale": ("F32", (1,))}
     if s.format == "mxfp8-quantized":
         return {"weight": ("F8_E4M3", (out, inp)), "weight_scale": ("U8", scale)}
     return {"weight": ("F8_E4M3", (out, inp)), "weight_scale": (dtype, scale)}
 
 
-def stored_rows(s: Scheme, values, scale, r0: int, shape: tuple[int, int], scale_dtype, zero=None) -> dict[str, tuple]:
+def stored_rows(s: Scheme, values, scale, r0: int, shape: tuple[int, int], scale_dtype, zero=None,
+                gscale=None) -> dict[str, tuple]:
     """The stored tensors of rows r0.. of a weight [out, in] quantized under writable Scheme `s`.
 
     Args:
@@ -73,16 +78,22 @@ def stored_rows(s: Scheme, values, scale, r0: int, shape: tuple[int, int], scale
         r0: the chunk's first weight row (a multiple of the block height for block scales, of the rows
             packed in one int32 word of zero points for those: `row_alignment`).
         shape: the whole weight's [out, in]; pack-quantized also stores it, with the first chunk.
-        scale_dtype: the stored scale dtype (the weight's), except MXFP4's E8M0 bytes.
+        scale_dtype: the stored scale dtype (the weight's), except the MX types' E8M0 bytes and NVFP4's fp8.
+        gscale: NVFP4's global scale (stored with the first chunk).
     Returns:
         {param: (array, its first row in the stored tensor)}.
     """
+    import ml_dtypes
     import numpy as np
 
     from quantkit.formats import packing
 
     if s.format == "mxfp4-pack-quantized":
         return {"weight_packed": (packing.pack_fp4(values), r0), "weight_scale": (scale, r0)}
+    if s.format == "nvfp4-pack-quantized":
+        out = {"weight_packed": (packing.pack_fp4(values), r0),
+               "weight_scale": (scale.astype(ml_dtypes.float8_e4m3fn), r0)}
+        return out | ({"weight_global_scale": (np.array([gscale], np.float32), 0)} if r0 == 0 else {})
     if s.format == "mxfp8-quantized":
         return {"weight": (values, r0), "weight_scale": (scale, r0)}
     scales = (scale.astype(scale_dtype), stored_row_range(s, "weight_scale", r0, r0 + 1)[0])
@@ -111,7 +122,7 @@ def _packed_zeros(s: Scheme) -> bool:
 def stored_row_range(s: Scheme, param: str, r0: int, r1: int) -> tuple[int, int]:
     """The rows of stored tensor `param` (the weight, its scales or zero points) that hold weight rows r0..r1."""
     w = s.weights
-    if param == "weight_scale" and w.strategy == "tensor":
+    if (param == "weight_scale" and w.strategy == "tensor") or param == "weight_global_scale":
         return 0, 1
     if param == "weight_scale" and w.strategy == "block":
         return r0 // w.block_structure[0], ceil_div(r1, w.block_structure[0])

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from quantkit.kernels.tiling import LANES, Chip, Tiles, choose_tiles
 
 # Weight types the runtime keeps quantized on device (int4 and int8 with or without zero points, fp8 e4m3, mxfp4,
-# mxfp8).
-SERVED_QTYPES = ("int4", "int8", "fp8", "mxfp4", "mxfp8")
+# mxfp8, nvfp4).
+SERVED_QTYPES = ("int4", "int8", "fp8", "mxfp4", "mxfp8", "nvfp4")
 
 
 @dataclass(frozen=True)
@@ -32,7 +32,7 @@ def can_use_gmm_v2(qtype: str, k: int, n: int, group_size: int | None, chip: Chi
     and why not (the caller falls back to the XLA path).
 
     Args:
-        qtype: "int4" | "int8" | "fp8" | "mxfp4" | "mxfp8".
+        qtype: one of SERVED_QTYPES.
         k, n: input and output features.
         group_size: scale group along k (None, -1 or k for channel scales).
         chip: target facts.

@@ -1,4 +1,5 @@
-"""gmm_v2: grouped matmul whose weights stay int4 / int8 / fp8 / mxfp4 / mxfp8 in HBM and are dequantized per tile in VMEM.
+"""gmm_v2: grouped matmul whose weights stay int4 / int8 / fp8 / mxfp4 / mxfp8 / nvfp4 in HBM and are dequantized per
+tile in VMEM.
 
 out[i, :] = lhs[i, :] @ dequantize(rhs[group of row i])    rows sorted by group; rows past the groups -> 0
 
@@ -10,6 +11,8 @@ MXU in bf16 with float32 accumulation. Scales (and zero points z of asymmetric i
 - group >= tk (wide groups, channel scales): the dot of the unscaled tile (exact small integers or fp8
   values in bf16) is multiplied by the tile's single scale row: scales apply to partial sums; a zero
   point row z is taken off first as z * (the sum of the tile's lhs columns), since x (q - z) = xq - (sum x) z.
+nvfp4's global scale (one float32 per group) comes in SMEM with the group metadata; the tile's scales are
+divided by it in float32 before use, as compressed-tensors divides them (so the bf16 weights are the library's).
 A "visit" is one (group, m tile) pair: an m tile that straddles a group boundary is visited once per
 group, and each visit writes only its group's rows (megablox's scheme, reimplemented here).
 
@@ -91,13 +94,19 @@ def visits(group_sizes: jax.Array, m: int, tm: int) -> tuple[jax.Array, jax.Arra
 
 # ---- the kernel ------------------------------------------------------------------------------------
 
-def _kernel(vg_ref, vt_ref, nv_ref, bounds_ref, off_ref, lhs_ref, q_ref, s_ref, *refs,
-            qtype: str, group: int, tiles: Tiles, num_groups: int, nk: int):
-    z_ref, out_ref, acc_ref = refs if len(refs) == 3 else (None, *refs)  # zero points: asymmetric ints
+def _kernel(vg_ref, vt_ref, nv_ref, bounds_ref, off_ref, *refs, qtype: str, group: int, tiles: Tiles,
+            num_groups: int, nk: int, zeros: bool, gscale: bool):
+    gs_ref, refs = (refs[0], refs[1:]) if gscale else (None, refs)  # global scales [num_groups] (nvfp4)
+    lhs_ref, q_ref, s_ref, *refs = refs
+    z_ref, out_ref, acc_ref = refs if zeros else (None, *refs)  # zero points: asymmetric ints
     v, ki = pl.program_id(1), pl.program_id(2)
     tm, tk, tn = tiles.tm, tiles.tk, tiles.tn
     g = vg_ref[v]
     real = (v < nv_ref[0]) & (g < num_groups)
+
+    def scales():  # the scale block as float32, over the group's global scale
+        s = decode_scales(s_ref[...], qtype)
+        return s if gs_ref is None else s / gs_ref[jnp.minimum(g, num_groups - 1)]
 
     @pl.when(ki == 0)
     def _():
@@ -109,7 +118,7 @@ def _kernel(vg_ref, vt_ref, nv_ref, bounds_ref, off_ref, lhs_ref, q_ref, s_ref, 
         q = decode_values(q_ref[...], qtype)  # [tk, tn] f32
         if tiles.predot:
             rows = tk // group
-            s = decode_scales(s_ref[...], qtype)  # [tk/group, tn]: this k tile's scale rows
+            s = scales()  # [tk/group, tn]: this k tile's scale rows
             q = q.reshape(rows, group, tn)
             if z_ref is not None:
                 q = q - z_ref[...].astype(jnp.float32)[:, None, :]  # exact: small integers
@@ -128,7 +137,7 @@ def _kernel(vg_ref, vt_ref, nv_ref, bounds_ref, off_ref, lhs_ref, q_ref, s_ref, 
             if z_ref is not None:
                 z = tile_row(z_ref[...].astype(jnp.float32))
                 part -= jnp.sum(x.astype(jnp.float32), axis=1, keepdims=True) * z
-            acc_ref[...] += part * tile_row(decode_scales(s_ref[...], qtype))
+            acc_ref[...] += part * tile_row(scales())
 
     @pl.when((ki == nk - 1) & (v < nv_ref[0]))
     def _():
@@ -146,6 +155,7 @@ def cost(m: int, k: int, n: int, g: int, rhs: QTensor, tiles: Tiles, out_bytes: 
     """The static bound of tiling.traffic: bytes the call moves and FLOPs the MXU executes."""
     moved, flops = traffic(m, k, n, g, rhs.qtype, rhs.group, rhs.scales.dtype.itemsize, tiles, out_bytes,
                            _zero_bytes(rhs))
+    moved += 0 if rhs.gscale is None else 4 * g  # the call's global scales, into SMEM once
     return pl.CostEstimate(flops=flops, transcendentals=0, bytes_accessed=moved)
 
 
@@ -161,32 +171,42 @@ def _call(lhs: jax.Array, rhs: QTensor, group_sizes: jax.Array, group_offset: ja
     vg, vt, nv, bounds = visits(group_sizes, m, tm)
     srows = rhs.scales.shape[1]
     grid = (n // tn, vg.shape[0], nk)
-    kernel = functools.partial(_kernel, qtype=rhs.qtype, group=rhs.group, tiles=tiles, num_groups=g, nk=nk)
+    kernel = functools.partial(_kernel, qtype=rhs.qtype, group=rhs.group, tiles=tiles, num_groups=g, nk=nk,
+                               zeros=rhs.zeros is not None, gscale=rhs.gscale is not None)
+    # index maps take the grid indices, then the scalar prefetch refs (and the global scales, unused there)
 
-    def lhs_map(ni, v, ki, vg, vt, nv, bounds, off):  # resident: one block per m tile, kept across n tiles
+    def lhs_map(ni, v, ki, vg, vt, nv, bounds, off, *_):  # resident: one block per m tile, kept across n tiles
         return vt[v], 0 if tiles.lhs_resident else ki
 
-    def q_map(ni, v, ki, vg, vt, nv, bounds, off):
+    def q_map(ni, v, ki, vg, vt, nv, bounds, off, *_):
         return off[0] + jnp.minimum(vg[v], g - 1), ki, ni
 
-    def s_map(ni, v, ki, vg, vt, nv, bounds, off):  # pre-dot: the k tile's rows; else all rows (few)
+    def s_map(ni, v, ki, vg, vt, nv, bounds, off, *_):  # pre-dot: the k tile's rows; else all rows (few)
         return off[0] + jnp.minimum(vg[v], g - 1), ki if tiles.predot else 0, ni
 
     s_spec = pl.BlockSpec((None, tk // rhs.group if tiles.predot else srows, tn), s_map)  # zero points too
 
-    def out_map(ni, v, ki, vg, vt, nv, bounds, off):
+    def out_map(ni, v, ki, vg, vt, nv, bounds, off, *_):
         return vt[v], ni
+
+    offset = group_offset.reshape(1).astype(jnp.int32)
+    prefetch = [vg, vt, nv, bounds, offset]
+    if rhs.gscale is not None:  # this call's groups' global scales: [g] float32 in SMEM
+        prefetch.append(jax.lax.dynamic_slice_in_dim(rhs.gscale.astype(jnp.float32), offset[0], g))
+    # weights stay in HBM: else XLA may stage a small one whole into VMEM before the call (a second copy
+    # of its bytes, seen for Gemma-3-27B's o-proj and scales), where the kernel streams tiles anyway
+    blocks = [pltpu.with_memory_space_constraint(a, pltpu.HBM) for f, a in rhs.arrays.items() if f != "gscale"]
 
     return pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((m, n), lhs.dtype),
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=5,
+            num_scalar_prefetch=len(prefetch),
             grid=grid,
             in_specs=[
                 pl.BlockSpec((tm, k if tiles.lhs_resident else tk), lhs_map),
                 pl.BlockSpec((None, tk, tn), q_map),
-                *[s_spec] * len(rhs.arrays[1:]),
+                *[s_spec] * (len(blocks) - 1),
             ],
             out_specs=pl.BlockSpec((tm, tn), out_map),
             scratch_shapes=[pltpu.VMEM((tm, tn), jnp.float32)],
@@ -195,10 +215,7 @@ def _call(lhs: jax.Array, rhs: QTensor, group_sizes: jax.Array, group_offset: ja
                                              vmem_limit_bytes=tiles.vmem_limit),
         cost_estimate=cost(m, k, n, g, rhs, tiles, lhs.dtype.itemsize),
         interpret=interpret,
-    )(vg, vt, nv, bounds, group_offset.reshape(1).astype(jnp.int32), lhs, *(
-        # weights stay in HBM: else XLA may stage a small one whole into VMEM before the call (a second copy
-        # of its bytes, seen for Gemma-3-27B's o-proj and scales), where the kernel streams tiles anyway
-        pltpu.with_memory_space_constraint(a, pltpu.HBM) for a in rhs.arrays))
+    )(*prefetch, lhs, *blocks)
 
 
 # ---- public entry ----------------------------------------------------------------------------------
@@ -210,8 +227,8 @@ def gmm_v2(lhs: jax.Array, rhs: QTensor, group_sizes: jax.Array, group_offset: j
 
     Args:
         lhs: [m, k] bf16, rows sorted by group.
-        rhs: QTensor [g, k, n] (int4, int8 with or without zero points, fp8, mxfp4 or mxfp8; group or channel
-            scales).
+        rhs: QTensor [g, k, n] (int4, int8 with or without zero points, fp8, mxfp4, mxfp8 or nvfp4; group or
+            channel scales).
         group_sizes: int32 [g], rows per group, sum <= m; rows past the sum come out zero.
         group_offset: int32 scalar: the groups are rhs's groups offset .. offset + g - 1 (default 0). A
             layer of a stacked weight [layers, k, n] (scanned layers) is offset = layer, g = 1: the kernel

@@ -19,12 +19,14 @@ from quantkit.formats.compressed_tensors import QuantArgs
 FP8_MAX = 448.0
 FP4_MAX = 6.0
 MX_GROUP = 32
+NV_GROUP = 16
+FP8_EPS = np.float32(0.125)  # the library's stand-in for a zero fp8 scale (its _get_dtype_eps)
 
 
 def kind_of(w: QuantArgs) -> str:
     """What quantize_rows does for weight args `w`: "int" (ints, group or channel scales, with zero points when
     asymmetric), "fp8" (e4m3, channel or block scales), "mxfp4" (e2m1) or "mxfp8" (e4m3) with E8M0 scales per
-    32. ValueError for anything else."""
+    32, "nvfp4" (e2m1, fp8 scales per 16 under a global scale). ValueError for anything else."""
     if w.type == "int" and w.strategy in ("group", "channel") and w.actorder is None:
         return "int"
     if w.type == "float" and w.num_bits == 8 and w.strategy in ("channel", "block"):
@@ -32,11 +34,13 @@ def kind_of(w: QuantArgs) -> str:
     if w.type == "float" and w.num_bits in (4, 8) and w.strategy == "group" and w.group_size == MX_GROUP \
             and w.scale_dtype == "torch.uint8":
         return f"mxfp{w.num_bits}"
+    if w.type == "float" and w.num_bits == 4 and w.strategy == "tensor_group" and w.group_size == NV_GROUP:
+        return "nvfp4"
     raise ValueError(f"quantkit does not quantize weights as {w.as_json()}")
 
 
 def _qmax(kind: str, num_bits: int) -> float:
-    return {"int": (2 ** num_bits - 1) / 2, "fp8": FP8_MAX, "mxfp4": FP4_MAX, "mxfp8": FP8_MAX}[kind]
+    return {"int": (2 ** num_bits - 1) / 2, "fp8": FP8_MAX, "mxfp4": FP4_MAX, "mxfp8": FP8_MAX, "nvfp4": FP4_MAX}[kind]
 
 
 def round_to(x: np.ndarray, dtype: np.dtype) -> np.ndarray:
@@ -69,7 +73,7 @@ def _groups(w: np.ndarray, args: QuantArgs) -> np.ndarray:
             w = np.pad(w, ((0, pr), (0, pc)))
         r, c = w.shape
         return w.reshape(r // br, br, c // bc, bc).transpose(0, 2, 1, 3).reshape(r // br, c // bc, br * bc)
-    g = cols if args.strategy == "channel" else args.group_size
+    g = cols if args.strategy == "channel" else args.group_size  # group, tensor_group
     return w.reshape(rows, cols // g, g)
 
 
@@ -98,11 +102,25 @@ def _mx_exponent(absmax: np.ndarray, dtype: np.dtype, emax: int) -> np.ndarray:
     return np.clip(e, 0, 255).astype(np.uint8)
 
 
-def _scale(absmax: np.ndarray, kind: str, qmax: float, dtype: np.dtype) -> np.ndarray:
-    """Scales (float32 values exactly representable in the stored type) from group absmax."""
+def global_scale(absmax: float, dtype: np.dtype) -> np.float32:
+    """NVFP4's global scale of a tensor whose largest |value| is `absmax` (exact in the weight's `dtype`), as the
+    library's generate_gparam computes it: 448 * 6 / absmax in the weight's dtype, 1 where that is not finite.
+    torch divides a number by a tensor as reciprocal then product, each rounded to the dtype: so here too."""
+    a = np.maximum(np.float32(absmax), np.float32(np.finfo(np.float32).tiny))
+    with np.errstate(divide="ignore", over="ignore"):
+        g = round_to(round_to(np.float32(1) / np.atleast_1d(a), dtype) * np.float32(FP8_MAX * FP4_MAX), dtype)[0]
+    return g if np.isfinite(g) else np.float32(1.0)
+
+
+def _scale(absmax: np.ndarray, kind: str, qmax: float, dtype: np.dtype, gscale=None) -> np.ndarray:
+    """Scales (float32 values exactly representable in the stored type) from group absmax; nvfp4: the fp8
+    local scale of the library, round_fp8(gscale * (absmax / 6 in the weight dtype)) in float32."""
     if kind.startswith("mxfp"):
         return packing.e8m0_to_float(_mx_exponent(absmax, dtype, 2 if kind == "mxfp4" else 8))
     s = round_to(absmax / np.float32(qmax), dtype)
+    if kind == "nvfp4":
+        s = np.clip(np.float32(gscale) * s, -FP8_MAX, FP8_MAX).astype(ml_dtypes.float8_e4m3fn).astype(np.float32)
+        return np.where(s == 0, FP8_EPS, s)
     return np.where(s == 0, _eps(dtype), s)
 
 
@@ -123,7 +141,8 @@ def _asymmetric(lo: np.ndarray, hi: np.ndarray, qmax: float, dtype: np.dtype) ->
 def _qdq(x: np.ndarray, scale: np.ndarray, kind: str, qmax: float, dtype: np.dtype,
          zero: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Quantizes grouped x [.., g] with per-group scale (and integer zero point) [.., 1]: (stored values, error
-    (q - zero) * scale - x in float32)."""
+    (q - zero) * scale - x in float32). x / scale is rounded to `dtype` (float32 where the library divides by a
+    float32 scale: nvfp4)."""
     y = round_to(x / scale, dtype)
     if kind == "int":  # clamp to the integer range before rounding, as the library does
         if zero is not None:
@@ -138,7 +157,7 @@ def _qdq(x: np.ndarray, scale: np.ndarray, kind: str, qmax: float, dtype: np.dty
         if kind in ("fp8", "mxfp8"):
             q = y.astype(ml_dtypes.float8_e4m3fn)
             y = q.astype(np.float32)
-        else:
+        else:  # e2m1 (mxfp4, nvfp4)
             q = packing.fp4_codes(y)
             y = packing.FP4_VALUES[q]
     y *= scale
@@ -156,7 +175,7 @@ class Quantized:
     """Result of quantize_rows: stored values and scales, and error sums for the report."""
 
     values: np.ndarray  # [rows, in]: int8 / float8_e4m3fn / fp4 codes (uint8)
-    scale: np.ndarray  # [rows, G] or [R, C]: float32 scales, or E8M0 bytes for mxfp4 / mxfp8
+    scale: np.ndarray  # [rows, G] or [R, C]: float32 scales (nvfp4: fp8 values), or E8M0 bytes for mxfp4 / mxfp8
     ref2: float  # sum of squared weights (NaN/Inf when the weights hold any)
     err2: float  # sum of squared errors q*scale - w of the chosen scales (float32, before a loader's rounding)
     minmax_err2: float  # the same for the min-max scales, to report what the MSE search gained
@@ -168,7 +187,7 @@ def _sumsq(x: np.ndarray) -> float:
     return float(np.dot(flat, flat))  # float32 BLAS dot: ~1e-5 relative, plenty for a report
 
 
-def quantize_rows(w: np.ndarray, args: QuantArgs, observer: str = "minmax") -> Quantized:
+def quantize_rows(w: np.ndarray, args: QuantArgs, observer: str = "minmax", gscale=None) -> Quantized:
     """Quantizes a block of whole rows of a weight.
 
     Args:
@@ -177,6 +196,7 @@ def quantize_rows(w: np.ndarray, args: QuantArgs, observer: str = "minmax") -> Q
         args: the weights' QuantizationArgs (a kind `kind_of` accepts).
         observer: "minmax", or "mse" (per group, the clipping ratio that minimises |error|^2.4; asymmetric:
             the minimum and the maximum shrunk alike).
+        gscale: nvfp4's global scale of the whole weight (`global_scale`, shared by fused siblings).
     Returns:
         Quantized (values, scales and zero points in the shapes above, error sums).
     """
@@ -190,16 +210,20 @@ def quantize_rows(w: np.ndarray, args: QuantArgs, observer: str = "minmax") -> Q
         f = np.float32(1 - shrink)
         if not args.symmetric:
             return _asymmetric(round_to(lo * f, dtype), round_to(hi * f, dtype), qmax, dtype)
-        return _scale(round_to(np.maximum(hi, -lo) * f, dtype), kind, qmax, dtype), None
+        return _scale(round_to(np.maximum(hi, -lo) * f, dtype), kind, qmax, dtype, gscale), None
 
+    # nvfp4 divides by its local scale over the global one, in float32 (the library's order)
+    nv = kind == "nvfp4"
+    qdq = (lambda s, z: _qdq(x, s / np.float32(gscale), kind, qmax, np.float32)) if nv else \
+        (lambda s, z: _qdq(x, s, kind, qmax, dtype, z))
     scale, zero = params(0.0)
-    q, err = _qdq(x, scale, kind, qmax, dtype, zero)
+    q, err = qdq(scale, zero)
     minmax_err2 = _sumsq(err)
     if observer == "mse":
         best = (np.abs(err) ** MSE_NORM).sum(-1, keepdims=True)
         for shrink in MSE_STEPS[1:]:
             s, z = params(shrink)
-            q2, e2 = _qdq(x, s, kind, qmax, dtype, z)
+            q2, e2 = qdq(s, z)
             cost = (np.abs(e2) ** MSE_NORM).sum(-1, keepdims=True)
             better = cost < best
             best = np.where(better, cost, best)

@@ -21,16 +21,18 @@ E8M0_VALUES = np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e8m0fnu).asty
 
 def decode_values(qt: QTensor) -> jax.Array:
     """Stored values as float32 [g, k, n], before scaling."""
-    if qt.qtype == "mxfp4":
+    if qt.qtype in ("mxfp4", "nvfp4"):
         return jnp.asarray(FP4_VALUES)[qt.values.astype(jnp.int32) & 15]
     return qt.values.astype(jnp.float32)
 
 
 def decode_scales(qt: QTensor) -> jax.Array:
-    """Scales as float32 [g, k // group, n] (E8M0 bytes -> 2**(e - 127), 255 -> NaN)."""
+    """Scales as float32 [g, k // group, n] (E8M0 bytes -> 2**(e - 127), 255 -> NaN; nvfp4: fp8 over its
+    group's global scale)."""
     if qt.qtype in ("mxfp4", "mxfp8"):
         return jnp.asarray(E8M0_VALUES)[qt.scales.astype(jnp.int32)]
-    return qt.scales.astype(jnp.float32)
+    s = qt.scales.astype(jnp.float32)
+    return s if qt.gscale is None else s / qt.gscale.reshape(-1, 1, 1)
 
 
 def dequantize(qt: QTensor) -> jax.Array:

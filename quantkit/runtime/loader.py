@@ -21,7 +21,7 @@ from quantkit.quant.qtensor import STORAGE, QTensor, check_qtensor
 from quantkit.runtime.config import ModelConfig
 from quantkit.runtime.family import Slot
 from quantkit.runtime.layout import lane_widths, skeleton
-from quantkit.runtime.sharding import AXIS, expert_rows, place_row_major, shardings
+from quantkit.runtime.sharding import AXIS, expert_rows, group_sharding, place_row_major, shardings
 from quantkit.runtime.validate import validate_checkpoint
 
 
@@ -34,8 +34,8 @@ def abstract(cfg: ModelConfig, qc: QuantConfig | None, dtype=jnp.bfloat16) -> di
             one = leaf(s.module[0])
             n = len(s.module)
             if isinstance(one, QTensor):
-                return one.with_arrays(*(jax.ShapeDtypeStruct((n * a.shape[0], *a.shape[1:]), a.dtype)
-                                         for a in one.arrays))
+                return one.with_arrays({f: jax.ShapeDtypeStruct((n * a.shape[0], *a.shape[1:]), a.dtype)
+                                        for f, a in one.arrays.items()})
             return jax.ShapeDtypeStruct((n, *one.shape), one.dtype)
         scheme = qc.scheme_for(s.module[0] if s.kind == "experts" else s.module, "Linear") if qc else None
         quantized = s.kind in ("linear", "experts") and weight_qtype(scheme) != "dense"
@@ -46,7 +46,8 @@ def abstract(cfg: ModelConfig, qc: QuantConfig | None, dtype=jnp.bfloat16) -> di
         g = g[0] if g else 1
         return QTensor(jax.ShapeDtypeStruct((g, k, n), STORAGE[ks.qtype]),
                        jax.ShapeDtypeStruct((g, *ks.scales), jnp.dtype(ks.scale_dtype)), ks.qtype, ks.group,
-                       zeros=jax.ShapeDtypeStruct((g, *ks.scales), jnp.int8) if ks.zeros else None)
+                       zeros=jax.ShapeDtypeStruct((g, *ks.scales), jnp.int8) if ks.zeros else None,
+                       gscale=jax.ShapeDtypeStruct((g,), jnp.float32) if ks.qtype == "nvfp4" else None)
 
     return jax.tree_util.tree_map(leaf, skeleton(cfg, lane_widths(cfg, qc)),
                                   is_leaf=lambda x: isinstance(x, Slot))
@@ -124,7 +125,8 @@ class _Reader:
         layouts = [self._layout(m) for m in modules]
         if all(la is None for la in layouts):
             return np.stack([self.linear(m, shape[1:]) for m in modules])
-        if any(la is None for la in layouts) or len({(la.qtype, la.group, la.zeros is None) for la in layouts}) != 1:
+        if any(la is None for la in layouts) or len({(la.qtype, la.group, la.zeros is None, la.scales.dtype)
+                                                     for la in layouts}) != 1:
             raise Unsupported(f"experts {modules[0]}..: mixed quantization across experts is not supported")
         return _padded_qtensor(layouts, shape[1:])
 
@@ -161,8 +163,10 @@ def _padded_qtensor(layouts: list, shape: tuple[int, int]) -> QTensor:
     values = _pad(np.stack([la.values for la in layouts]), shape)
     scales = _pad(np.stack([la.scales for la in layouts]), (k // group, n), one)
     zeros = None if first.zeros is None else _pad(np.stack([la.zeros for la in layouts]), (k // group, n))
-    check_qtensor(values.shape, scales.shape, first.qtype, group, None if zeros is None else zeros.shape)
-    return QTensor(values, scales, first.qtype, group, zeros=zeros)
+    gscale = None if first.gscale is None else np.array([la.gscale for la in layouts], np.float32)
+    check_qtensor(values.shape, scales.shape, first.qtype, group, None if zeros is None else zeros.shape,
+                  None if gscale is None else gscale.shape)
+    return QTensor(values, scales, first.qtype, group, zeros=zeros, gscale=gscale)
 
 
 @partial(jax.jit, donate_argnums=0)
@@ -245,18 +249,18 @@ def load(path: str | Path, dtype=jnp.bfloat16, check: bool = True, mesh=None, ep
             shape = (n * g, *first.values.shape[1:])
             (vs, ss), split = ((one, one), "") if mesh is None else \
                 shardings(key, cfg, mesh, shape, kind, ep, first.scales.shape[1])
-            dtypes = (STORAGE[first.qtype], *(a.dtype for a in first.arrays[1:]))
-            outs = [((n * g, *a.shape[1:]), dt, sh)  # zero points placed as the scales
-                    for a, dt, sh in zip(first.arrays, dtypes, (vs, ss, ss))]
+            where = first.per_array(vs, ss, one if mesh is None else group_sharding(mesh, split))
+            outs = [((n * g, *a.shape[1:]), STORAGE[first.qtype] if f == "values" else a.dtype, where[f])
+                    for f, a in first.arrays.items()]
         cache = {0: first}
 
         def read(i):
             h = cache.pop(i) if i in cache else r.slot(entries[i])
             if quantized:
-                if (h.qtype, h.group, *(a.dtype for a in h.arrays[1:])) != \
-                        (first.qtype, first.group, *(a.dtype for a in first.arrays[1:])):
+                if (h.qtype, h.group, *((f, a.dtype) for f, a in h.arrays.items())) != \
+                        (first.qtype, first.group, *((f, a.dtype) for f, a in first.arrays.items())):
                     raise Unsupported(f"{entries[0].module}..: layers quantized differently are not supported")
-                return h.arrays
+                return tuple(h.arrays.values())
             return (h[None] if s.kind == "stack" else h,)
 
         # expert parallel: layer-major rows go where sharding.expert_rows puts them
@@ -268,7 +272,7 @@ def load(path: str | Path, dtype=jnp.bfloat16, check: bool = True, mesh=None, ep
 
         placed = _assemble(read, n, outs, rows)
         if quantized:
-            return first.with_arrays(*placed, mesh=mesh, split=split)
+            return first.with_arrays(dict(zip(first.arrays, placed)), mesh=mesh, split=split)
         return placed[0]
 
     sk = skeleton(cfg, lane_widths(cfg, qc))

@@ -94,13 +94,13 @@ def _per_shard(x: jax.Array, w: QTensor, group_sizes: jax.Array, group_offset) -
     offset = jnp.zeros((), jnp.int32) if group_offset is None else jnp.asarray(group_offset, jnp.int32)
 
     def body(x, arrays, sizes, off):
-        mine = w.with_arrays(*arrays, group=arrays[0].shape[1] if channel else w.group, mesh=None, split="")
+        mine = w.with_arrays(arrays, group=arrays["values"].shape[1] if channel else w.group, mesh=None, split="")
         y = grouped_matmul(x, mine, sizes, off)
         return jax.lax.psum(y, ax) if k_split else y
 
     rows = P() if channel and k_split else spec  # scales and zero points
-    return jax.shard_map(body, mesh=w.mesh, in_specs=(P(None, ax) if k_split else P(),
-                                                      (spec, rows, rows)[:len(w.arrays)], P(), P()),
+    return jax.shard_map(body, mesh=w.mesh, in_specs=(P(None, ax) if k_split else P(), w.per_array(spec, rows, P()),
+                                                      P(), P()),
                          out_specs=P(None, ax) if w.split == "n" else P(), check_vma=False)(
         x, w.arrays, group_sizes, offset)
 

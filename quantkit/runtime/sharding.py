@@ -110,6 +110,11 @@ def shardings(key: str, cfg: ModelConfig, mesh: Mesh, shape: tuple, kind: str = 
     return (values, scales), split
 
 
+def group_sharding(mesh: Mesh, split: str) -> NamedSharding:
+    """A QTensor's per-group array ([g]: nvfp4's global scales): split with the experts, else replicated."""
+    return NamedSharding(mesh, P(AXIS) if split == "e" else P())
+
+
 def expert_rows(layers: int, experts: int, tp: int) -> np.ndarray:
     """The device-major order of a stacked expert QTensor's rows under expert parallelism: row r of the
     placed array holds layer-major row expert_rows(...)[r] (layer * experts + expert); device d's rows are
@@ -148,8 +153,9 @@ def shard_params(params: dict, cfg: ModelConfig, mesh: Mesh, put=_put, ep: bool 
         arrays = w.arrays
         if split == "e" and w.split != "e" and isinstance(w.values, jax.Array | np.ndarray):
             order = expert_rows(layers, w.shape[0] // layers, tp)
-            arrays = [a[order] for a in arrays]
-        return w.with_arrays(*(put(a, sh) for a, sh in zip(arrays, (vs, ss, ss))), mesh=mesh, split=split)
+            arrays = {f: a[order] for f, a in arrays.items()}
+        where = w.per_array(vs, ss, group_sharding(mesh, split))
+        return w.with_arrays({f: put(a, where[f]) for f, a in arrays.items()}, mesh=mesh, split=split)
 
     out = {k: place(k, v) for k, v in params.items() if k != "layers"}
     out["layers"] = {kind: {key: place(key, w, kind, len(stack["attn_norm"])) for key, w in stack.items()}

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from quantkit.errors import InvalidInput, Unsupported
 from quantkit.formats.compressed_tensors import (SPARSE_FORMATS, QuantArgs, QuantConfig, Scheme, quantization_config_of,
                                                  weight_qtype)
-from quantkit.formats.ct_tensors import KV_SCALES, check_module_tensors, kernel_shapes, kv_head_scales
+from quantkit.formats.ct_tensors import KV_SCALES, check_global_scales, check_module_tensors, kernel_shapes, kv_head_scales
 from quantkit.formats.hf import Checkpoint, classify_module, group_modules
 from quantkit.kernels.dispatch import Verdict, kernel_path
 from quantkit.kernels.tiling import Chip
@@ -69,7 +69,7 @@ def _int_reason(w: QuantArgs, fmt: str) -> str | None:
 def unsupported_reason(scheme: Scheme) -> str | None:
     """Why quantkit cannot serve weights stored under `scheme` at all (whatever the chip), or None if it can:
     int4 and int8 with or without zero points (pack- or int-quantized, group or channel scales), fp8 e4m3 (float-quantized,
-    tensor, channel or block scales), mxfp4 and mxfp8, with no activation quantization other than fp8."""
+    tensor, channel or block scales), mxfp4, mxfp8 and nvfp4, with no activation quantization other than fp8."""
     w, fmt = scheme.weights, scheme.format
     if fmt in SPARSE_FORMATS:
         return (f"sparse format {fmt} is not supported (its compressor was removed in compressed-tensors 0.15); "
@@ -82,8 +82,11 @@ def unsupported_reason(scheme: Scheme) -> str | None:
         return None
     qtype = weight_qtype(scheme)
     if qtype == "nvfp4":
-        return ("NVFP4 (fp4 with fp8 block-16 scales and a global scale) is not supported yet; "
-                "convert to MXFP4A16 or W4A16 with `quantkit convert`")
+        if w.group_size != 16 or w.strategy != "tensor_group" or not w.symmetric:
+            return (f"NVFP4 with {w.strategy} scales of group {w.group_size}"
+                    f"{'' if w.symmetric else ', asymmetric'} is not supported; only the library's "
+                    "tensor_group of 16, symmetric, is")
+        return None
     if qtype in ("mxfp4", "mxfp8"):
         return None
     if qtype.startswith("mxfp"):
@@ -124,7 +127,7 @@ def config_findings(raw: dict | None, qc: QuantConfig | None) -> list[tuple[str,
                     "words); re-save the checkpoint with compressed-tensors >= 0.18"))
     if qc.status not in (None, "compressed"):
         out.append(("warning", f"quantization_status is {qc.status!r}, expected 'compressed'"))
-    if any(g.input_activations is not None for g in qc.groups):
+    if any(a is not None and a.type == "float" and a.num_bits == 8 for a in (g.input_activations for g in qc.groups)):
         out.append(("warning", "fp8 activation quantization in the scheme: the runtime computes activations in "
                     "bf16 (weights stay quantized)"))
     return out
@@ -150,8 +153,7 @@ def weight_path(scheme: Scheme | None, shape: tuple[int, ...] | None, chip: Chip
         return Verdict(None, "weight shape unknown")
     out, inp = shape[-2:]
     k = kernel_shapes(scheme, (out, inp))
-    return kernel_path(k.qtype, inp, out, k.group, chip, scale_bytes=1 if k.scale_dtype == "uint8" else 2,
-                       zero_bytes=int(k.zeros))
+    return kernel_path(k.qtype, inp, out, k.group, chip, scale_bytes=min(k.scale_bytes, 2), zero_bytes=int(k.zeros))
 
 
 def problem(severity: str, where: str, message: str) -> dict:
@@ -278,4 +280,9 @@ def validate_checkpoint(ckpt: Checkpoint) -> Validation:
     foreign = raw is not None and qc is None
     modules = [check_module(module, {p: ckpt.tensors[n] for p, n in pnames.items()}, qc, foreign)
                for module, pnames in group_modules(ckpt.tensors).items()]
+    # nvfp4 global scales: 4 bytes a module, read always (a zero or NaN one, or fused siblings that differ,
+    # would make the served weights wrong)
+    globals_ = {m.name: ckpt.read(m.params["weight_global_scale"].name) for m in modules
+                if not m.errors and not m.reason and weight_qtype(m.scheme) == "nvfp4"}
+    problems += [problem("error", where, message) for where, message in check_global_scales(globals_)]
     return Validation(ckpt, raw, qc, cfg, problems, modules)

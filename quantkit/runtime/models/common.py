@@ -149,10 +149,11 @@ def _expert_parallel(x, weights, experts, w: tuple, num_experts: int, act: Calla
     local = num_experts // tp
     # At views of device-major stacked QTensors (their arrays, the layer), or one layer's dense experts
     parts = [(a.w.arrays, jnp.asarray(a.index, jnp.int32)) if isinstance(a, At) else a for a in w]
-    specs = [((spec("e", 3),) * len(a.w.arrays), P()) if isinstance(a, At) else spec("e", 3) for a in w]
+    specs = [(a.w.per_array(spec("e", 3), spec("e", 3), P(AXIS)), P()) if isinstance(a, At) else spec("e", 3)
+             for a in w]
 
     def body(x, weights, experts, parts):
-        mine = tuple(At(a.w.with_arrays(*p[0], mesh=None, split=""), p[1], local) if isinstance(a, At) else p
+        mine = tuple(At(a.w.with_arrays(p[0], mesh=None, split=""), p[1], local) if isinstance(a, At) else p
                      for p, a in zip(parts, w))
         e = experts - jax.lax.axis_index(AXIS) * local
         e = jnp.where((e >= 0) & (e < local), e, local)  # another device's expert: dropped
