@@ -3,13 +3,14 @@
 Builds synthetic bf16 Llama-shaped checkpoints (random normal * 0.02 weights, hidden 2048, MLP 8192,
 vocab 32000, sharded at 1 GB like Hugging Face) of two sizes, then, for each size, in one run:
 - `cp -r` of the directory (the physical floor: read + write the same bytes);
-- `quantkit convert SRC DST --scheme W4A16` (min-max, group 128) with 1 and 2 workers;
-- llm-compressor `model_free_ptq(src, dst, scheme="W4A16", ignore=["lm_head"], max_workers=1, device="cpu")`,
+- `quantkit convert SRC DST --scheme S` (min-max; S = --scheme, default W4A16, group 128) with 1 and 2 workers;
+- llm-compressor `model_free_ptq(src, dst, scheme=S, ignore=["lm_head"], max_workers=1, device="cpu")`,
   from its own virtual environment (it pins its own compressed-tensors; see docs/benchmarks.md, "Installing the peers").
 Every run is a fresh process, timed from start to exit; peak RSS is the child's ru_maxrss. The input is
 read once before each run so that every tool starts from the page cache.
 
 Usage: .venv/bin/python benchmarks/convert_speed.py --llmc /path/to/llmc-venv/bin/python [--sizes 0.8 1.6]
+       [--scheme NVFP4A16]
 """
 
 from __future__ import annotations
@@ -84,7 +85,7 @@ TIMED = ("import resource, subprocess, sys, time\n"
          "print(dt, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024)\n")
 
 LLMC = ("import sys\nfrom llmcompressor import model_free_ptq\n"
-        "model_free_ptq(sys.argv[1], sys.argv[2], scheme='W4A16', ignore=['lm_head'], max_workers=1, device='cpu')\n")
+        "model_free_ptq(sys.argv[1], sys.argv[2], scheme=sys.argv[3], ignore=['lm_head'], max_workers=1, device='cpu')\n")
 
 
 def timed(cmd: list[str]) -> tuple[float, int]:
@@ -107,19 +108,21 @@ def main() -> None:
     ap.add_argument("--llmc", help="python of a venv with llmcompressor installed (peer); omitted if not given")
     ap.add_argument("--sizes", type=float, nargs="+", default=[0.8, 1.6], help="checkpoint sizes in GB")
     ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--scheme", default="W4A16", help="a scheme both tools write (W4A16, NVFP4A16, MXFP4A16, ...)")
     ap.add_argument("--dir", type=Path, default=Path("/tmp/qk-convert-bench"))
     args = ap.parse_args()
     quantkit = str(Path(sys.executable).parent / "quantkit")
     tools = {
         "cp -r (floor)": lambda s, d: ["cp", "-r", str(s), str(d)],
-        "quantkit, 1 worker": lambda s, d: [quantkit, "convert", str(s), str(d), "--scheme", "W4A16"],
-        "quantkit, 2 workers": lambda s, d: [quantkit, "convert", str(s), str(d), "--scheme", "W4A16",
+        "quantkit, 1 worker": lambda s, d: [quantkit, "convert", str(s), str(d), "--scheme", args.scheme,
+                                            "--workers", "1"],
+        "quantkit, 2 workers": lambda s, d: [quantkit, "convert", str(s), str(d), "--scheme", args.scheme,
                                              "--workers", "2"],
     }
     if args.llmc:
-        tools["llm-compressor model_free_ptq"] = lambda s, d: [args.llmc, "-c", LLMC, str(s), str(d)]
+        tools["llm-compressor model_free_ptq"] = lambda s, d: [args.llmc, "-c", LLMC, str(s), str(d), args.scheme]
     print(f"machine: {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}; "
-          f"median of {args.runs} runs, process start included; input warm in the page cache")
+          f"scheme {args.scheme}; median of {args.runs} runs, process start included; input warm in the page cache")
     print("| input | tool | wall s | input GB/s | peak RSS | vs model_free_ptq | vs copy |")
     print("|---|---|---|---|---|---|---|")
     for gb in args.sizes:

@@ -69,7 +69,7 @@ QWEN35_397B_A17B = json.loads((CONFIGS / "qwen3.5-397B-A17B.json").read_text())
 ROWS = [  # name, config, scheme, group size, devices (, expert parallel (, target: v6e unless given))
     ("Llama-3-8B", LLAMA3_8B, "W4A16", 128, 1), ("Llama-3-8B", LLAMA3_8B, "W8A16", 128, 1),
     ("Llama-3-8B", LLAMA3_8B, "W4A16_ASYM", 128, 1), ("Llama-3-8B", LLAMA3_8B, "W8A16_ASYM", 128, 1),
-    ("Llama-3-8B", LLAMA3_8B, "MXFP8A16", 32, 1),
+    ("Llama-3-8B", LLAMA3_8B, "MXFP8A16", 32, 1), ("Llama-3-8B", LLAMA3_8B, "NVFP4A16", 16, 1),
     ("Gemma-3-27B", GEMMA3_27B, "W4A16", 128, 1),
     ("Gemma-3-27B", GEMMA3_27B, "W4A16", 32, 1), ("Qwen3-30B-A3B", QWEN3_30B_A3B, "W4A16", 128, 1),
     ("Gemma-3-27B", GEMMA3_27B, "DENSE", 0, 4),

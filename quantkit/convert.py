@@ -180,10 +180,10 @@ def _dequantize_job(ckpt: Checkpoint, module: str, sch: Scheme, pnames: dict, pa
         reason = unsupported_reason(sch) or f"format {sch.format} with {sch.weights.strategy} scales"
         raise Unsupported(f"{module}: cannot dequantize: {reason}")
     shape = logical_shape({p: i.shape for p, i in params.items()},
-                          ckpt.read(pnames["weight_shape"]) if "weight_shape" in pnames else None)
+                          ckpt.read(pnames["weight_shape"]) if "weight_shape" in pnames else None, sch.format)
     out_dtype = "BF16"
     src = {p: n for p, n in pnames.items()
-           if p in ("weight", "weight_packed", "weight_scale", "weight_zero_point", "weight_global_scale")}
+           if p in ("weight", "weight_packed", "weight_scale", "weight_zero_point", "weight_global_scale", "weight_g_idx")}
     outputs = {f"{module}.weight": (out_dtype, shape)}
     if "bias" in pnames:
         src_bias = pnames["bias"]
@@ -356,7 +356,8 @@ def run_job(job: Job, ckpt: Checkpoint, writer: _Writer, scheme: str, group_size
     step = _rows_per_chunk(job.shape[-1], row_alignment(sch))
     for r0 in range(0, out, step):
         r1 = min(out, r0 + step)
-        part = {p: ckpt.read_rows(n, *stored_row_range(sch, p, r0, r1)) for p, n in job.src.items() if p != "bias"}
+        part = {p: ckpt.read(n) if p == "weight_g_idx" else ckpt.read_rows(n, *stored_row_range(sch, p, r0, r1))
+                for p, n in job.src.items() if p != "bias"}  # g_idx: one group number per input column
         deq = dequantize(sch, part, (r1 - r0, job.shape[-1]))
         _finite(job.name, deq)
         writer.write(f"{job.name}.weight", packing.to_dtype(deq, job.dtype), r0)

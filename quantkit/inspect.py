@@ -34,8 +34,11 @@ def _device_bytes(qtype: str, params: dict, shape: tuple[int, ...] | None, chip:
     for param, info in params.items():
         if param in ("weight", "weight_packed") and shape is not None and len(shape) >= 2:
             continue
-        if param in ("weight_shape", "weight_g_idx"):
+        if param == "weight_shape":
             continue  # metadata, not loaded
+        if param == "weight_g_idx":  # loaded as the int32 row order [in]
+            total += hbm_bytes(info.shape, 32, chip)
+            continue
         bits = DTYPES[info.dtype][0]
         if info.dtype in FLOAT_DTYPES:
             bits = 32 if info.dtype == "F32" and param != "weight" else 16  # scales keep f32; F16/BF16 -> bf16

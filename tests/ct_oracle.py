@@ -74,6 +74,7 @@ __all__ = [
     "library_decompress_torch",
     "library_decompress_dtype",
     "library_convert_dequantize",
+    "make_actorder_checkpoint",
 ]
 
 
@@ -92,6 +93,7 @@ SCHEMES = [
     "FP8_DYNAMIC",
     "FP8_BLOCK",
     "MXFP4A16",
+    "MXFP6A16",
     "MXFP8A16",
     "NVFP4A16",
     "MIXED",
@@ -113,6 +115,7 @@ EXPECTED_FORMAT = {
     "FP8_DYNAMIC": "float-quantized",
     "FP8_BLOCK": "float-quantized",
     "MXFP4A16": "mxfp4-pack-quantized",
+    "MXFP6A16": "mxfp6-pack-quantized",
     "MXFP8A16": "mxfp8-quantized",
     "NVFP4A16": "nvfp4-pack-quantized",
     "MIXED": "mixed-precision",
@@ -198,6 +201,10 @@ EXPECTED_DOWN_PROJ = {
     },
     "MXFP4A16": {
         "weight_packed": ("uint8", (256, 256)),
+        "weight_scale": ("uint8", (256, 16)),
+    },
+    "MXFP6A16": {  # four e2m3 codes in each 3 bytes
+        "weight_packed": ("uint8", (256, 384)),
         "weight_scale": ("uint8", (256, 16)),
     },
     "MXFP8A16": {
@@ -610,3 +617,77 @@ def library_convert_dequantize(
     converter = CompressedTensorsDequantizer(str(src), ignore=list(ignore), dtype=dtype)
     convert_checkpoint(str(src), str(dst), converter, device="cpu")
     return pathlib.Path(dst)
+
+
+def make_actorder_checkpoint(path, scheme: str = "W4A16_G32", *, seed: int = 0, model=None) -> tuple[pathlib.Path, pathlib.Path]:
+    """An activation-ordered GPTQ-style checkpoint (``actorder: group``, ``weight_g_idx``), as older
+    compressed-tensors versions stored them, and its reference weights; compressed-tensors 0.20.1 neither
+    writes nor reads g_idx, so the library quantizes a column-permuted copy and the columns go back here.
+
+    Each quantized Linear [out, in] gets a random assignment of its input columns to whole groups
+    (``g_idx = argsort(sigma) // group`` for a random permutation ``sigma``: every group has ``group``
+    columns, scattered). The library quantizes ``W[:, sigma]`` (groups contiguous) with ``scheme``; its stored
+    values are put back in the original column order (unpacked and packed with the library's own
+    pack_to_int32) beside ``weight_g_idx``, and the config says ``actorder: "group"``.
+
+    Returns ``(path, dense)``: the checkpoint, and ``path.parent / (path.name + "-dense")``, the library's
+    bf16 dequantization of the permuted copy (``library_convert_dequantize``) with every column back in place:
+    the weights a correct reader of ``path`` must serve.
+    """
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32, unpack_from_int32
+    from safetensors.torch import save_file
+
+    path = pathlib.Path(path)
+    model = model if model is not None else tiny_llama(seed)
+    rng = np.random.default_rng(seed + 100)
+    group = _scheme(scheme, ["Linear"]).weights.group_size
+    sigmas = {}
+    with torch.no_grad():
+        for name, m in model.named_modules():
+            if isinstance(m, torch.nn.Linear) and name != "lm_head":
+                sigma = torch.as_tensor(rng.permutation(m.in_features))
+                sigmas[name] = sigma
+                m.weight.copy_(m.weight[:, sigma])
+    contiguous = make_checkpoint(path.parent / (path.name + "-contiguous"), scheme, model=model)
+    dense = library_convert_dequantize(contiguous, path.parent / (path.name + "-dense"))
+
+    def unpermute(tensors: dict, suffix: str, fn) -> None:
+        for name, sigma in sigmas.items():
+            if f"{name}.{suffix}" in tensors:
+                tensors[f"{name}.{suffix}"] = fn(tensors[f"{name}.{suffix}"], sigma)
+
+    def back(w, sigma):  # column j of the permuted weight is input column sigma[j]
+        out = torch.empty_like(w)
+        out[:, sigma] = w
+        return out
+
+    for f in sorted(dense.glob("*.safetensors")):
+        t = {k: v.contiguous() for k, v in read_tensors_file(f).items()}
+        unpermute(t, "weight", back)
+        save_file(t, str(f), metadata={"format": "pt"})
+    path.mkdir(parents=True, exist_ok=True)
+    bits = _scheme(scheme, ["Linear"]).weights.num_bits
+    for f in sorted(contiguous.glob("*")):
+        if f.suffix != ".safetensors":
+            (path / f.name).write_bytes(f.read_bytes())
+            continue
+        t = read_tensors_file(f)
+        for name, sigma in sigmas.items():
+            key = f"{name}.weight_packed"
+            if key in t:
+                out, inp = (int(x) for x in t[f"{name}.weight_shape"])
+                q = unpack_from_int32(t[key], bits, torch.Size([out, inp]))
+                t[key] = pack_to_int32(back(q, sigma), bits)
+                t[f"{name}.weight_g_idx"] = (torch.argsort(sigma) // group).to(torch.int32)
+        save_file(t, str(path / f.name), metadata={"format": "pt"})
+    config = json.loads((path / "config.json").read_text())
+    for g in config["quantization_config"]["config_groups"].values():
+        g["weights"]["actorder"] = "group"
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    return path, dense
+
+
+def read_tensors_file(f) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(f))

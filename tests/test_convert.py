@@ -146,6 +146,26 @@ def test_transformers_loads_and_runs_dst(converted, library, src, case, tol):
     assert 0 < rel < tol, rel
 
 
+@pytest.mark.parametrize("scheme", ["W4A16_ASYM", "MXFP6A16"])
+def test_dense_of_activation_ordered_and_mxfp6_checkpoints_is_the_librarys(scheme, tmp_path):
+    """--scheme DENSE of formats convert does not write: an activation-ordered GPTQ checkpoint (each column's
+    scale and zero point by weight_g_idx; the reference: the library's dequantization of the permuted copy,
+    columns put back) and MXFP6A16 (e2m3 codes, four in 3 bytes; the reference: the library's own), bit for
+    bit in bf16."""
+    from ct_oracle import library_convert_dequantize, make_actorder_checkpoint
+
+    if scheme == "MXFP6A16":
+        q = make_checkpoint(tmp_path / "q", scheme)
+        ref = library_convert_dequantize(q, tmp_path / "ref")
+    else:
+        q, ref = make_actorder_checkpoint(tmp_path / "q", scheme)
+    convert(q, tmp_path / "ours", "DENSE")
+    ours, theirs = read_tensors(tmp_path / "ours"), read_tensors(ref)
+    assert sorted(ours) == sorted(theirs)
+    for name, t in theirs.items():
+        assert torch.equal(ours[name].view(torch.int16), t.to(torch.bfloat16).view(torch.int16)), name
+
+
 def test_mse_observer_lowers_error_and_stays_loadable(src, tmp_path):
     r = convert(src, tmp_path / "mse", "W4A16", 128, observer="mse")
     assert r["mean_rel_error"] < r["mean_rel_error_minmax"] * 0.97

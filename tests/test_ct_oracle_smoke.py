@@ -38,6 +38,7 @@ REL_ERR = {
     "FP8_DYNAMIC": 0.1,
     "FP8_BLOCK": 0.1,
     "MXFP4A16": 0.2,
+    "MXFP6A16": 0.1,
     "MXFP8A16": 0.1,
     "NVFP4A16": 0.2,
     "MIXED": 0.2,  # mlp: 4-bit; attention (fp8) checked against 0.1 below

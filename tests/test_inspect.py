@@ -26,7 +26,8 @@ from quantkit.formats.hf import Checkpoint, classify_module, group_modules
 from quantkit.inspect import inspect_checkpoint
 
 SERVABLE = ["W4A16", "W4A16_G32", "W4A16_CHANNEL", "W4A16_ASYM", "W8A16", "W8A16_INT", "W8A16_ASYM", "W3A16",
-            "W6A16", "W4AFP8", "FP8", "FP8_DYNAMIC", "FP8_BLOCK", "MXFP4A16", "MXFP8A16", "NVFP4A16", "MIXED"]
+            "W6A16", "W4AFP8", "FP8", "FP8_DYNAMIC", "FP8_BLOCK", "MXFP4A16", "MXFP6A16", "MXFP8A16", "NVFP4A16",
+            "MIXED"]
 UNSUPPORTED = {"W8A8": "int8 token input activation"}  # int8 activations: not served yet
 QUANTKIT = [sys.executable, "-m", "quantkit.cli"]
 
@@ -144,17 +145,28 @@ def test_hbm_bytes_of_zero_points_are_what_the_loader_places(ckpts):
                                                                                              abs=0.02)
 
 
-def test_actorder_group_with_g_idx_is_unsupported(ckpts, tmp_path):
-    path = _copy(ckpts["W4A16"], tmp_path)
-    _edit_config(path, lambda qc: qc["config_groups"]["group_0"]["weights"].update(actorder="group"))
+def test_actorder_group_is_served_and_a_bad_g_idx_refused_naming_it(tmp_path):
+    """An activation-ordered checkpoint (g_idx scattering whole groups) is valid and served on gmm_v2 with its
+    int32 row order counted in HBM; a g_idx that is not a permutation of whole groups, or out of range, is an
+    error of `inspect --deep` and of the loader naming the tensor."""
+    from ct_oracle import make_actorder_checkpoint
+    from quantkit.errors import InvalidInput
+    from quantkit.runtime.loader import load
 
-    def add_g_idx(t):
-        for name in [n for n in t if n.endswith(".weight_shape")]:
-            t[name.replace("weight_shape", "weight_g_idx")] = torch.arange(int(t[name][1]), dtype=torch.int32) // 128
-    _edit_tensors(path, add_g_idx)
-    r = inspect_checkpoint(path, deep=True)
-    assert r["exit_code"] == 3 and all("actorder=group" in p["message"] for p in r["problems"]
-                                       if p["severity"] == "unsupported")
+    path, _ = make_actorder_checkpoint(tmp_path / "ao")
+    r = inspect_checkpoint(path, "v6e", deep=True)
+    assert r["exit_code"] == 0 and r["servable"], r["problems"]
+    q = [la for la in r["layers"] if la["scheme"] is not None]
+    assert len(q) == 14 and {la["path"] for la in q} == {"gmm_v2"} and all(la["scheme"]["actorder"] == "group" for la in q)
+    down = "model.layers.1.mlp.down_proj.weight_g_idx"
+    for value, expect in ((lambda g: g.clamp(max=0) + torch.arange(512, dtype=torch.int32) % 3, "not a permutation of whole groups"),
+                          (lambda g: g + 16, "out of range")):
+        bad = _copy(path, tmp_path / f"bad-{expect[:3]}")
+        _edit_tensors(bad, lambda t: t.update({down: value(t[down]).to(torch.int32)}))
+        r = inspect_checkpoint(bad, deep=True)
+        assert r["exit_code"] == 1 and any(p["where"] == down and expect in p["message"] for p in r["problems"])
+        with pytest.raises(InvalidInput, match=re.escape(down) + ".*" + expect):
+            load(bad)
 
 
 @pytest.mark.parametrize("edit,expect", [

@@ -114,6 +114,33 @@ def test_xla_path_matches_reference(qtype, group, zeros, seed):
         assert _rel(out[:total], ref[:total]) < 6e-3, f"seed {seed}"
 
 
+def test_activation_order_gathers_each_rows_group_order(seed):
+    """A QTensor in activation order (stored row j of group e is input feature perm[e, j]): grouped_matmul
+    gathers each row's activations into its group's order, so out[i] = x[i] @ W_e with W_e back in feature
+    order; one group (a dense layer) and rows of several groups (experts, some empty)."""
+    import dataclasses
+
+    from quantkit.quant.reference import dequantize
+    from quantkit.runtime.ops import grouped_matmul
+
+    rng = np.random.default_rng(seed)
+    for g, m in [(1, 7), (4, 30)]:
+        qt = _random_qtensor(rng, "int4", g, 256, 128, 32)
+        perm = np.stack([rng.permutation(256) for _ in range(g)]).astype(np.int32)
+        stored = np.asarray(dequantize(qt))
+        w = np.empty_like(stored)
+        for e in range(g):
+            w[e][perm[e]] = stored[e]
+        x = jnp.asarray(rng.standard_normal((m, 256)), jnp.bfloat16)
+        sizes = _sizes(rng, g, m)
+        groups = np.searchsorted(np.cumsum(sizes), np.arange(m), side="right")
+        xf = np.asarray(x, np.float32)
+        ref = np.stack([xf[i] @ w[e] if e < g else np.zeros(128, np.float32) for i, e in enumerate(groups)])
+        out = grouped_matmul(x, dataclasses.replace(qt, perm=jnp.asarray(perm)), jnp.asarray(sizes))
+        total = int(sizes.sum())
+        assert _rel(out[:total], ref[:total]) < 6e-3, (g, seed)
+
+
 def test_visits_cover_every_tile_once_per_group(seed):
     rng = np.random.default_rng(seed)
     for _ in range(50):  # few shapes (each compiles its ops), random group sizes
@@ -276,7 +303,8 @@ def test_compiles_for_every_real_layer_shape(chip, qtype, group):
 # ---- from checkpoints written by compressed-tensors to the kernel --------------------------------
 
 @pytest.mark.parametrize("scheme", ["W4A16", "W4A16_G32", "W4A16_CHANNEL", "W4A16_ASYM", "W8A16", "W8A16_ASYM",
-                                    "W4AFP8", "FP8_DYNAMIC", "FP8_BLOCK", "MXFP4A16", "MXFP8A16", "NVFP4A16"])
+                                    "W4AFP8", "FP8_DYNAMIC", "FP8_BLOCK", "MXFP4A16", "MXFP6A16", "MXFP8A16",
+                                    "NVFP4A16"])
 def test_library_checkpoint_through_the_kernels(scheme, tmp_path, seed):
     """Weights made by the library, converted once to the kernel layout, multiply like the library's
     own decompressed weights (x @ W.T), through gmm_v2 (interpret) and the XLA path."""

@@ -23,7 +23,7 @@ import pytest
 import torch
 import transformers as T
 
-from ct_oracle import library_convert_dequantize, make_checkpoint
+from ct_oracle import library_convert_dequantize, make_actorder_checkpoint, make_checkpoint
 from helpers import COMMON, family, gemma4_config, greedy_parity, perturbed, rel_err, with_tokenizer
 from quantkit.errors import InvalidInput, Unsupported
 from quantkit.runtime.engine import Runner, Sampling, generate
@@ -62,10 +62,11 @@ def test_bfloat16_logits_close(family_ckpt):
 
 
 @pytest.mark.parametrize("scheme", ["W4A16", "W4A16_CHANNEL", "W4A16_ASYM", "W8A16_ASYM", "W3A16", "FP8_DYNAMIC",
-                                    "MXFP4A16", "MXFP8A16", "NVFP4A16"])
+                                    "MXFP4A16", "MXFP6A16", "MXFP8A16", "NVFP4A16"])
 def test_quantized_checkpoints_match_transformers_on_decompressed_weights(scheme, tmp_path):
     """Each way a weight reaches the kernels (int4 group / channel / with zero points, int8 with zero points,
-    3-bit in an int4 container, fp8, the MX types, nvfp4 with its global scales), end to end. g32, symmetric int8 and 6-bit weights take the
+    3-bit in an int4 container, fp8, the MX types (mxfp6 in an fp8 container), nvfp4 with its global scales),
+    end to end. g32, symmetric int8 and 6-bit weights take the
     same loader paths (test_kernels and test_inspect compare their layouts with the library; the MoE test
     below runs W8A16)."""
     q = make_checkpoint(tmp_path / "q", scheme)
@@ -78,6 +79,23 @@ def test_quantized_checkpoints_match_transformers_on_decompressed_weights(scheme
     q = model.params["layers"]["full"]["q"]
     assert type(q).__name__ == "QTensor" and q.values.shape[0] == model.cfg.num_layers  # quantized, stacked
     assert model.weight_bytes < sum(f.stat().st_size for f in (tmp_path / "dense").glob("*.safetensors"))
+
+
+@pytest.mark.parametrize("scheme", ["W4A16_G32", "W4A16_ASYM"])
+def test_activation_ordered_groups_match_transformers(scheme, tmp_path):
+    """actorder group (weight_g_idx scattering whole groups over the input columns), symmetric g32 and with
+    zero points g128: stored rows sorted by group at load and the activations gathered into that order, against
+    transformers on the library's dequantized weights with every column back in place (ct_oracle); packed and
+    dense (densify puts the rows back) agree."""
+    q, dense = make_actorder_checkpoint(tmp_path / "q", scheme)
+    ref = T.AutoModelForCausalLM.from_pretrained(dense, dtype=torch.float32).eval()
+    model = greedy_parity(q, ref, jnp.float32, 1e-2)
+    w = model.params["layers"]["full"]["down"]
+    assert w.perm is not None and w.perm.shape == (2, 512)
+    assert sorted(np.asarray(w.perm[1]).tolist()) == list(range(512)) and not np.array_equal(w.perm[0], w.perm[1])
+    ids = list(range(3, 20))
+    packed, dense_w = (Runner(model, max_model_len=32, weights=x).forward([(0, ids, 0)])[0] for x in ("packed", "dense"))
+    assert rel_err(dense_w, packed) < 1e-5
 
 
 def test_mixed_step_of_prompt_chunks_and_decodes_equals_each_alone(family_ckpt):

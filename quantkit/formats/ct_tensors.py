@@ -128,7 +128,7 @@ def _check_int_packed(t: _Tensors, w: QuantArgs) -> tuple[int, ...] | None:
         # zero points packed along the OUTPUT dimension: [ceil(out * b / 32), groups] (FORMATS.md)
         t.need("weight_zero_point", {"I32"}, (*lead, ceil_div(out * w.num_bits, 32), scale.shape[-1]))
     if w.actorder == "group":
-        t.need("weight_g_idx", {"I32", "I64"})
+        t.need("weight_g_idx", {"I32", "I64"}, (*lead, inp))
     return (*lead, out, inp)
 
 
@@ -161,6 +161,20 @@ def _check_fp4(t: _Tensors) -> tuple[int, ...] | None:
     if not mx:
         t.need("weight_global_scale", {"F32"}, (*lead, 1))
     return (*lead, out, 2 * half)
+
+
+def _check_mxfp6(t: _Tensors) -> tuple[int, ...] | None:
+    """mxfp6: four e2m3 codes in each 3 bytes, E8M0 scales per 32 inputs."""
+    packed = t.need("weight_packed", {"U8"})
+    if packed is None or len(packed.shape) < 2:
+        return None
+    *lead, out, cols = packed.shape
+    if cols % 3:
+        t.errors.append(f"{t.module}.weight_packed: {cols} bytes a row do not hold whole groups of four 6-bit codes")
+        return None
+    inp = cols // 3 * 4
+    t.need("weight_scale", {"U8", "F8_E8M0"}, (*lead, out, ceil_div(inp, 32)))
+    return (*lead, out, inp)
 
 
 def _check_mxfp8(t: _Tensors) -> tuple[int, ...] | None:
@@ -196,6 +210,8 @@ def check_module_tensors(module: str, scheme: Scheme | None, params: dict) -> tu
         shape = _check_fp4(t)
     elif fmt == "mxfp8-quantized":
         shape = _check_mxfp8(t)
+    elif fmt == "mxfp6-pack-quantized":
+        shape = _check_mxfp6(t)
     else:  # other formats are reported unsupported; only the presence of a weight tensor is checked
         shape = None
         if not (params.get(stored_weight_name(scheme)) or params.get("weight") or params.get("weight_packed")):
@@ -260,31 +276,52 @@ def check_module_data(module: str, scheme: Scheme | None, params: dict, read, sh
                     found.append(("warning", f"{module}.weight_packed",
                                   f"{module}.weight_packed has non-zero padding bits beyond {ws[-1]} columns"))
     if w is not None and "weight_g_idx" in params and shape is not None and w.group_size:
-        g = read(params["weight_g_idx"].name)
-        if g.shape[-1:] != shape[-1:] or g.min(initial=0) < 0 or g.max(initial=0) >= ceil_div(shape[-1], w.group_size):
-            found.append(("error", f"{module}.weight_g_idx", f"{module}.weight_g_idx is out of range"))
+        try:
+            activation_order(read(params["weight_g_idx"].name), w.group_size, shape[-1], f"{module}.weight_g_idx")
+        except InvalidInput as e:
+            found.append(("error", f"{module}.weight_g_idx", str(e)))
     return shape, found
 
 
-def logical_shape(shapes: dict[str, tuple], weight_shape=None) -> tuple[int, ...]:
-    """Logical weight shape [..., out, in] of a quantized module: the values of its `weight_shape` tensor when
-    stored (pack-quantized), else its fp8 `weight`'s shape, else twice the fp4 bytes per row."""
+def activation_order(g_idx, group: int, inp: int, where: str):
+    """The row order that makes an activation-ordered weight's groups contiguous: int32 [inp], the input
+    features sorted by their group (stable). InvalidInput naming `where` unless g_idx holds inp group numbers
+    in range, each group exactly `group` times (what GPTQ's act-order writes; anything else has no contiguous
+    layout, and the library rejects it)."""
+    import numpy as np
+
+    g = np.asarray(g_idx).reshape(-1).astype(np.int64)
+    groups = ceil_div(inp, group)
+    if g.shape != (inp,) or g.min(initial=0) < 0 or g.max(initial=0) >= groups:
+        raise InvalidInput(f"{where} is out of range: expected {inp} group numbers in [0, {groups})")
+    counts = np.bincount(g, minlength=groups)
+    if (counts != group).any():
+        bad = int(np.flatnonzero(counts != group)[0])
+        raise InvalidInput(f"{where} is not a permutation of whole groups: group {bad} has {counts[bad]} input "
+                           f"features, not {group}")
+    return np.argsort(g, kind="stable").astype(np.int32)
+
+
+def logical_shape(shapes: dict[str, tuple], weight_shape=None, fmt: str = "") -> tuple[int, ...]:
+    """Logical weight shape [..., out, in] of a quantized module of format `fmt`: the values of its
+    `weight_shape` tensor when stored (pack-quantized), else its fp8 `weight`'s shape, else the codes in its
+    packed bytes per row (mxfp6: 4 per 3 bytes, fp4: 2 per byte)."""
     if weight_shape is not None:
         return tuple(int(x) for x in weight_shape)
     if "weight" in shapes:
         return tuple(shapes["weight"])
     packed = shapes["weight_packed"]
-    return (*packed[:-1], packed[-1] * 2)
+    return (*packed[:-1], packed[-1] * 4 // 3 if fmt == "mxfp6-pack-quantized" else packed[-1] * 2)
 
 
 def can_dequantize(scheme: Scheme) -> bool:
     """Whether `dequantize` handles this scheme's weights."""
     w, fmt = scheme.weights, scheme.format
     if fmt in ("pack-quantized", "int-quantized"):
-        return w.type == "int" and w.actorder != "group" and w.strategy in ("group", "channel")
+        return w.type == "int" and w.strategy in ("group", "channel")
     if fmt == "float-quantized":
         return w.type == "float" and w.num_bits == 8 and w.strategy in ("tensor", "channel", "block", "group")
-    return fmt in ("mxfp4-pack-quantized", "mxfp8-quantized", "nvfp4-pack-quantized")
+    return fmt in ("mxfp4-pack-quantized", "mxfp6-pack-quantized", "mxfp8-quantized", "nvfp4-pack-quantized")
 
 
 def dequantize(scheme: Scheme, arrays: dict, shape: tuple[int, ...]):
@@ -307,9 +344,8 @@ def dequantize(scheme: Scheme, arrays: dict, shape: tuple[int, ...]):
 
     w, fmt = scheme.weights, scheme.format
     inp = shape[-1]
-    if fmt in ("mxfp4-pack-quantized", "mxfp8-quantized"):
-        values = packing.unpack_fp4(np.asarray(arrays["weight_packed"])) if fmt.startswith("mxfp4") else \
-            np.asarray(arrays["weight"]).astype(np.float32)
+    if fmt in ("mxfp4-pack-quantized", "mxfp6-pack-quantized", "mxfp8-quantized"):
+        values = mx_values(fmt, arrays)
         scale = packing.e8m0_to_float(np.asarray(arrays["weight_scale"]))
         return values * packing.expand_groups(scale, 32, inp)
     if fmt == "nvfp4-pack-quantized":  # fp8 scales over the global scale, in float32 (the library's order)
@@ -320,17 +356,33 @@ def dequantize(scheme: Scheme, arrays: dict, shape: tuple[int, ...]):
     else:  # float-quantized, int-quantized: one stored value per weight
         q = np.asarray(arrays["weight"]).astype(np.float32)
     scale = np.asarray(arrays["weight_scale"]).astype(np.float32)
+    if w.actorder == "group":  # each input feature's own group, by weight_g_idx
+        g_idx = np.asarray(arrays["weight_g_idx"]).astype(np.int64)
+        expand = lambda a: a[..., g_idx]  # noqa: E731
+    else:
+        expand = lambda a: packing.expand_groups(a, w.group_size if w.strategy == "group" else inp, inp)  # noqa: E731
     if w.type == "int" and not w.symmetric:  # [..., out, groups] like the scales
-        q = q - packing.expand_groups(zero_points(scheme, arrays, shape[-2]).astype(np.float32),
-                                      w.group_size if w.strategy == "group" else inp, inp)
+        q = q - expand(zero_points(scheme, arrays, shape[-2]).astype(np.float32))
     if w.strategy == "tensor":
         return q * scale.reshape(())
     if w.strategy == "block":
         return q * packing.expand_blocks(scale, w.block_structure, shape)
     if w.strategy == "group":
-        return q * packing.expand_groups(scale, w.group_size, inp)
+        return q * expand(scale)
     return q * scale  # channel: [..., out, 1]
 
+
+
+def mx_values(fmt: str, arrays: dict):
+    """An MX weight's element values as float32 [..., out, in]: e2m1 (mxfp4), e2m3 (mxfp6) or fp8 e4m3 (mxfp8)."""
+    import numpy as np
+
+    from quantkit.formats import packing
+
+    if fmt == "mxfp8-quantized":
+        return np.asarray(arrays["weight"]).astype(np.float32)
+    unpack = packing.unpack_fp4 if fmt == "mxfp4-pack-quantized" else packing.unpack_fp6
+    return unpack(np.asarray(arrays["weight_packed"]))
 
 
 def kernel_group(w: QuantArgs, inp: int) -> int:
@@ -399,6 +451,7 @@ class KernelShapes(NamedTuple):
     qtype: str
     group: int
     zeros: bool  # int8 zero points beside the scales (asymmetric ints)
+    perm: bool = False  # rows in activation order, with their int32 order (actorder group)
 
     @property
     def scale_bytes(self) -> int:
@@ -413,6 +466,7 @@ class KernelLayout(NamedTuple):
     group: int
     zeros: object = None  # [in // group, out] int8 zero points, or None (symmetric)
     gscale: float | None = None  # nvfp4's global scale
+    perm: object = None  # [in] int32 input feature of each row (activation-ordered groups), or None
 
 
 def _has_zeros(w: QuantArgs) -> bool:
@@ -421,8 +475,11 @@ def _has_zeros(w: QuantArgs) -> bool:
 
 def served_qtype(scheme: Scheme) -> str:
     """The kernel qtype (quant/qtensor.py) a weight of `scheme` is held in on device: ints of 2-4 bits in int4,
-    of 5-8 bits in int8 (the values as they are, in the container the kernels unpack), others as stored."""
+    of 5-8 bits in int8, mxfp6's e2m3 values as fp8 e4m3 (mxfp8; all 64 are exact there: the values as they
+    are, in the container the kernels unpack), others as stored."""
     qtype = weight_qtype(scheme)
+    if qtype == "mxfp6":
+        return "mxfp8"
     if scheme.weights is not None and scheme.weights.type == "int" and qtype != "dense":
         return "int4" if scheme.weights.num_bits <= 4 else "int8"
     return qtype
@@ -432,22 +489,25 @@ def kernel_shapes(scheme: Scheme, shape: tuple[int, int], scale_dtype: str = "bf
     """What `kernel_layout` returns for a logical [out, in] weight, without data (for `plan`)."""
     out, inp = shape
     w, fmt = scheme.weights, scheme.format
-    if fmt in ("mxfp4-pack-quantized", "mxfp8-quantized"):
-        return KernelShapes((inp // 32, out), "uint8", weight_qtype(scheme), 32, False)
+    if fmt in ("mxfp4-pack-quantized", "mxfp6-pack-quantized", "mxfp8-quantized"):
+        return KernelShapes((inp // 32, out), "uint8", served_qtype(scheme), 32, False)
     if fmt == "nvfp4-pack-quantized":
         return KernelShapes((inp // 16, out), "float8_e4m3fn", "nvfp4", 16, False)
     group = kernel_group(w, inp)
-    return KernelShapes((inp // group, out), scale_dtype, served_qtype(scheme), group, _has_zeros(w))
+    return KernelShapes((inp // group, out), scale_dtype, served_qtype(scheme), group, _has_zeros(w),
+                        w.actorder == "group")
 
 
-def kernel_layout(scheme: Scheme, arrays: dict, shape: tuple[int, int]) -> KernelLayout:
+def kernel_layout(scheme: Scheme, arrays: dict, shape: tuple[int, int], where: str = "weight") -> KernelLayout:
     """A served weight in the runtime's layout (see quant/qtensor.py), in numpy.
 
     Args:
         scheme: the module's scheme (int4 / int8 pack- or int-quantized, fp8 float-quantized, mxfp4).
         arrays: parameter name -> numpy array as stored.
         shape: logical [out, in].
+        where: the module, for messages.
     """
+    import ml_dtypes
     import numpy as np
 
     from quantkit.formats import packing
@@ -462,8 +522,9 @@ def kernel_layout(scheme: Scheme, arrays: dict, shape: tuple[int, int]) -> Kerne
         if fmt.startswith("nvfp4"):
             return KernelLayout(codes, scale.T, "nvfp4", 16, gscale=float(global_scale(arrays).reshape(())))
         return KernelLayout(codes, scale.view(np.uint8).T, "mxfp4", 32)
-    if fmt == "mxfp8-quantized":
-        return KernelLayout(np.asarray(arrays["weight"]).T, scale.view(np.uint8).T, "mxfp8", 32)
+    if fmt in ("mxfp6-pack-quantized", "mxfp8-quantized"):  # e2m3 values are all exact in fp8 e4m3
+        values = mx_values(fmt, arrays).astype(ml_dtypes.float8_e4m3fn)
+        return KernelLayout(values.T, scale.view(np.uint8).T, "mxfp8", 32)
     if fmt == "pack-quantized":
         values = packing.unpack_int(np.asarray(arrays["weight_packed"]), w.num_bits, inp).T
     else:
@@ -475,4 +536,7 @@ def kernel_layout(scheme: Scheme, arrays: dict, shape: tuple[int, int]) -> Kerne
         return KernelLayout(values, np.broadcast_to(scale.reshape(1, 1), (1, out)).copy(), qtype, group)
     # group [out, in // group] or channel [out, 1] -> transposed, and the zero points with them
     zeros = zero_points(scheme, arrays, out).T if _has_zeros(w) else None
+    if w.actorder == "group":  # rows sorted by group: each group's rows contiguous, as the kernels need
+        perm = activation_order(arrays["weight_g_idx"], w.group_size, inp, f"{where}.weight_g_idx")
+        return KernelLayout(values[perm], scale.T, qtype, group, zeros, perm=perm)
     return KernelLayout(values, scale.T, qtype, group, zeros)

@@ -111,6 +111,20 @@ def unpack_fp4(packed: np.ndarray) -> np.ndarray:
     return FP4_VALUES[codes]  # fp4_decode's table: a gather is faster in numpy
 
 
+# e2m3 (MXFP6) magnitudes by 5-bit index: subnormals i/8, then (1 + m/8) * 2**e for e = 0, 1, 2
+FP6_MAGNITUDES = np.array([i / 8 for i in range(8)] + [(1 + m / 8) * 2 ** e for e in range(3) for m in range(8)],
+                          np.float32)
+
+
+def unpack_fp6(packed: np.ndarray) -> np.ndarray:
+    """mxfp6 bytes [..., 3n/4] -> float32 e2m3 values [..., n]: four 6-bit codes (sign in bit 5, magnitude
+    index below) little-endian in each 3 bytes."""
+    b = packed.reshape(*packed.shape[:-1], -1, 3).astype(np.int32)
+    word = b[..., 0] | b[..., 1] << 8 | b[..., 2] << 16
+    codes = np.stack([word >> shift & 0x3F for shift in (0, 6, 12, 18)], axis=-1).reshape(*packed.shape[:-1], -1)
+    return np.where(codes & 0x20, -FP6_MAGNITUDES[codes & 0x1F], FP6_MAGNITUDES[codes & 0x1F])
+
+
 def e8m0_to_float(scale: np.ndarray) -> np.ndarray:
     """E8M0 scale bytes (uint8 or float8_e8m0fnu) -> float32 2**(e-127); byte 255 -> NaN."""
     return e8m0_decode(np.asarray(scale).view(np.uint8))

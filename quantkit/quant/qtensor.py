@@ -17,6 +17,9 @@ Invariants:
 - `gscale` (nvfp4 only, else None) [g] float32: each group's (expert's) global scale; the effective scale is
   float32(scale) / gscale, computed per element in float32 as compressed-tensors does (never pre-divided: a
   stored quotient would need 4 bytes per scale, and rounding it would change the weights).
+- `perm` (activation-ordered groups only, else None) [g, k] int32: the weight's rows are stored sorted by scale
+  group (row i holds input feature perm[e, i]), so groups are contiguous as above; the matmul's callers gather
+  the activations' columns by it (runtime/ops.py), the kernels never see it.
 - `qtype` and `group` are static (pytree metadata), so jit specializes on them.
 - Tensor parallelism (runtime/sharding.py): `mesh` is the Mesh the arrays are placed on and `split` which
   dimension is divided over its "model" axis ("n" output columns, "k" input rows, "" replicated); both
@@ -45,7 +48,7 @@ BITS = {"int4": 4, "int8": 8, "fp8": 8, "mxfp4": 4, "mxfp8": 8, "nvfp4": 4}  # b
 FP4 = ("mxfp4", "nvfp4")  # e2m1 codes
 
 
-@partial(jax.tree_util.register_dataclass, data_fields=["values", "scales", "zeros", "gscale"],
+@partial(jax.tree_util.register_dataclass, data_fields=["values", "scales", "zeros", "gscale", "perm"],
          meta_fields=["qtype", "group", "mesh", "split"])
 @dataclass(frozen=True)
 class QTensor:
@@ -57,30 +60,31 @@ class QTensor:
     split: str = ""  # static: "n" | "k" | "" (see above)
     zeros: jax.Array | None = None  # [g, k // group, n] int8 zero points of an asymmetric int weight
     gscale: jax.Array | None = None  # [g] float32 global scales (nvfp4)
+    perm: jax.Array | None = None  # [g, k] int32 input feature of each stored row (activation order)
 
     @property
     def arrays(self) -> dict:
-        """The data arrays present, by field name ("values", "scales", then "zeros", "gscale" when set);
+        """The data arrays present, by field name ("values", "scales", then "zeros", "gscale", "perm" when set);
         `with_arrays` takes such a mapping back. Every array's first axis is the group axis."""
-        return {f: a for f in ("values", "scales", "zeros", "gscale") if (a := getattr(self, f)) is not None}
+        return {f: a for f in ("values", "scales", "zeros", "gscale", "perm") if (a := getattr(self, f)) is not None}
 
     def per_array(self, values, scales, groups) -> dict:
         """For each array of `arrays`, the one of three things (a sharding, a BlockSpec...) for its kind: the
         values, a per-scale array (scales and zero points share a shape, and so a slicing or a placement),
-        or a per-group one (gscale: one number per group, split only with the groups)."""
-        kind = {"values": values, "scales": scales, "zeros": scales, "gscale": groups}
+        or a per-group one (gscale, perm: split only with the groups)."""
+        kind = {"values": values, "scales": scales, "zeros": scales, "gscale": groups, "perm": groups}
         return {f: kind[f] for f in self.arrays}
 
     def with_arrays(self, arrays: dict, **meta) -> "QTensor":
         """This QTensor's static fields (or those in `meta`) over other data arrays (a mapping as `arrays`)."""
-        return dataclasses.replace(self, **{"zeros": None, "gscale": None, **arrays}, **meta)
+        return dataclasses.replace(self, **{"zeros": None, "gscale": None, "perm": None, **arrays}, **meta)
 
     @property
     def shape(self) -> tuple[int, int, int]:
         return tuple(self.values.shape)
 
     def dequantize(self) -> jax.Array:
-        """The logical values, float32 [g, k, n]: decode(values) * scale of each row's group, with the one
+        """The logical values, float32 [g, k, n] (rows in stored order: see `perm`): decode(values) * scale of each row's group, with the one
         FP4/E8M0 decoding (formats/packing.py; quant/reference.py keeps an independent one as the oracle).
         nvfp4's are rounded to bf16: its product with a quotient scale is not exact in bf16, and the library
         defines the weights as that bf16 rounding whatever the model's dtype (what gmm_v2 feeds the MXU too)."""
@@ -93,7 +97,7 @@ class QTensor:
         return w if self.gscale is None else w.astype(jnp.bfloat16).astype(jnp.float32)
 
     def nbytes(self) -> int:
-        """HBM bytes of values (packed), scales, zero points and global scales."""
+        """HBM bytes of values (packed), scales, zero points, global scales and row orders."""
         side = [a for f, a in self.arrays.items() if f != "values"]
         return self.values.size * BITS[self.qtype] // 8 + sum(a.size * a.dtype.itemsize for a in side)
 
@@ -111,7 +115,7 @@ def decode_scales(scales: jax.Array, qtype: str) -> jax.Array:
 
 
 def check_qtensor(values: tuple, scales: tuple, qtype: str, group: int, zeros: tuple | None = None,
-                  gscale: tuple | None = None) -> None:
+                  gscale: tuple | None = None, perm: tuple | None = None) -> None:
     """Raises ValueError unless shapes values [g, k, n], scales (and zeros) [g, k // group, n], gscale [g] and
     qtype are a QTensor's (zero points on int types only, global scales on nvfp4 alone and always)."""
     if qtype not in QTYPES:
@@ -123,14 +127,17 @@ def check_qtensor(values: tuple, scales: tuple, qtype: str, group: int, zeros: t
         raise ValueError(f"zero points {tuple(zeros)} do not match {qtype} scales {tuple(scales)}")
     if (gscale is not None) != (qtype == "nvfp4") or (gscale is not None and tuple(gscale) != (g,)):
         raise ValueError(f"global scales {gscale and tuple(gscale)} do not match {qtype} values {(g, k, n)}")
+    if perm is not None and tuple(perm) != (g, k):
+        raise ValueError(f"row order {tuple(perm)} does not match values {(g, k, n)}")
 
 
-def make_qtensor(values, scales, qtype: str, group: int, zeros=None, gscale=None) -> QTensor:
+def make_qtensor(values, scales, qtype: str, group: int, zeros=None, gscale=None, perm=None) -> QTensor:
     """Builds a QTensor from [g, k, n] values (int8 codes/ints or fp8), [g, k // group, n] scales, optional
     zero points of the same shape and nvfp4's [g] global scales, checking the invariants above."""
     values = np.asarray(values) if not isinstance(values, jax.Array) else values
     check_qtensor(values.shape, scales.shape, qtype, group, None if zeros is None else zeros.shape,
-                  None if gscale is None else np.shape(gscale))
+                  None if gscale is None else np.shape(gscale), None if perm is None else np.shape(perm))
     return QTensor(jnp.asarray(values).astype(STORAGE[qtype]), jnp.asarray(scales), qtype, group,
                    zeros=None if zeros is None else jnp.asarray(zeros).astype(jnp.int8),
-                   gscale=None if gscale is None else jnp.asarray(gscale, jnp.float32))
+                   gscale=None if gscale is None else jnp.asarray(gscale, jnp.float32),
+                   perm=None if perm is None else jnp.asarray(perm, jnp.int32))

@@ -47,7 +47,8 @@ def abstract(cfg: ModelConfig, qc: QuantConfig | None, dtype=jnp.bfloat16) -> di
         return QTensor(jax.ShapeDtypeStruct((g, k, n), STORAGE[ks.qtype]),
                        jax.ShapeDtypeStruct((g, *ks.scales), jnp.dtype(ks.scale_dtype)), ks.qtype, ks.group,
                        zeros=jax.ShapeDtypeStruct((g, *ks.scales), jnp.int8) if ks.zeros else None,
-                       gscale=jax.ShapeDtypeStruct((g,), jnp.float32) if ks.qtype == "nvfp4" else None)
+                       gscale=jax.ShapeDtypeStruct((g,), jnp.float32) if ks.qtype == "nvfp4" else None,
+                       perm=jax.ShapeDtypeStruct((g, k), jnp.int32) if ks.perm else None)
 
     return jax.tree_util.tree_map(leaf, skeleton(cfg, lane_widths(cfg, qc)),
                                   is_leaf=lambda x: isinstance(x, Slot))
@@ -100,8 +101,8 @@ class _Reader:
         if scheme is None or scheme.weights is None or scheme.format == "dense":
             return None
         arrays = {p: np.asarray(self.ckpt.read(n)) for p, n in pnames.items()}
-        shape = logical_shape({p: a.shape for p, a in arrays.items()}, arrays.get("weight_shape"))
-        layout = kernel_layout(scheme, arrays, shape)
+        shape = logical_shape({p: a.shape for p, a in arrays.items()}, arrays.get("weight_shape"), scheme.format)
+        layout = kernel_layout(scheme, arrays, shape, module)
         if layout.scales.dtype == np.float16:
             layout = layout._replace(scales=layout.scales.astype(np.float32))
         return layout
@@ -125,8 +126,8 @@ class _Reader:
         layouts = [self._layout(m) for m in modules]
         if all(la is None for la in layouts):
             return np.stack([self.linear(m, shape[1:]) for m in modules])
-        if any(la is None for la in layouts) or len({(la.qtype, la.group, la.zeros is None, la.scales.dtype)
-                                                     for la in layouts}) != 1:
+        if any(la is None for la in layouts) or len({(la.qtype, la.group, la.zeros is None, la.scales.dtype,
+                                                      la.perm is None) for la in layouts}) != 1:
             raise Unsupported(f"experts {modules[0]}..: mixed quantization across experts is not supported")
         return _padded_qtensor(layouts, shape[1:])
 
@@ -164,9 +165,12 @@ def _padded_qtensor(layouts: list, shape: tuple[int, int]) -> QTensor:
     scales = _pad(np.stack([la.scales for la in layouts]), (k // group, n), one)
     zeros = None if first.zeros is None else _pad(np.stack([la.zeros for la in layouts]), (k // group, n))
     gscale = None if first.gscale is None else np.array([la.gscale for la in layouts], np.float32)
+    perm = None  # padded rows (zero values) keep their place
+    if first.perm is not None:
+        perm = np.stack([np.concatenate([la.perm, np.arange(len(la.perm), k, dtype=np.int32)]) for la in layouts])
     check_qtensor(values.shape, scales.shape, first.qtype, group, None if zeros is None else zeros.shape,
-                  None if gscale is None else gscale.shape)
-    return QTensor(values, scales, first.qtype, group, zeros=zeros, gscale=gscale)
+                  None if gscale is None else gscale.shape, None if perm is None else perm.shape)
+    return QTensor(values, scales, first.qtype, group, zeros=zeros, gscale=gscale, perm=perm)
 
 
 @partial(jax.jit, donate_argnums=0)
@@ -299,6 +303,8 @@ def densify(params: dict, dtype) -> dict:
         if not isinstance(w, QTensor):
             return w
         d = jax.jit(QTensor.dequantize)(w).astype(dtype)  # [G, k, n]
+        if w.perm is not None:  # activation order: rows back to input-feature order
+            d = jnp.take_along_axis(d, jnp.argsort(w.perm, axis=1)[..., None], axis=1)
         if layers is None:
             return d[0]
         if w.split == "e":  # device-major rows (sharding.expert_rows) back to layer-major

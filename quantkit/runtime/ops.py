@@ -68,8 +68,25 @@ def tpu_chip() -> str | None:
     return chip_of(dev.device_kind)
 
 
+def _in_stored_order(x: jax.Array, w: QTensor, group_sizes: jax.Array, group_offset) -> jax.Array:
+    """x's columns gathered into w's stored row order (activation-ordered groups: QTensor.perm): one gather of
+    the [m, k] activations per call, by the one order of a dense layer or by each row's group's (experts); no
+    weight-sized temporary. Under tensor parallelism it runs on the global x, before the per-shard matmul
+    (a row-parallel layer's order crosses shards)."""
+    g = group_sizes.shape[0]
+    off = jnp.zeros((), jnp.int32) if group_offset is None else jnp.asarray(group_offset, jnp.int32)
+    perm = jax.lax.dynamic_slice_in_dim(w.perm, off, g)  # [g, k]: this call's groups
+    if g == 1:
+        return jnp.take(x, perm[0], axis=1)
+    row_group = jnp.searchsorted(jnp.cumsum(group_sizes), jnp.arange(x.shape[0]), side="right")
+    return jnp.take_along_axis(x, perm[jnp.minimum(row_group, g - 1)], axis=1)
+
+
 def grouped_matmul(x: jax.Array, w: QTensor, group_sizes: jax.Array, group_offset=None) -> jax.Array:
     """x [m, k] rows sorted by group, w [G, k, n], groups group_offset .. + len(group_sizes) - 1 -> [m, n]."""
+    if w.perm is not None:
+        x = _in_stored_order(x, w, group_sizes, group_offset)
+        w = w.with_arrays({f: a for f, a in w.arrays.items() if f != "perm"})
     if w.mesh is not None:
         return _per_shard(x, w, group_sizes, group_offset)
     chip = tpu_chip()

@@ -53,12 +53,11 @@ def _act_reason(name: str, a: QuantArgs | None) -> str | None:
 
 
 def _int_reason(w: QuantArgs, fmt: str) -> str | None:
-    if w.actorder == "group":
-        return ("activation-ordered groups (actorder=group, weight_g_idx) permute input columns and are not "
-                "supported; re-quantize with actorder=weight or without actorder")
+    if w.actorder == "group" and w.strategy != "group":
+        return (f"activation-ordered groups (actorder=group) with {w.strategy} scales: g_idx needs group scales")
     if not 2 <= w.num_bits <= 8:
-        return (f"int{w.num_bits} weights are not supported: the runtime serves ints of 2 to 8 bits, fp8, mxfp4 "
-                "and mxfp8; convert with `quantkit convert --scheme W4A16` or W8A16")
+        return (f"int{w.num_bits} weights are not supported: the runtime serves ints of 2 to 8 bits, fp8, mxfp4, "
+                "mxfp6, mxfp8 and nvfp4; convert with `quantkit convert --scheme W4A16` or W8A16")
     if fmt not in ("pack-quantized", "int-quantized"):
         return f"int{w.num_bits} weights stored as {fmt} are not supported; only pack- and int-quantized are"
     if w.strategy not in ("group", "channel"):
@@ -69,7 +68,8 @@ def _int_reason(w: QuantArgs, fmt: str) -> str | None:
 def unsupported_reason(scheme: Scheme) -> str | None:
     """Why quantkit cannot serve weights stored under `scheme` at all (whatever the chip), or None if it can:
     int4 and int8 with or without zero points (pack- or int-quantized, group or channel scales), fp8 e4m3 (float-quantized,
-    tensor, channel or block scales), mxfp4, mxfp8 and nvfp4, with no activation quantization other than fp8."""
+    tensor, channel or block scales), mxfp4, mxfp6 (served as mxfp8), mxfp8 and nvfp4, with no activation
+    quantization other than fp8."""
     w, fmt = scheme.weights, scheme.format
     if fmt in SPARSE_FORMATS:
         return (f"sparse format {fmt} is not supported (its compressor was removed in compressed-tensors 0.15); "
@@ -87,10 +87,8 @@ def unsupported_reason(scheme: Scheme) -> str | None:
                     f"{'' if w.symmetric else ', asymmetric'} is not supported; only the library's "
                     "tensor_group of 16, symmetric, is")
         return None
-    if qtype in ("mxfp4", "mxfp8"):
+    if qtype in ("mxfp4", "mxfp6", "mxfp8"):
         return None
-    if qtype.startswith("mxfp"):
-        return f"{qtype.upper()} ({fmt}) is not supported yet; convert to MXFP4A16 or FP8_DYNAMIC"
     if w.type == "int":
         return _int_reason(w, fmt)
     if w.type == "float" and w.num_bits == 8:
