@@ -205,11 +205,12 @@ print("REL", np.linalg.norm(four - one) / np.linalg.norm(one), np.linalg.norm(fo
 """
 
 
-@pytest.mark.parametrize("scheme", ["dense", "W4A16_G32", "W4A16_CHANNEL"])
+@pytest.mark.parametrize("scheme", ["dense", "W4A16_G32 actorder", "W4A16_CHANNEL"])
 def test_tensor_parallel_on_four_devices_matches_one(scheme, tmp_path):
-    """Column/row-parallel layers, including row-parallel grouped and channel-scaled int4, on 4 fake CPU
-    devices give the logits of one device (float32: only the all-reduce summation order differs). Zero points
-    split with their scales: test_parallel's W4A16_ASYM MoE."""
+    """Column/row-parallel layers, including row-parallel grouped (in activation order: the gather of the whole
+    activation before the split) and channel-scaled int4, on 4 fake CPU devices give the logits of one device
+    (float32: only the all-reduce summation order differs). Zero points split with their scales: test_parallel's
+    W4A16_ASYM MoE."""
     import subprocess
     import sys
 
@@ -217,6 +218,8 @@ def test_tensor_parallel_on_four_devices_matches_one(scheme, tmp_path):
         torch.manual_seed(0)
         cfg = T.LlamaConfig(**{**COMMON, "num_key_value_heads": 4})  # 4 KV heads: split over 4 devices
         T.LlamaForCausalLM(cfg).save_pretrained(tmp_path / "m")
+    elif scheme.endswith("actorder"):
+        make_actorder_checkpoint(tmp_path / "m", scheme.split()[0])
     else:
         make_checkpoint(tmp_path / "m", scheme)  # 2 KV heads on 4 devices: replicated too
     p = subprocess.run([sys.executable, "-c", TP_SCRIPT, str(tmp_path / "m")], capture_output=True, text=True,
