@@ -166,8 +166,11 @@ def test_dense_of_activation_ordered_and_mxfp6_checkpoints_is_the_librarys(schem
         assert torch.equal(ours[name].view(torch.int16), t.to(torch.bfloat16).view(torch.int16)), name
 
 
-def test_mse_observer_lowers_error_and_stays_loadable(src, tmp_path):
-    r = convert(src, tmp_path / "mse", "W4A16", 128, observer="mse")
+@pytest.mark.parametrize("scheme", ["W4A16", "NVFP4A16"])
+def test_mse_observer_lowers_error_and_stays_loadable(src, tmp_path, scheme):
+    """The MSE search lowers every tensor's error below min-max's (NVFP4: over its local fp8 scales, the
+    global scale kept), and the library decompresses the result to exactly our dense."""
+    r = convert(src, tmp_path / "mse", scheme, 128, observer="mse")
     assert r["mean_rel_error"] < r["mean_rel_error_minmax"] * 0.97
     for t in r["tensors"]:
         if t["action"] == "quantize":
