@@ -85,7 +85,8 @@ TIMED = ("import resource, subprocess, sys, time\n"
          "print(dt, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024)\n")
 
 LLMC = ("import sys\nfrom llmcompressor import model_free_ptq\n"
-        "model_free_ptq(sys.argv[1], sys.argv[2], scheme=sys.argv[3], ignore=['lm_head'], max_workers=1, device='cpu')\n")
+        "model_free_ptq(sys.argv[1], sys.argv[2], scheme=sys.argv[3], ignore=['lm_head'], max_workers=1,"
+        " device='cpu')\n")
 
 
 def timed(cmd: list[str]) -> tuple[float, int]:

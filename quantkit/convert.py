@@ -182,8 +182,8 @@ def _dequantize_job(ckpt: Checkpoint, module: str, sch: Scheme, pnames: dict, pa
     shape = logical_shape({p: i.shape for p, i in params.items()},
                           ckpt.read(pnames["weight_shape"]) if "weight_shape" in pnames else None, sch.format)
     out_dtype = "BF16"
-    src = {p: n for p, n in pnames.items()
-           if p in ("weight", "weight_packed", "weight_scale", "weight_zero_point", "weight_global_scale", "weight_g_idx")}
+    read = ("weight", "weight_packed", "weight_scale", "weight_zero_point", "weight_global_scale", "weight_g_idx")
+    src = {p: n for p, n in pnames.items() if p in read}
     outputs = {f"{module}.weight": (out_dtype, shape)}
     if "bias" in pnames:
         src_bias = pnames["bias"]

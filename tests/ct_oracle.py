@@ -75,6 +75,7 @@ __all__ = [
     "library_decompress_dtype",
     "library_convert_dequantize",
     "make_actorder_checkpoint",
+    "to_activation_order",
 ]
 
 
@@ -619,42 +620,45 @@ def library_convert_dequantize(
     return pathlib.Path(dst)
 
 
-def make_actorder_checkpoint(path, scheme: str = "W4A16_G32", *, seed: int = 0, model=None) -> tuple[pathlib.Path, pathlib.Path]:
-    """An activation-ordered GPTQ-style checkpoint (``actorder: group``, ``weight_g_idx``), as older
+def make_actorder_checkpoint(path, scheme: str = "W4A16_G32", *, seed: int = 0) -> tuple[pathlib.Path, pathlib.Path]:
+    """An activation-ordered GPTQ-style tiny Llama (``actorder: group``, ``weight_g_idx``), as older
     compressed-tensors versions stored them, and its reference weights; compressed-tensors 0.20.1 neither
-    writes nor reads g_idx, so the library quantizes a column-permuted copy and the columns go back here.
+    writes nor reads g_idx, so the library quantizes a column-permuted copy and the columns go back
+    (``to_activation_order``).
 
-    Each quantized Linear [out, in] gets a random assignment of its input columns to whole groups
-    (``g_idx = argsort(sigma) // group`` for a random permutation ``sigma``: every group has ``group``
-    columns, scattered). The library quantizes ``W[:, sigma]`` (groups contiguous) with ``scheme``; its stored
-    values are put back in the original column order (unpacked and packed with the library's own
-    pack_to_int32) beside ``weight_g_idx``, and the config says ``actorder: "group"``.
-
-    Returns ``(path, dense)``: the checkpoint, and ``path.parent / (path.name + "-dense")``, the library's
-    bf16 dequantization of the permuted copy (``library_convert_dequantize``) with every column back in place:
-    the weights a correct reader of ``path`` must serve.
+    Each quantized Linear [out, in] gets a random permutation ``sigma`` of its input columns; the library
+    quantizes the model with ``W[:, sigma]`` (groups contiguous) under ``scheme``. Returns ``(path, dense)`` as
+    ``to_activation_order``.
     """
-    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32, unpack_from_int32
-    from safetensors.torch import save_file
-
-    path = pathlib.Path(path)
-    model = model if model is not None else tiny_llama(seed)
+    model = tiny_llama(seed)
     rng = np.random.default_rng(seed + 100)
-    group = _scheme(scheme, ["Linear"]).weights.group_size
     sigmas = {}
     with torch.no_grad():
         for name, m in model.named_modules():
             if isinstance(m, torch.nn.Linear) and name != "lm_head":
-                sigma = torch.as_tensor(rng.permutation(m.in_features))
-                sigmas[name] = sigma
-                m.weight.copy_(m.weight[:, sigma])
+                sigmas[name] = torch.as_tensor(rng.permutation(m.in_features))
+                m.weight.copy_(m.weight[:, sigmas[name]])
+    path = pathlib.Path(path)
     contiguous = make_checkpoint(path.parent / (path.name + "-contiguous"), scheme, model=model)
-    dense = library_convert_dequantize(contiguous, path.parent / (path.name + "-dense"))
+    return to_activation_order(contiguous, path, sigmas, _scheme(scheme, ["Linear"]).weights.group_size)
 
-    def unpermute(tensors: dict, suffix: str, fn) -> None:
-        for name, sigma in sigmas.items():
-            if f"{name}.{suffix}" in tensors:
-                tensors[f"{name}.{suffix}"] = fn(tensors[f"{name}.{suffix}"], sigma)
+
+def to_activation_order(contiguous, path, sigmas: dict, group: int) -> tuple[pathlib.Path, pathlib.Path]:
+    """A pack-quantized checkpoint whose modules were quantized from column-permuted weights (module name ->
+    ``sigma``: column j of the quantized weight is input column ``sigma[j]``), turned into the activation-ordered
+    layout of the original weights: each module's stored values put back in the original column order
+    (unpacked and packed with the library's own helpers), ``weight_g_idx = argsort(sigma) // group`` beside
+    them (every group ``group`` columns, scattered), ``actorder: "group"`` in the config.
+
+    Returns ``(path, dense)``: the checkpoint, and ``path.parent / (path.name + "-dense")``, the library's bf16
+    dequantization of ``contiguous`` (``library_convert_dequantize``) with every column back in place: the
+    weights a correct reader of ``path`` must serve.
+    """
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32, unpack_from_int32
+    from safetensors.torch import save_file
+
+    path, contiguous = pathlib.Path(path), pathlib.Path(contiguous)
+    dense = library_convert_dequantize(contiguous, path.parent / (path.name + "-dense"))
 
     def back(w, sigma):  # column j of the permuted weight is input column sigma[j]
         out = torch.empty_like(w)
@@ -663,13 +667,17 @@ def make_actorder_checkpoint(path, scheme: str = "W4A16_G32", *, seed: int = 0, 
 
     for f in sorted(dense.glob("*.safetensors")):
         t = {k: v.contiguous() for k, v in read_tensors_file(f).items()}
-        unpermute(t, "weight", back)
+        for name, sigma in sigmas.items():
+            if f"{name}.weight" in t:
+                t[f"{name}.weight"] = back(t[f"{name}.weight"], sigma)
         save_file(t, str(f), metadata={"format": "pt"})
     path.mkdir(parents=True, exist_ok=True)
-    bits = _scheme(scheme, ["Linear"]).weights.num_bits
+    config = json.loads((contiguous / "config.json").read_text())
+    bits = next(iter(config["quantization_config"]["config_groups"].values()))["weights"]["num_bits"]
     for f in sorted(contiguous.glob("*")):
         if f.suffix != ".safetensors":
-            (path / f.name).write_bytes(f.read_bytes())
+            if f.is_file():
+                (path / f.name).write_bytes(f.read_bytes())
             continue
         t = read_tensors_file(f)
         for name, sigma in sigmas.items():
@@ -680,7 +688,6 @@ def make_actorder_checkpoint(path, scheme: str = "W4A16_G32", *, seed: int = 0, 
                 t[key] = pack_to_int32(back(q, sigma), bits)
                 t[f"{name}.weight_g_idx"] = (torch.argsort(sigma) // group).to(torch.int32)
         save_file(t, str(path / f.name), metadata={"format": "pt"})
-    config = json.loads((path / "config.json").read_text())
     for g in config["quantization_config"]["config_groups"].values():
         g["weights"]["actorder"] = "group"
     (path / "config.json").write_text(json.dumps(config, indent=2))

@@ -167,3 +167,29 @@ def with_tokenizer(path):
         "bos_token": "<s>", "eos_token": "</s>",
         "chat_template": "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>{% endfor %}"
                          "{% if add_generation_prompt %}<s>assistant:{% endif %}"}))
+
+
+def activation_order_moe(model, seed: int = 7) -> dict:
+    """Permutes the input columns of a transformers Qwen3-MoE's attention Linears and of each expert (its fused
+    gate_up_proj [E, 2I, H] and down_proj [E, H, I], in place) at random; returns module name -> permutation by
+    the per-expert Linear names `quantkit convert` writes (gate and up share theirs, as one fused parameter),
+    for ct_oracle.to_activation_order."""
+    import torch
+
+    rng = np.random.default_rng(seed)
+    sigmas = {}
+    with torch.no_grad():
+        for i, layer in enumerate(model.model.layers):
+            p = f"model.layers.{i}."
+            for n in ("q_proj", "k_proj", "v_proj", "o_proj"):
+                lin = getattr(layer.self_attn, n)
+                sigmas[f"{p}self_attn.{n}"] = s = torch.as_tensor(rng.permutation(lin.in_features))
+                lin.weight.copy_(lin.weight[:, s])
+            ex = layer.mlp.experts
+            for e in range(ex.gate_up_proj.shape[0]):
+                s1, s2 = (torch.as_tensor(rng.permutation(n)) for n in (ex.gate_up_proj.shape[-1], ex.down_proj.shape[-1]))
+                ex.gate_up_proj[e].copy_(ex.gate_up_proj[e][:, s1])
+                ex.down_proj[e].copy_(ex.down_proj[e][:, s2])
+                sigmas |= {f"{p}mlp.experts.{e}.gate_proj": s1, f"{p}mlp.experts.{e}.up_proj": s1,
+                           f"{p}mlp.experts.{e}.down_proj": s2}
+    return sigmas

@@ -33,7 +33,10 @@ def _env(devices: int) -> dict:
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     """A dense Llama (8 heads, 2 KV heads: split at tp 2, replicated at 4 and 8) and a Qwen3-MoE (8 experts)
-    converted to W4A16_ASYM g32 (zero points) by quantkit, experts included, both with a tokenizer; test_runtime's tiny
+    converted to W4A16_ASYM g32 (zero points) by quantkit, experts included, in activation order (each
+    linear and expert its own g_idx: the activations gathered per row's expert, on each device's own experts
+    under expert parallelism, on the whole activation before a tensor-parallel split), both with a tokenizer;
+    test_runtime's tiny
     Gemma 4 MoE (8 experts beside the dense MLP, 4 heads) and Qwen3.5-MoE (Gated DeltaNet layers and their
     state slots, gated attention with 4 heads / 2 KV heads, 8 experts and a shared expert; NVFP4A16: a global
     scale per expert, split with the experts under expert parallelism, replicated under tensor parallelism)."""
@@ -41,12 +44,18 @@ def models(tmp_path_factory):
 
     tmp = tmp_path_factory.mktemp("parallel")
     dense = make_tiny_model.build(tmp / "dense", **SHAPE)
-    torch.manual_seed(0)
-    T.Qwen3MoeForCausalLM(T.Qwen3MoeConfig(**SHAPE, moe_intermediate_size=256, num_experts=8, num_experts_per_tok=2,
-                                          norm_topk_prob=True)).save_pretrained(tmp / "moe")
-    make_tiny_model.train_tokenizer(make_tiny_model.pseudo_text(), tmp / "moe", SHAPE["vocab_size"])
-    convert(tmp / "moe", tmp / "moe-w4", "W4A16_ASYM", 32)
+    from ct_oracle import to_activation_order
+    from helpers import activation_order_moe
     from helpers import family as _family
+
+    torch.manual_seed(0)
+    moe = T.Qwen3MoeForCausalLM(T.Qwen3MoeConfig(**SHAPE, moe_intermediate_size=256, num_experts=8,
+                                                 num_experts_per_tok=2, norm_topk_prob=True))
+    sigmas = activation_order_moe(moe)
+    moe.save_pretrained(tmp / "moe")
+    make_tiny_model.train_tokenizer(make_tiny_model.pseudo_text(), tmp / "moe", SHAPE["vocab_size"])
+    convert(tmp / "moe", tmp / "moe-c", "W4A16_ASYM", 32)
+    to_activation_order(tmp / "moe-c", tmp / "moe-w4", sigmas, 32)
 
     torch.manual_seed(0)
     _family("gemma4_moe").save_pretrained(tmp / "gemma4-moe")  # bf16 experts packed in 3-D tensors

@@ -23,8 +23,9 @@ import pytest
 import torch
 import transformers as T
 
-from ct_oracle import library_convert_dequantize, make_actorder_checkpoint, make_checkpoint
-from helpers import COMMON, family, gemma4_config, greedy_parity, perturbed, rel_err, with_tokenizer
+from ct_oracle import library_convert_dequantize, make_actorder_checkpoint, make_checkpoint, to_activation_order
+from helpers import (COMMON, activation_order_moe, family, gemma4_config, greedy_parity, perturbed, rel_err,
+                     with_tokenizer)
 from quantkit.errors import InvalidInput, Unsupported
 from quantkit.runtime.engine import Runner, Sampling, generate
 from quantkit.runtime.loader import load
@@ -258,6 +259,27 @@ def test_quantized_moe_experts_match_transformers(scheme, tmp_path):
         g = np.asarray(experts.gscale)
         assert g.shape == (24,) and len(set(g.tolist())) == 24
         assert np.array_equal(g, np.asarray(model.params["layers"]["full"]["experts_up"].gscale))
+
+
+def test_activation_ordered_moe_experts_match_transformers(tmp_path):
+    """Qwen3-MoE in activation order, every expert with its own g_idx (gate and up sharing theirs): converted
+    by quantkit to W4A16 g32 from column-permuted weights, the columns put back beside g_idx
+    (ct_oracle.to_activation_order); each row's activations gathered by its expert's order, against
+    transformers on the library's dequantized weights with the columns in place."""
+    from quantkit.convert import convert
+
+    torch.manual_seed(0)
+    model = family("qwen3_moe")
+    sigmas = activation_order_moe(model)
+    model.save_pretrained(tmp_path / "moe")
+    convert(tmp_path / "moe", tmp_path / "c", "W4A16", 32)
+    q, dense = to_activation_order(tmp_path / "c", tmp_path / "q", sigmas, 32)
+    ref = T.AutoModelForCausalLM.from_pretrained(dense, dtype=torch.float32).eval()
+    loaded = greedy_parity(q, ref, jnp.float32, 1e-2)
+    down = loaded.params["layers"]["full"]["experts_down"]
+    perm = np.asarray(down.perm)  # 64 inputs padded to the 128 lanes: the padded rows keep their place
+    assert perm.shape == (3 * 8, 128) and (perm[:, 64:] == np.arange(64, 128)).all()
+    assert len({tuple(r) for r in perm[:, :64].tolist()}) == 24 and sorted(perm[5, :64]) == list(range(64))
 
 
 # ---- the TPU code path, run (Pallas interpret mode) on CPU -------------------------------------------

@@ -84,8 +84,9 @@ class QTensor:
         return tuple(self.values.shape)
 
     def dequantize(self) -> jax.Array:
-        """The logical values, float32 [g, k, n] (rows in stored order: see `perm`): decode(values) * scale of each row's group, with the one
-        FP4/E8M0 decoding (formats/packing.py; quant/reference.py keeps an independent one as the oracle).
+        """The logical values, float32 [g, k, n] in stored row order (see `perm`): decode(values) * scale of
+        each row's group, with the one FP4/E8M0 decoding (formats/packing.py; quant/reference.py keeps an
+        independent one as the oracle).
         nvfp4's are rounded to bf16: its product with a quotient scale is not exact in bf16, and the library
         defines the weights as that bf16 rounding whatever the model's dtype (what gmm_v2 feeds the MXU too)."""
         values, scales = decode_values(self.values, self.qtype), decode_scales(self.scales, self.qtype)
