@@ -293,7 +293,8 @@ def test_compiles_for_representative_layer_shapes(chip, qtype, group):
 
 
 @pytest.mark.exhaustive
-@pytest.mark.parametrize("chip,qtype,group", AOT_CASES)
+@pytest.mark.parametrize("chip,qtype,group", AOT_CASES + [("v5e", "nvfp4", 16), ("v7x", "nvfp4", 16),
+                                                         ("v5e", "mxfp8", 32), ("v5e", "fp8", None)])
 def test_compiles_for_every_real_layer_shape(chip, qtype, group):
     """Every linear of Llama-3-8B, Gemma-3-27B and Qwen3-30B-A3B (experts as 128 groups) at decode and
     prefill sizes (~308 deviceless compiles, ~15 min on 2 cores)."""
