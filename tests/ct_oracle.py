@@ -698,3 +698,47 @@ def read_tensors_file(f) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
     return load_file(str(f))
+
+
+def library_quantize_checkpoint(src, dst, scheme: str, ignore=("lm_head", r"re:.*mlp\.gate$")) -> pathlib.Path:
+    """The library's quantization of a saved bf16 checkpoint without its model class: every 2-D
+    ``*_proj.weight`` becomes an ``nn.Linear`` of that name in a bare module tree (a MoE's per-expert
+    ``mlp.experts.E.gate_proj`` included; routers, embeddings, norms and lm_head left as they are), which
+    ``make_checkpoint``'s own steps quantize (apply_quantization_config, min-max calibration with fused
+    NVFP4 global scales, compress_model); the other tensors and files are copied and the library writes
+    quantization_config into config.json (``ignore`` recorded there: by default lm_head and MoE routers, which
+    stay dense). For schemes ``quantkit convert`` does not write (MXFP6A16, W3A16...) on models whose experts
+    transformers keeps as fused parameters."""
+    from safetensors.torch import save_file
+
+    src, dst = pathlib.Path(src), pathlib.Path(dst)
+    tensors = read_tensors(src)
+    root = torch.nn.Module()
+    for name, t in tensors.items():
+        if name.endswith("_proj.weight") and t.ndim == 2:
+            parent = root
+            *path, leaf = name.removesuffix(".weight").split(".")
+            for part in path:
+                if not hasattr(parent, part):
+                    parent.add_module(part, torch.nn.Module())
+                parent = getattr(parent, part)
+            lin = torch.nn.Linear(t.shape[1], t.shape[0], bias=False, dtype=t.dtype)
+            lin.weight.data.copy_(t)
+            parent.add_module(leaf, lin)
+    apply_quantization_config(root, _quant_config(scheme, ignore), show_progress=False)
+    with torch.no_grad():
+        _calibrate_weights(root, True)
+    compressor = ModelCompressor.from_pretrained_model(root)
+    compressor.compress_model(root)
+    quantized = {k: v.contiguous() for k, v in root.state_dict().items()}
+    out = {k: v for k, v in tensors.items() if k not in {n for n in tensors if n.endswith("_proj.weight")}}
+    dst.mkdir(parents=True, exist_ok=True)
+    save_file({**out, **quantized}, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    for f in src.iterdir():
+        if f.is_file() and f.suffix != ".safetensors" and not f.name.endswith(".index.json"):
+            (dst / f.name).write_bytes(f.read_bytes())
+    compressor.update_config(dst)
+    config = json.loads((dst / "config.json").read_text())  # the library lists only ignored modules it saw
+    config["quantization_config"]["ignore"] = list(ignore)
+    (dst / "config.json").write_text(json.dumps(config, indent=2))
+    return dst

@@ -23,7 +23,8 @@ import pytest
 import torch
 import transformers as T
 
-from ct_oracle import library_convert_dequantize, make_actorder_checkpoint, make_checkpoint, to_activation_order
+from ct_oracle import (library_convert_dequantize, library_quantize_checkpoint, make_actorder_checkpoint,
+                       make_checkpoint, to_activation_order)
 from helpers import (COMMON, activation_order_moe, family, gemma4_config, greedy_parity, perturbed, rel_err,
                      with_tokenizer)
 from quantkit.errors import InvalidInput, Unsupported
@@ -259,6 +260,20 @@ def test_quantized_moe_experts_match_transformers(scheme, tmp_path):
         g = np.asarray(experts.gscale)
         assert g.shape == (24,) and len(set(g.tolist())) == 24
         assert np.array_equal(g, np.asarray(model.params["layers"]["full"]["experts_up"].gscale))
+
+
+def test_library_quantized_mxfp6_moe_experts_match_transformers(tmp_path):
+    """Qwen3-MoE quantized to MXFP6A16 by the library itself (its per-expert Linears: ct_oracle's model-free
+    path; quantkit convert does not write MXFP6), served as fp8 values with E8M0 scales, against transformers
+    on the library's dequantized weights."""
+    torch.manual_seed(0)
+    family("qwen3_moe").save_pretrained(tmp_path / "moe")
+    q = library_quantize_checkpoint(tmp_path / "moe", tmp_path / "q", "MXFP6A16")
+    ref = T.AutoModelForCausalLM.from_pretrained(library_convert_dequantize(q, tmp_path / "dense"),
+                                                 dtype=torch.float32).eval()
+    model = greedy_parity(q, ref, jnp.float32, 1e-2)
+    experts = model.params["layers"]["full"]["experts_gate"]
+    assert experts.qtype == "mxfp8" and experts.values.shape[0] == 3 * 8 and experts.group == 32
 
 
 def test_activation_ordered_moe_experts_match_transformers(tmp_path):
