@@ -349,7 +349,7 @@ def dequantize(scheme: Scheme, arrays: dict, shape: tuple[int, ...]):
         scale = packing.e8m0_to_float(np.asarray(arrays["weight_scale"]))
         return values * packing.expand_groups(scale, 32, inp)
     if fmt == "nvfp4-pack-quantized":  # fp8 scales over the global scale, in float32 (the library's order)
-        scale = np.asarray(arrays["weight_scale"]).astype(np.float32) / global_scale(arrays)[..., None]
+        scale = np.asarray(arrays["weight_scale"]).astype(np.float32) / stored_global_scale(arrays)[..., None]
         return packing.unpack_fp4(np.asarray(arrays["weight_packed"])) * packing.expand_groups(scale, 16, inp)
     if fmt == "pack-quantized":
         q = packing.unpack_int(np.asarray(arrays["weight_packed"]), w.num_bits, inp).astype(np.float32)
@@ -392,7 +392,7 @@ def kernel_group(w: QuantArgs, inp: int) -> int:
     return {"group": w.group_size, "block": w.block_structure[1] if w.block_structure else inp}.get(w.strategy, inp)
 
 
-def global_scale(arrays: dict):
+def stored_global_scale(arrays: dict):
     """An nvfp4 weight's `weight_global_scale` as float32 [..., 1] ([1] stored per weight, [experts, 1] for
     stacked experts)."""
     import numpy as np
@@ -520,7 +520,7 @@ def kernel_layout(scheme: Scheme, arrays: dict, shape: tuple[int, int], where: s
         codes = np.stack([packed & 0xF, packed >> 4], axis=-1).reshape(out, inp).astype(np.int8)
         codes = np.where(codes >= 8, codes - 16, codes).astype(np.int8).T
         if fmt.startswith("nvfp4"):
-            return KernelLayout(codes, scale.T, "nvfp4", 16, gscale=float(global_scale(arrays).reshape(())))
+            return KernelLayout(codes, scale.T, "nvfp4", 16, gscale=float(stored_global_scale(arrays).reshape(())))
         return KernelLayout(codes, scale.view(np.uint8).T, "mxfp4", 32)
     if fmt in ("mxfp6-pack-quantized", "mxfp8-quantized"):  # e2m3 values are all exact in fp8 e4m3
         values = mx_values(fmt, arrays).astype(ml_dtypes.float8_e4m3fn)
