@@ -237,7 +237,7 @@ def test_tensor_parallel_on_four_devices_matches_one(scheme, tmp_path):
 @pytest.mark.parametrize("scheme", ["W4A16", "W8A16", "W4A16_ASYM", "NVFP4A16"])
 def test_quantized_moe_experts_match_transformers(scheme, tmp_path):
     """Qwen3-MoE converted by quantkit to int4 / int8 g32, int4 with zero points, nvfp4 (one global scale per
-    expert, gate and up sharing theirs; MX experts: the MXFP6 test below, served as mxfp8) (experts included,
+    expert, gate and up sharing theirs; MX and 3-bit experts: the library-quantized test below) (experts included,
     router kept
     dense): the runtime's grouped experts against transformers running the same checkpoint through
     compressed-tensors (which decompresses to bf16: tolerance 1e-2 as for the other quantized checkpoints).
@@ -264,18 +264,24 @@ def test_quantized_moe_experts_match_transformers(scheme, tmp_path):
         assert np.array_equal(g, np.asarray(model.params["layers"]["full"]["experts_up"].gscale))
 
 
-def test_library_quantized_mxfp6_moe_experts_match_transformers(tmp_path):
-    """Qwen3-MoE quantized to MXFP6A16 by the library itself (its per-expert Linears: ct_oracle's model-free
-    path; quantkit convert does not write MXFP6), served as fp8 values with E8M0 scales, against transformers
-    on the library's dequantized weights."""
+@pytest.mark.parametrize("scheme", ["MXFP6A16", "W3A16"])
+def test_library_quantized_moe_experts_match_transformers(scheme, tmp_path):
+    """Qwen3-MoE quantized by the library itself (its per-expert Linears: ct_oracle's model-free path; quantkit
+    convert writes neither) to MXFP6A16, served as fp8 values with E8M0 scales, and to 3-bit ints g128 (the
+    2-7 bit ints: one loader path, an int4 container), against transformers on the library's dequantized
+    weights, dequantized by the library in float32 like the runtime here (in bf16 each code times its bf16
+    scale is rounded, 1.7e-3 of every weight: enough to flip near-tied top-2 routes of a random router).
+    Experts 128 wide, so that down_proj's inputs hold a whole group of 128."""
     torch.manual_seed(0)
-    family("qwen3_moe").save_pretrained(tmp_path / "moe")
-    q = library_quantize_checkpoint(tmp_path / "moe", tmp_path / "q", "MXFP6A16")
-    ref = T.AutoModelForCausalLM.from_pretrained(library_convert_dequantize(q, tmp_path / "dense"),
-                                                 dtype=torch.float32).eval()
+    T.Qwen3MoeForCausalLM(T.Qwen3MoeConfig(**COMMON, moe_intermediate_size=128, num_experts=8, num_experts_per_tok=2,
+                                           norm_topk_prob=True)).save_pretrained(tmp_path / "moe")
+    q = library_quantize_checkpoint(tmp_path / "moe", tmp_path / "q", scheme)
+    dense = library_convert_dequantize(q, tmp_path / "dense", dtype=torch.float32)
+    ref = T.AutoModelForCausalLM.from_pretrained(dense, dtype=torch.float32).eval()
     model = greedy_parity(q, ref, jnp.float32, 1e-2)
     experts = model.params["layers"]["full"]["experts_gate"]
-    assert experts.qtype == "mxfp8" and experts.values.shape[0] == 3 * 8 and experts.group == 32
+    assert experts.values.shape[0] == 3 * 8
+    assert (experts.qtype, experts.group) == {"MXFP6A16": ("mxfp8", 32), "W3A16": ("int4", 128)}[scheme]
 
 
 def test_activation_ordered_moe_experts_match_transformers(tmp_path):
