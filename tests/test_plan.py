@@ -81,28 +81,6 @@ def _kv_bytes(n: int) -> int:
     return page * (10 * (1 + n * 128) + 52 * (1 + n * (64 + 2) + 32))
 
 
-@pytest.mark.slow
-def test_gemma3_27b_w4a16_g32_on_v6e(tmp_path):
-    code, r = _plan(tmp_path, scheme="W4A16", group_size=32, max_num_seqs=16, search=False)
-    assert code == 0 and r["fits"] and r["target"] == "v6e"
-    linear = 62 * (5376 * 4096 * 2 + 5376 * 2048 * 2 + 3 * 5376 * 21504)
-    analytical = linear // 2 + linear // 32 * 2 + 262208 * 5376 * 2
-    assert abs(r["hbm_bytes"]["weights"] - analytical) < 0.02 * analytical
-    h = r["hbm_bytes"]
-    assert h["kv_cache"] == _kv_bytes(16) and h["total"] <= h["capacity"]
-    # no weight-sized temporary: no float array of a weight's shape in the compiled steps (see the control
-    # below); the temporaries are activations of the 512-token step, the attention kernel reads pages in place
-    assert r["dequantized_weight_buffers"] == [] and 0 < h["temporaries"] < 1 << 30
-    # the compiled decode step reads about the weights and the KV cache once (XLA's own cost analysis; the
-    # Pallas kernels count by their declared CostEstimates): within the issue's 1.15x, which a per-step copy
-    # of the 2.8 GB embedding or weights staged into VMEM before each gmm_v2 call (1.69x) would break
-    c = r["decode_step_cost"]
-    assert c["floor_bytes"] == h["weights"] + h["kv_cache"] and 0.95 < c["ratio_to_floor"] < 1.15
-    assert {k["path"] for k in r["kernels"]} == {"gmm_v2"} and len(r["kernels"]) == 5
-    assert all(0 < k["vmem_bytes"] <= 128 << 20 for k in r["kernels"]) and r["compile_seconds"] > 0
-    assert r["max_num_seqs_that_fit"] is None  # search=False (the search: the test below)
-
-
 def test_search_finds_the_largest_concurrency_that_fits(tmp_path):
     """The search for the largest max_num_seqs, on a model whose KV cache fills the v6e at long context (4
     layers of 8 KV heads x 128 at 32768 tokens: 2048 pages of 64 KiB a layer and sequence, 0.5 GiB a
@@ -144,17 +122,28 @@ def test_gemma4_31b_published_multimodal_config_fits_a_v6e_with_fp8_kv(tmp_path)
     linear weights 50 x 5376 x (8192 + 4096 + 4096 + 8192 + 3 x 21504) + 10 x 5376 x (16384 + 2048 + 16384
     + 3 x 21504) -> int4 + g32 bf16 scales; the embedding bf16. KV at 1 byte a value: 16-token pages of
     the kind's width; full layers 128 pages a sequence, the sliding pool 64 + 2 a sequence + 32 for one
-    step's chunks, + scratch."""
-    code, r = _plan(tmp_path, GEMMA4_31B, scheme="W4A16", group_size=32, max_num_seqs=16, search=False, cost=False,
+    step's chunks, + scratch.
+
+    No weight-sized temporary: no float array of a weight's shape in the compiled steps (test_dequantized_
+    weight_detector: the control); the temporaries are activations of the 512-token step, the attention kernel
+    reads pages in place. The compiled decode step reads about the weights and the KV cache once (XLA's own
+    cost analysis; the Pallas kernels count by their declared CostEstimates): within 1.15x, which a per-step
+    copy of the 2.8 GB embedding or weights staged into VMEM before each gmm_v2 call (1.69x) would break."""
+    code, r = _plan(tmp_path, GEMMA4_31B, scheme="W4A16", group_size=32, max_num_seqs=16, search=False,
                     kv_cache_dtype="fp8")
-    assert code == 0 and r["fits"] and r["kv_cache_dtype"] == "float8_e4m3fn"
+    assert code == 0 and r["fits"] and r["kv_cache_dtype"] == "float8_e4m3fn" and r["target"] == "v6e"
     linear = 50 * 5376 * (8192 + 4096 + 4096 + 8192 + 3 * 21504) + 10 * 5376 * (16384 + 2048 + 16384 + 3 * 21504)
     analytical = linear // 2 + linear // 32 * 2 + 262144 * 5376 * 2
     h = r["hbm_bytes"]
     assert abs(h["weights"] - analytical) < 0.02 * analytical
     kv = 16 * (50 * 16 * 2 * 256 * (1 + 16 * 66 + 32) + 10 * 4 * 2 * 512 * (1 + 16 * 128))
     assert h["kv_cache"] == kv and h["total"] <= h["capacity"]
+    assert r["dequantized_weight_buffers"] == [] and 0 < h["temporaries"] < 1 << 30
+    c = r["decode_step_cost"]
+    assert c["floor_bytes"] == h["weights"] + h["kv_cache"] and 0.95 < c["ratio_to_floor"] < 1.15
     assert {k["path"] for k in r["kernels"]} == {"gmm_v2"}
+    assert all(0 < k["vmem_bytes"] <= 128 << 20 for k in r["kernels"]) and r["compile_seconds"] > 0
+    assert r["max_num_seqs_that_fit"] is None  # search=False (the search: test_search_finds_...)
 
 
 def test_plan_without_libtpu_says_how_to_install_it(tmp_path, monkeypatch):
@@ -174,7 +163,7 @@ def test_plan_without_libtpu_says_how_to_install_it(tmp_path, monkeypatch):
 @pytest.mark.slow
 @pytest.mark.parametrize("hidden,dequantized", [(384, False), (320, True)])
 def test_dequantized_weight_detector(tmp_path, hidden, dequantized):
-    """Control for the check above: a 320-wide input has no 128-multiple tile, so gmm_v2 cannot serve those
+    """Control for the Gemma 4 31B check above: a 320-wide input has no 128-multiple tile, so gmm_v2 cannot serve those
     layers and the XLA path dequantizes their weights in HBM; the plan must see those buffers, and none at
     384. (Shapes chosen so that no activation [128 or 4 rows, d] has a weight's shape.)"""
     cfg = {**GEMMA_27B, "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": hidden,
