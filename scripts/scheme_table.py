@@ -15,7 +15,7 @@ import torch
 from compressed_tensors.compressors.format import infer_module_format
 from compressed_tensors.quantization.quant_scheme import PRESET_SCHEMES, preset_name_to_scheme
 
-from quantkit.formats.compressed_tensors import parse_quantization_config, weight_qtype
+from quantkit.formats.compressed_tensors import activation_qtype, parse_quantization_config, weight_qtype
 from quantkit.kernels.tiling import CHIPS
 from quantkit.runtime.validate import weight_path
 
@@ -33,8 +33,18 @@ def library_scheme(name: str):
     return scheme, infer_module_format(torch.nn.Linear, scheme).value
 
 
-def verdicts(name: str) -> tuple[str, str, list[str]]:
-    """(format, stored weight type, verdict per chip) of preset `name`."""
+def activations(scheme, cells: list[str]) -> str:
+    """How the runtime computes the activations of a served scheme (or "" when refused)."""
+    a = scheme.input_activations if scheme is not None else None
+    if cells[0].startswith("refused") or a is None:
+        return "" if cells[0].startswith("refused") else "bf16"
+    if activation_qtype(scheme) == "int8":
+        return "int8 per token: int8 MXU on v5e, v6e; emulated exactly in bf16 on v7x; fake-quantized on cpu"
+    return f"{a.type}{a.num_bits} {a.strategy}: computed in bf16 (a warning)"
+
+
+def verdicts(name: str) -> tuple[str, str, list[str], str]:
+    """(format, stored weight type, verdict per chip, activations) of preset `name`."""
     lib, fmt = library_scheme(name)
     group = lib.model_dump(exclude_none=True, exclude={"targets", "format"})
     qc = parse_quantization_config({"quant_method": "compressed-tensors", "format": fmt,
@@ -44,16 +54,16 @@ def verdicts(name: str) -> tuple[str, str, list[str]]:
     for chip in CHIP_COLUMNS:
         v = weight_path(scheme, SHAPE, CHIPS[chip])
         out.append(f"`{v.path}`" if v.path else f"refused: {v.reason.split(';')[0]}")
-    return fmt, weight_qtype(scheme), out
+    return fmt, weight_qtype(scheme), out, activations(scheme, out)
 
 
 def main() -> None:
-    print("| scheme | format (the library's) | weights | v5e, v6e, v7x | cpu |")
-    print("|---|---|---|---|---|")
+    print("| scheme | format (the library's) | weights | v5e, v6e, v7x | cpu | activations |")
+    print("|---|---|---|---|---|---|")
     for name in [*sorted(PRESET_SCHEMES), *EXTRA]:
-        fmt, qtype, cells = verdicts(name)
+        fmt, qtype, cells, acts = verdicts(name)
         tpu = cells[0] if len(set(cells[:3])) == 1 else "; ".join(f"{c}: {v}" for c, v in zip(CHIP_COLUMNS, cells))
-        print(f"| {name} | `{fmt}` | {qtype} | {tpu} | {'same' if cells[3] == cells[0] else cells[3]} |")
+        print(f"| {name} | `{fmt}` | {qtype} | {tpu} | {'same' if cells[3] == cells[0] else cells[3]} | {acts} |")
 
 
 if __name__ == "__main__":

@@ -120,6 +120,8 @@ EXPECTED_FORMAT = {
     "MXFP8A16": "mxfp8-quantized",
     "NVFP4A16": "nvfp4-pack-quantized",
     "MIXED": "mixed-precision",
+    "W8A8": "int-quantized",
+    "W4A8": "int-quantized",
 }
 
 # MIXED: W4A16 (group 128) on the mlp projections, FP8_DYNAMIC on attention.
@@ -741,4 +743,41 @@ def library_quantize_checkpoint(src, dst, scheme: str, ignore=("lm_head", r"re:.
     config = json.loads((dst / "config.json").read_text())  # the library lists only ignored modules it saw
     config["quantization_config"]["ignore"] = list(ignore)
     (dst / "config.json").write_text(json.dumps(config, indent=2))
+    return dst
+
+
+def fake_quantize_inputs(model: torch.nn.Module, scheme: str, skip: Iterable[str] = ("lm_head",)) -> torch.nn.Module:
+    """Hooks the library's dynamic activation quantization onto the input of every ``nn.Linear`` of ``model``
+    but those named in ``skip`` (what its ``forward_quantize`` does to a quantized module's input:
+    ``compute_dynamic_scales_and_zp`` then ``fake_quantize`` with the preset's ``input_activations``): the
+    reference forward of a W8A8 / W4A8 checkpoint run by transformers on its dequantized weights."""
+    from compressed_tensors.quantization.lifecycle.forward import fake_quantize
+    from compressed_tensors.quantization.utils import compute_dynamic_scales_and_zp
+
+    args = PRESET_SCHEMES[scheme]["input_activations"]
+
+    def hook(module, inputs):
+        x = inputs[0]
+        scale, zp = compute_dynamic_scales_and_zp(x, args, module)
+        return (fake_quantize(x, scale, zp, args), *inputs[1:])
+
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear) and name.split(".")[-1] not in skip:
+            module.register_forward_pre_hook(hook)
+    return model
+
+
+def with_float32_scales(src, dst) -> pathlib.Path:
+    """A copy of checkpoint ``src`` with its ``*_scale`` tensors upcast (losslessly) to float32: the library then
+    dequantizes in float32 (it computes in the scales' dtype), each weight the exact product of its code and
+    scale, as the runtime does in a float32 parity test."""
+    from safetensors.torch import save_file
+
+    src, dst = pathlib.Path(src), pathlib.Path(dst)
+    dst.mkdir(parents=True, exist_ok=True)
+    tensors = {k: v.float() if k.endswith("_scale") else v for k, v in read_tensors(src).items()}
+    save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    for f in src.iterdir():
+        if f.is_file() and f.suffix != ".safetensors" and not f.name.endswith(".index.json"):
+            (dst / f.name).write_bytes(f.read_bytes())
     return dst

@@ -30,7 +30,7 @@ CASES = {  # our (scheme, group size) -> the oracle's scheme name
     ("W4A16", 128): "W4A16", ("W4A16", 32): "W4A16_G32", ("W4A16", -1): "W4A16_CHANNEL",
     ("W8A16", 128): "W8A16", ("FP8_DYNAMIC", 128): "FP8_DYNAMIC", ("FP8_BLOCK", 128): "FP8_BLOCK",
     ("MXFP4A16", 128): "MXFP4A16", ("W4A16_ASYM", 128): "W4A16_ASYM", ("W8A16_ASYM", 128): "W8A16_ASYM",
-    ("MXFP8A16", 128): "MXFP8A16", ("NVFP4A16", 128): "NVFP4A16",
+    ("MXFP8A16", 128): "MXFP8A16", ("NVFP4A16", 128): "NVFP4A16", ("W8A8", 128): "W8A8", ("W4A8", 128): "W4A8",
 }
 QUANTKIT = [sys.executable, "-m", "quantkit.cli"]
 

@@ -27,15 +27,15 @@ from quantkit.inspect import inspect_checkpoint
 
 SERVABLE = ["W4A16", "W4A16_G32", "W4A16_CHANNEL", "W4A16_ASYM", "W8A16", "W8A16_INT", "W8A16_ASYM", "W3A16",
             "W6A16", "W4AFP8", "FP8", "FP8_DYNAMIC", "FP8_BLOCK", "MXFP4A16", "MXFP6A16", "MXFP8A16", "NVFP4A16",
-            "MIXED"]
-UNSUPPORTED = {"W8A8": "int8 token input activation"}  # int8 activations: not served yet
+            "MIXED", "W8A8", "W4A8"]
+UNSUPPORTED = {"W4A4": "int4 token input activation"}  # int4 activations: not served
 QUANTKIT = [sys.executable, "-m", "quantkit.cli"]
 
 
 @pytest.fixture(scope="session")
 def ckpts(tmp_path_factory):
     root = tmp_path_factory.mktemp("ckpts")
-    return {s: make_checkpoint(root / s, s) for s in (*SCHEMES, *UNSUPPORTED)}
+    return {s: make_checkpoint(root / s, s) for s in (*SCHEMES, "W8A8", "W4A8", *UNSUPPORTED)}
 
 
 def _copy(src: Path, tmp_path: Path) -> Path:
@@ -70,6 +70,16 @@ def test_servable_schemes(ckpts, scheme):
     assert {layer["kind"] for layer in r["layers"]} == {"linear", "embedding", "norm"}
     cpu = inspect_checkpoint(ckpts[scheme], "cpu")
     assert {layer["path"] for layer in cpu["layers"] if layer["scheme"]} == {"xla"}
+
+
+def test_int8_activation_schemes_say_how_each_chip_multiplies(ckpts):
+    """W8A8 and W4A8 are served on gmm_v2 with int8 rows: on the int8 MXU of a v5e/v6e, emulated on a v7x."""
+    for scheme in ("W8A8", "W4A8"):
+        for target, says in (("v5e", "int8 x int8 on the MXU"), ("v6e", "int8 x int8 on the MXU"),
+                             ("v7x", "int8 activations emulated exactly in bf16 (v7x has no int8 MXU)")):
+            q = [la for la in inspect_checkpoint(ckpts[scheme], target)["layers"] if la["scheme"]]
+            assert len(q) == 14 and {la["path"] for la in q} == {"gmm_v2"}, (scheme, target)
+            assert {la["reason"] for la in q} == {says}, (scheme, target)
 
 
 @pytest.mark.parametrize("scheme", sorted(UNSUPPORTED))
@@ -171,7 +181,7 @@ def test_actorder_group_is_served_and_a_bad_g_idx_refused_naming_it(tmp_path):
 
 @pytest.mark.parametrize("edit,expect", [
     (lambda qc: qc["config_groups"]["group_0"].update(
-        input_activations={"num_bits": 8, "type": "int", "strategy": "token", "dynamic": True}), "activation"),
+        input_activations={"num_bits": 4, "type": "int", "strategy": "token", "dynamic": True}), "activation"),
     (lambda qc: qc.update(sparsity_config={"format": "sparse-24-bitmask"}), "sparse"),
     (lambda qc: (qc.update(format="sparse-bitmask"), qc["config_groups"]["group_0"].update(format="sparse-bitmask")),
      "sparse format"),
@@ -304,7 +314,7 @@ def _run(*args):
 
 
 def test_cli_json_contract(ckpts):
-    p = _run("inspect", ckpts["W8A8"], "--json", "--target", "v5e")
+    p = _run("inspect", ckpts["W4A4"], "--json", "--target", "v5e")
     assert p.returncode == 3
     r = json.loads(p.stdout)
     for key in ("path", "architecture", "quant_method", "format", "version", "num_tensors", "bytes_on_disk",
@@ -346,7 +356,7 @@ def test_cli_help_example_runs_as_the_help_says(ckpts):
         assert argv[:2] == ["quantkit", "inspect"], example
         i = next(i for i in range(2, len(argv)) if not argv[i].startswith("-") and not argv[i - 1].startswith("-"))
         for scheme, verdict in ((max((s for s in SCHEMES if s in argv[i]), key=len, default="W4A16"),
-                                 "valid and servable"), ("W8A8", "valid but not servable")):
+                                 "valid and servable"), ("W4A4", "valid but not servable")):
             run = _run(*argv[1:i], ckpts[scheme], *argv[i + 1:])
             assert run.returncode == codes[verdict], (example, scheme, run.stderr)
             if "--json" in argv:
@@ -380,17 +390,17 @@ def test_cli_invalid_checkpoint_one_error_line_and_the_report(ckpts, tmp_path, j
 
 @pytest.mark.parametrize("json_out", [False, True])
 def test_cli_unsupported_checkpoint_one_error_line_and_the_report(ckpts, json_out):
-    p = _run("inspect", ckpts["W8A8"], *(["--json"] if json_out else []))
+    p = _run("inspect", ckpts["W4A4"], *(["--json"] if json_out else []))
     assert p.returncode == 3
     (line,) = p.stderr.splitlines()
-    assert line.startswith(f"error: {ckpts['W8A8']}: model.layers.0.mlp.down_proj: int8 token input activation")
+    assert line.startswith(f"error: {ckpts['W4A4']}: model.layers.0.mlp.down_proj: int4 token input activation")
     assert "(and 13 more problems" in line  # the other 13 quantized layers
     if json_out:
         r = json.loads(p.stdout)
         first = r["problems"][0]
         assert r["exit_code"] == 3 and f"{first['where']}: {first['message']}" in line
     else:
-        assert "int8 token input activation" in p.stdout and "not servable" in p.stdout
+        assert "int4 token input activation" in p.stdout and "not servable" in p.stdout
 
 
 def test_inspect_path_imports_no_heavy_library(ckpts):

@@ -13,6 +13,8 @@ Tolerances (relative Frobenius norm against a float32 HIGHEST-precision referenc
 A wrong scale row, a misplaced group boundary or an unwritten tile gives errors of order 1 or NaN.
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -335,3 +337,97 @@ def test_library_checkpoint_through_the_kernels(scheme, tmp_path, seed):
         assert _rel(gmm_xla(x, rhs, sizes), ref) < 6e-3, (module, seed)
         out = gmm_v2(x, rhs, sizes, chip="v6e", interpret=INTERPRET)
         assert _rel(out, ref) < 6e-3, (module, seed)
+
+
+# ---- quantized activations (QTensor.act "int8": W8A8, W4A8) ------------------------------------------
+
+def _activations(rng, m, k, dtype=jnp.bfloat16):
+    """Random rows with an outlier row (one huge element) and an all-zero row (scale 0 -> eps)."""
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    x[0, rng.integers(k)] = 300.0
+    x[min(2, m - 1)] = 0.0
+    return jnp.asarray(x, dtype)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_quantize_rows_is_the_librarys_dynamic_token_int8(dtype, seed):
+    """quantize_rows' codes times scales equal compressed-tensors' own fake quantization of the same rows
+    (dynamic symmetric per-token int8, in the activations' dtype) bit for bit; codes within [-128, 127]."""
+    import torch
+    from compressed_tensors.quantization import QuantizationArgs
+    from compressed_tensors.quantization.lifecycle.forward import fake_quantize
+    from compressed_tensors.quantization.utils import compute_dynamic_scales_and_zp
+
+    from quantkit.runtime.ops import quantize_rows
+
+    rng = np.random.default_rng(seed)
+    x = _activations(rng, 37, 256, jnp.dtype(dtype))
+    args = QuantizationArgs(num_bits=8, type="int", strategy="token", dynamic=True, symmetric=True)
+    t = torch.from_numpy(np.array(x.astype(jnp.float32))).to(getattr(torch, dtype))[None]  # [1, m, k]
+    scale, zp = compute_dynamic_scales_and_zp(t, args, torch.nn.Module())
+    theirs = fake_quantize(t, scale, zp, args)[0].float().numpy()
+    codes, scales = quantize_rows(x)
+    assert codes.dtype == jnp.int8 and scales.dtype == x.dtype and scales.shape == (37, 1)
+    ours = np.asarray((codes.astype(x.dtype) * scales).astype(jnp.float32))
+    np.testing.assert_array_equal(ours, theirs, err_msg=f"seed {seed}")
+    assert int(jnp.abs(codes.astype(jnp.int32)).max()) >= 127 and not np.asarray(codes[2]).any()
+
+
+@pytest.mark.parametrize("chip,qtype,group,tk,zeros", [  # v6e: the int8 MXU; v7x: its exact bf16 emulation
+    ("v6e", "int8", None, 256, False), ("v7x", "int4", 128, 128, False), ("v6e", "int4", 256, 128, True),
+    ("v7x", "int8", None, 512, True)])
+@pytest.mark.parametrize("g,m", [(1, 37), (8, 61)])
+def test_int8_activations_match_reference(chip, qtype, group, tk, zeros, g, m, seed):
+    """gmm_v2 on int8 rows and their scales against the reference on the same codes times the row scales:
+    integer products and sums are exact on both MXU paths, the float32 weight scales apply to partial sums,
+    so only the bf16 output rounds (4e-3, as the kernel's other post-dot cases)."""
+    from quantkit.runtime.ops import quantize_rows
+
+    rng = np.random.default_rng(seed)
+    k, n = 512, 256
+    group = group or k
+    rhs = dataclasses.replace(_random_qtensor(rng, qtype, g, k, n, group, zeros), act="int8")
+    codes, rows = quantize_rows(_activations(rng, m, k))
+    sizes = jnp.asarray(_sizes(rng, g, m))
+    tiles = Tiles(tm=32, tk=tk, tn=128, predot=False, lhs_resident=bool(m % 2), vmem_bytes=0, vmem_limit=32 << 20)
+    out = gmm_v2(codes, rhs, sizes, row_scales=rows, chip=chip, tiles=tiles, interpret=INTERPRET)
+    ref = gmm_reference(codes, rhs, sizes) * rows.astype(jnp.float32)
+    total = int(sizes.sum())
+    assert out.shape == (m, n) and out.dtype == jnp.bfloat16
+    assert bool(jnp.isfinite(out).all()), f"unwritten (NaN) output, seed {seed}"
+    assert bool((out[total:] == 0).all())
+    assert _rel(out[:total], ref[:total]) < 4e-3, f"seed {seed}, sizes {sizes.tolist()}"
+
+
+def _dots(jaxpr) -> list[tuple]:
+    """(lhs dtype, rhs dtype, preferred type) of every dot_general in a jaxpr and the jaxprs inside it."""
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "dot_general":
+            found.append((str(eqn.invars[0].aval.dtype), str(eqn.invars[1].aval.dtype),
+                          str(eqn.params.get("preferred_element_type"))))
+        for p in eqn.params.values():
+            for sub in p if isinstance(p, (tuple, list)) else (p,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    found += _dots(inner)
+    return found
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("chip", ["v6e", "v7x"])  # v5e: the same int8 MXU path as v6e
+def test_int8_activations_compile_to_the_chips_mxu_type(chip):
+    """Deviceless compiles of W8A8 (int8 channel, Llama-3-8B down_proj [14336, 4096]) and W4A8 experts (int4
+    g128, Qwen3-30B-A3B down [768, 2048] x 128) at 2048 rows: the kernel's dot is int8 x int8 -> int32 on
+    v6e and bf16 x bf16 -> float32 on v7x, Mosaic accepts it, and nothing weight-sized is a temporary."""
+    from quantkit.runtime.aot import compile_for
+
+    for qtype, k, n, g, group in [("int8", 14336, 4096, 1, 14336), ("int4", 768, 2048, 128, 128)]:
+        _, rhs, gs = _abstract(qtype, g, k, n, group, 2048)
+        rhs = dataclasses.replace(rhs, act="int8")
+        lhs, rows = jax.ShapeDtypeStruct((2048, k), jnp.int8), jax.ShapeDtypeStruct((2048, 1), jnp.bfloat16)
+        call = lambda a, b, c, r: gmm_v2(a, b, c, row_scales=r, chip=chip)  # noqa: E731
+        expected = ("int8", "int8", "int32") if CHIPS[chip].int8_mxu else ("bfloat16", "bfloat16", "float32")
+        assert set(_dots(jax.make_jaxpr(call)(lhs, rhs, gs, rows).jaxpr)) == {expected}, (chip, qtype)
+        compiled, _ = compile_for(chip, call, lhs, rhs, gs, rows, pinned=(1,))
+        assert compiled.memory_analysis().temp_size_in_bytes < max(1 << 20, g * k * n // 16)

@@ -337,6 +337,16 @@ def weight_qtype(scheme: Scheme | None) -> str:
     return f"{'int' if w.type == 'int' else 'fp'}{w.num_bits}"
 
 
+def activation_qtype(scheme: Scheme | None) -> str:
+    """How the runtime quantizes a Linear's input activations under `scheme` (QTensor.act): "int8" for
+    dynamic symmetric per-token int8 (W8A8, W4A8: each row's absmax / 127.5, as compressed-tensors computes
+    it), "" for none (A16, and fp8 activations, computed in bf16 with a warning)."""
+    a = None if scheme is None else scheme.input_activations
+    if a is not None and a.type == "int" and a.num_bits == 8 and a.strategy == "token" and a.dynamic is True \
+            and a.symmetric:
+        return "int8"
+    return ""
+
 
 def quantization_config_of(config: dict | None, where: str) -> tuple[dict | None, QuantConfig | None]:
     """config.json's `quantization_config` as stored, and parsed when its quant_method is compressed-tensors.

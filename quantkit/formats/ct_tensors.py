@@ -467,6 +467,7 @@ class KernelLayout(NamedTuple):
     zeros: object = None  # [in // group, out] int8 zero points, or None (symmetric)
     gscale: float | None = None  # nvfp4's global scale
     perm: object = None  # [in] int32 input feature of each row (activation-ordered groups), or None
+    act: str = ""  # the activations' quantization (compressed_tensors.activation_qtype)
 
 
 def _has_zeros(w: QuantArgs) -> bool:

@@ -8,10 +8,11 @@ from __future__ import annotations
 from quantkit.formats.compressed_tensors import PRESETS, QuantArgs, Scheme
 from quantkit.formats.ct_tensors import ceil_div, expected_scale_shape
 
-# --scheme (DENSE: bf16); W8A16_ASYM is the one the library has no preset of: W8A16 with zero points
-SCHEMES = ("W4A16", "W4A16_ASYM", "W8A16", "W8A16_ASYM", "FP8", "FP8_DYNAMIC", "FP8_BLOCK", "MXFP4A16", "MXFP8A16",
-           "NVFP4A16", "DENSE")
-GROUPED = ("W4A16", "W4A16_ASYM", "W8A16", "W8A16_ASYM")  # the schemes --group-size sets (-1: channel scales)
+# --scheme (DENSE: bf16); W8A16_ASYM is the one the library has no preset of: W8A16 with zero points. W8A8 and
+# W4A8: dynamic per-token int8 activations (config only: nothing to calibrate)
+SCHEMES = ("W4A16", "W4A16_ASYM", "W8A16", "W8A16_ASYM", "W8A8", "W4A8", "FP8", "FP8_DYNAMIC", "FP8_BLOCK", "MXFP4A16",
+           "MXFP8A16", "NVFP4A16", "DENSE")
+GROUPED = ("W4A16", "W4A16_ASYM", "W8A16", "W8A16_ASYM", "W4A8")  # the schemes --group-size sets (-1: channel)
 
 
 def writable_scheme(scheme: str, group_size: int) -> Scheme:
@@ -29,8 +30,10 @@ def writable_scheme(scheme: str, group_size: int) -> Scheme:
     w = QuantArgs.parse(weights, scheme)
     acts = preset.get("input_activations")
     mx = w.scale_dtype == "torch.uint8"
-    fmt = "pack-quantized" if w.type == "int" else "nvfp4-pack-quantized" if w.strategy == "tensor_group" else \
-        "mxfp4-pack-quantized" if w.num_bits == 4 else "mxfp8-quantized" if mx else "float-quantized"
+    # int weights with quantized activations: the library stores them unpacked, one int8 each
+    fmt = ("int-quantized" if acts else "pack-quantized") if w.type == "int" else "nvfp4-pack-quantized" \
+        if w.strategy == "tensor_group" else "mxfp4-pack-quantized" if w.num_bits == 4 else "mxfp8-quantized" if mx \
+        else "float-quantized"
     return Scheme(scheme, ("Linear",), fmt, w, QuantArgs.parse(acts, scheme) if acts else None)
 
 
@@ -58,6 +61,8 @@ def stored_layout(s: Scheme, shape: tuple[int, int], dtype: str) -> dict[str, tu
         zero = {} if s.weights.symmetric else {"weight_zero_point": ("I32", (ceil_div(out * bits, 32), scale[-1]))}
         return {"weight_packed": ("I32", (out, ceil_div(inp * bits, 32))),
                 "weight_scale": (dtype, scale), **zero, "weight_shape": ("I64", (2,))}
+    if s.format == "int-quantized":
+        return {"weight": ("I8", (out, inp)), "weight_scale": (dtype, scale)}
     if s.format == "mxfp4-pack-quantized":
         return {"weight_packed": ("U8", (out, inp // 2)), "weight_scale": ("U8", scale)}
     if s.format == "nvfp4-pack-quantized":
@@ -99,6 +104,8 @@ def stored_rows(s: Scheme, values, scale, r0: int, shape: tuple[int, int], scale
     scales = (scale.astype(scale_dtype), stored_row_range(s, "weight_scale", r0, r0 + 1)[0])
     if s.format == "float-quantized":
         return {"weight": (values, r0), "weight_scale": scales}
+    if s.format == "int-quantized":
+        return {"weight": (values.astype(np.int8), r0), "weight_scale": scales}
     bits = s.weights.num_bits
     out = {"weight_packed": (packing.pack_int(values, bits), r0), "weight_scale": scales}
     if zero is not None:  # packed along the output rows: [ceil(rows * b / 32), groups]

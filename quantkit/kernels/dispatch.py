@@ -27,7 +27,7 @@ class Verdict:
 
 
 def can_use_gmm_v2(qtype: str, k: int, n: int, group_size: int | None, chip: Chip, m: int = 256, g: int = 1,
-                   scale_bytes: int = 2, zero_bytes: int = 0) -> tuple[Tiles | None, str]:
+                   scale_bytes: int = 2, zero_bytes: int = 0, act: str = "") -> tuple[Tiles | None, str]:
     """Tiles with which the Pallas gmm_v2 kernel serves a [k, n] weight of `qtype` on `chip`, or None
     and why not (the caller falls back to the XLA path).
 
@@ -39,6 +39,7 @@ def can_use_gmm_v2(qtype: str, k: int, n: int, group_size: int | None, chip: Chi
         m, g: rows per call and number of groups (experts); m = 256 stands for a decode batch.
         scale_bytes: bytes per stored scale.
         zero_bytes: bytes per stored zero point (0: none, symmetric).
+        act: the activations' quantization (QTensor.act): "int8" multiplies int8 rows by integer weights.
     """
     if not chip.tpu:
         return None, f"{chip.name}: Pallas TPU kernels need a TPU target"
@@ -49,14 +50,24 @@ def can_use_gmm_v2(qtype: str, k: int, n: int, group_size: int | None, chip: Chi
     group = k if not group_size or group_size < 0 else group_size
     if k % group:
         return None, f"group size {group} does not divide in_features {k}"
-    tiles = choose_tiles(m, k, n, g, qtype, group, scale_bytes, chip, zero_bytes)
+    if act == "int8" and not qtype.startswith("int"):
+        return None, f"int8 activations with {qtype} weights"
+    tiles = choose_tiles(m, k, n, g, qtype, group, scale_bytes, chip, zero_bytes, int8_lhs=act == "int8")
+    if tiles is None and act == "int8" and group < LANES:
+        return None, f"int8 activations need scale groups of at least {LANES} inputs (integer dots), not {group}"
     if tiles is None:
         return None, f"no tiling of [{k}, {n}] with group {group} fits {chip.name} VMEM"
     return tiles, ""
 
 
 def kernel_path(qtype: str, k: int, n: int, group: int, chip: Chip, scale_bytes: int = 2,
-                zero_bytes: int = 0) -> Verdict:
-    """gmm_v2 for a served [k, n] weight of `qtype` with `group` inputs per scale, else the XLA path and why."""
-    tiles, why = can_use_gmm_v2(qtype, k, n, group, chip, scale_bytes=scale_bytes, zero_bytes=zero_bytes)
-    return Verdict("gmm_v2", "") if tiles else Verdict("xla", f"XLA fallback: {why}")
+                zero_bytes: int = 0, act: str = "") -> Verdict:
+    """gmm_v2 for a served [k, n] weight of `qtype` with `group` inputs per scale, else the XLA path and why;
+    with int8 activations, whether the chip's MXU multiplies int8 or the kernel emulates it (exactly, in bf16)."""
+    tiles, why = can_use_gmm_v2(qtype, k, n, group, chip, scale_bytes=scale_bytes, zero_bytes=zero_bytes, act=act)
+    if not tiles:
+        return Verdict("xla", f"XLA fallback: {why}")
+    if act == "int8":
+        return Verdict("gmm_v2", "int8 x int8 on the MXU" if chip.int8_mxu else
+                       f"int8 activations emulated exactly in bf16 ({chip.name} has no int8 MXU)")
+    return Verdict("gmm_v2", "")

@@ -13,6 +13,11 @@ MXU in bf16 with float32 accumulation. Scales (and zero points z of asymmetric i
   point row z is taken off first as z * (the sum of the tile's lhs columns), since x (q - z) = xq - (sum x) z.
 nvfp4's global scale (one float32 per group) comes in SMEM with the group metadata; the tile's scales are
 divided by it in float32 before use, as compressed-tensors divides them (so the bf16 weights are the library's).
+Quantized activations (QTensor.act "int8": W8A8, W4A8): lhs holds int8 codes and `row_scales` one float32
+scale a row; the integer weight tile (int4 widened) meets them on the MXU as int8 x int8 -> int32 on v5e/v6e,
+and as the same small integers in bf16 with float32 sums on v7x (no int8 MXU there; exact: |products| <
+2^14, partial sums < 2^24); scales apply after the dot (tiles never span a scale group), zero points by
+the row-sum identity, the row scales once at the end.
 A "visit" is one (group, m tile) pair: an m tile that straddles a group boundary is visited once per
 group, and each visit writes only its group's rows (megablox's scheme, reimplemented here).
 
@@ -52,7 +57,7 @@ def check_gmm_v2(lhs_shape: tuple[int, int], rhs: QTensor, chip: Chip, groups: i
     if k != k2:
         return None, f"lhs has {k} features but the weight {k2}"
     return can_use_gmm_v2(rhs.qtype, k, n, rhs.group, chip, m=m, g=g, scale_bytes=rhs.scales.dtype.itemsize,
-                          zero_bytes=_zero_bytes(rhs))
+                          zero_bytes=_zero_bytes(rhs), act=rhs.act)
 
 
 def _zero_bytes(rhs: QTensor) -> int:
@@ -95,9 +100,11 @@ def visits(group_sizes: jax.Array, m: int, tm: int) -> tuple[jax.Array, jax.Arra
 # ---- the kernel ------------------------------------------------------------------------------------
 
 def _kernel(vg_ref, vt_ref, nv_ref, bounds_ref, off_ref, *refs, qtype: str, group: int, tiles: Tiles,
-            num_groups: int, nk: int, zeros: bool, gscale: bool):
+            num_groups: int, nk: int, zeros: bool, gscale: bool, int8_lhs: bool, int8_mxu: bool):
     gs_ref, refs = (refs[0], refs[1:]) if gscale else (None, refs)  # global scales [num_groups] (nvfp4)
-    lhs_ref, q_ref, s_ref, *refs = refs
+    lhs_ref, *refs = refs
+    rs_ref, refs = (refs[0], refs[1:]) if int8_lhs else (None, refs)  # row scales [tm, 1] of int8 codes
+    q_ref, s_ref, *refs = refs
     z_ref, out_ref, acc_ref = refs if zeros else (None, *refs)  # zero points: asymmetric ints
     v, ki = pl.program_id(1), pl.program_id(2)
     tm, tk, tn = tiles.tm, tiles.tk, tiles.tn
@@ -115,6 +122,18 @@ def _kernel(vg_ref, vt_ref, nv_ref, bounds_ref, off_ref, *refs, qtype: str, grou
     @pl.when(real)
     def _():
         x = lhs_ref[:, pl.ds(pl.multiple_of(ki * tk, 128), tk)] if tiles.lhs_resident else lhs_ref[...]  # [tm, tk]
+        if int8_lhs:  # integer codes on both sides; scales after the dot (tk divides the group)
+            if int8_mxu:
+                part = jnp.dot(x, q_ref[...].astype(jnp.int8), preferred_element_type=jnp.int32)
+            else:
+                part = jnp.dot(x.astype(jnp.bfloat16), q_ref[...].astype(jnp.bfloat16),
+                               preferred_element_type=jnp.float32)
+            part = part.astype(jnp.float32)
+            if z_ref is not None:
+                part -= jnp.sum(x.astype(jnp.float32), axis=1, keepdims=True) * _tile_row(
+                    z_ref[...].astype(jnp.float32), ki, tk, group)
+            acc_ref[...] += part * _tile_row(scales(), ki, tk, group)
+            return
         q = decode_values(q_ref[...], qtype)  # [tk, tn] f32
         if tiles.predot:
             rows = tk // group
@@ -124,20 +143,12 @@ def _kernel(vg_ref, vt_ref, nv_ref, bounds_ref, off_ref, *refs, qtype: str, grou
                 q = q - z_ref[...].astype(jnp.float32)[:, None, :]  # exact: small integers
             w = (q * s[:, None, :]).reshape(tk, tn).astype(jnp.bfloat16)
             acc_ref[...] += jnp.dot(x, w, preferred_element_type=jnp.float32)
-        else:
-            # One scale row serves the whole k tile. Select it with a mask rather than a dynamic one-row
-            # slice, which Mosaic cannot prove aligned for packed (bf16, uint8) scales.
-            def tile_row(all_rows):  # [k/group, tn] f32 -> [1, tn], the row of this k tile
-                if all_rows.shape[0] == 1:
-                    return all_rows
-                hit = jax.lax.broadcasted_iota(jnp.int32, all_rows.shape, 0) == (ki * tk) // group
-                return jnp.sum(jnp.where(hit, all_rows, 0.0), axis=0, keepdims=True)
-
+        else:  # one scale row serves the whole k tile
             part = jnp.dot(x, q.astype(jnp.bfloat16), preferred_element_type=jnp.float32)
             if z_ref is not None:
-                z = tile_row(z_ref[...].astype(jnp.float32))
+                z = _tile_row(z_ref[...].astype(jnp.float32), ki, tk, group)
                 part -= jnp.sum(x.astype(jnp.float32), axis=1, keepdims=True) * z
-            acc_ref[...] += part * tile_row(scales())
+            acc_ref[...] += part * _tile_row(scales(), ki, tk, group)
 
     @pl.when((ki == nk - 1) & (v < nv_ref[0]))
     def _():
@@ -146,7 +157,18 @@ def _kernel(vg_ref, vt_ref, nv_ref, bounds_ref, off_ref, *refs, qtype: str, grou
         rows = t * tm + jax.lax.broadcasted_iota(jnp.int32, (tm, tn), 0)
         mine = (rows >= bounds_ref[g, 0]) & (rows < bounds_ref[g, 1])
         prev = jnp.where(first, 0.0, out_ref[...].astype(jnp.float32))
-        out_ref[...] = jnp.where(mine, acc_ref[...], prev).astype(out_ref.dtype)
+        acc = acc_ref[...] if rs_ref is None else acc_ref[...] * rs_ref[...]
+        out_ref[...] = jnp.where(mine, acc, prev).astype(out_ref.dtype)
+
+
+def _tile_row(all_rows: jax.Array, ki, tk: int, group: int) -> jax.Array:
+    """[k/group, tn] f32 -> [1, tn], the scale (zero point) row of k tile ki when one row serves the tile.
+    Selected with a mask rather than a dynamic one-row slice, which Mosaic cannot prove aligned for packed
+    (bf16, uint8) scales."""
+    if all_rows.shape[0] == 1:
+        return all_rows
+    hit = jax.lax.broadcasted_iota(jnp.int32, all_rows.shape, 0) == (ki * tk) // group
+    return jnp.sum(jnp.where(hit, all_rows, 0.0), axis=0, keepdims=True)
 
 
 # ---- cost estimate ---------------------------------------------------------------------------------
@@ -154,7 +176,7 @@ def _kernel(vg_ref, vt_ref, nv_ref, bounds_ref, off_ref, *refs, qtype: str, grou
 def cost(m: int, k: int, n: int, g: int, rhs: QTensor, tiles: Tiles, out_bytes: int = 2) -> pl.CostEstimate:
     """The static bound of tiling.traffic: bytes the call moves and FLOPs the MXU executes."""
     moved, flops = traffic(m, k, n, g, rhs.qtype, rhs.group, rhs.scales.dtype.itemsize, tiles, out_bytes,
-                           _zero_bytes(rhs))
+                           _zero_bytes(rhs), lhs_bytes=1 if rhs.act == "int8" else 2)
     moved += 0 if rhs.gscale is None else 4 * g  # the call's global scales, into SMEM once
     return pl.CostEstimate(flops=flops, transcendentals=0, bytes_accessed=moved)
 
@@ -162,7 +184,7 @@ def cost(m: int, k: int, n: int, g: int, rhs: QTensor, tiles: Tiles, out_bytes: 
 # ---- pallas_call -----------------------------------------------------------------------------------
 
 def _call(lhs: jax.Array, rhs: QTensor, group_sizes: jax.Array, group_offset: jax.Array, tiles: Tiles,
-          interpret) -> jax.Array:
+          interpret, row_scales: jax.Array | None, out_dtype, int8_mxu: bool) -> jax.Array:
     m, k = lhs.shape
     _, _, n = rhs.shape
     g = group_sizes.shape[0]
@@ -172,7 +194,8 @@ def _call(lhs: jax.Array, rhs: QTensor, group_sizes: jax.Array, group_offset: ja
     srows = rhs.scales.shape[1]
     grid = (n // tn, vg.shape[0], nk)
     kernel = functools.partial(_kernel, qtype=rhs.qtype, group=rhs.group, tiles=tiles, num_groups=g, nk=nk,
-                               zeros=rhs.zeros is not None, gscale=rhs.gscale is not None)
+                               zeros=rhs.zeros is not None, gscale=rhs.gscale is not None,
+                               int8_lhs=row_scales is not None, int8_mxu=int8_mxu)
     # index maps take the grid indices, then the scalar prefetch refs (and the global scales, unused there)
 
     def lhs_map(ni, v, ki, vg, vt, nv, bounds, off, *_):  # resident: one block per m tile, kept across n tiles
@@ -196,15 +219,20 @@ def _call(lhs: jax.Array, rhs: QTensor, group_sizes: jax.Array, group_offset: ja
     # weights stay in HBM: else XLA may stage a small one whole into VMEM before the call (a second copy
     # of its bytes, seen for Gemma-3-27B's o-proj and scales), where the kernel streams tiles anyway
     blocks = [pltpu.with_memory_space_constraint(a, pltpu.HBM) for f, a in rhs.arrays.items() if f != "gscale"]
+    lhs_specs = [pl.BlockSpec((tm, k if tiles.lhs_resident else tk), lhs_map)]
+    lhs_args = [lhs]
+    if row_scales is not None:  # [m, 1] float32, a block per m tile like the output's
+        lhs_specs.append(pl.BlockSpec((tm, 1), lambda ni, v, ki, vg, vt, *_: (vt[v], 0)))
+        lhs_args.append(row_scales.astype(jnp.float32))
 
     return pl.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct((m, n), lhs.dtype),
+        out_shape=jax.ShapeDtypeStruct((m, n), out_dtype),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=len(prefetch),
             grid=grid,
             in_specs=[
-                pl.BlockSpec((tm, k if tiles.lhs_resident else tk), lhs_map),
+                *lhs_specs,
                 pl.BlockSpec((None, tk, tn), q_map),
                 *[s_spec] * (len(blocks) - 1),
             ],
@@ -213,23 +241,25 @@ def _call(lhs: jax.Array, rhs: QTensor, group_sizes: jax.Array, group_offset: ja
         ),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary", "arbitrary"),
                                              vmem_limit_bytes=tiles.vmem_limit),
-        cost_estimate=cost(m, k, n, g, rhs, tiles, lhs.dtype.itemsize),
+        cost_estimate=cost(m, k, n, g, rhs, tiles, jnp.dtype(out_dtype).itemsize),
         interpret=interpret,
-    )(*prefetch, lhs, *blocks)
+    )(*prefetch, *lhs_args, *blocks)
 
 
 # ---- public entry ----------------------------------------------------------------------------------
 
 @functools.partial(jax.jit, static_argnames=("chip", "tiles", "interpret"))
 def gmm_v2(lhs: jax.Array, rhs: QTensor, group_sizes: jax.Array, group_offset: jax.Array | None = None, *,
-           chip: str = "v6e", tiles: Tiles | None = None, interpret=False) -> jax.Array:
+           row_scales: jax.Array | None = None, chip: str = "v6e", tiles: Tiles | None = None,
+           interpret=False) -> jax.Array:
     """Grouped matmul with quantized weights.
 
     Args:
-        lhs: [m, k] bf16, rows sorted by group.
+        lhs: [m, k] bf16, rows sorted by group; int8 codes when rhs.act is "int8" (runtime/ops.quantize_rows).
         rhs: QTensor [g, k, n] (int4, int8 with or without zero points, fp8, mxfp4, mxfp8 or nvfp4; group or
             channel scales).
         group_sizes: int32 [g], rows per group, sum <= m; rows past the sum come out zero.
+        row_scales: [m, 1] the int8 rows' scales (rhs.act "int8" only), in the output's dtype.
         group_offset: int32 scalar: the groups are rhs's groups offset .. offset + g - 1 (default 0). A
             layer of a stacked weight [layers, k, n] (scanned layers) is offset = layer, g = 1: the kernel
             DMAs that layer's tiles straight from the stack, never a sliced copy.
@@ -237,11 +267,16 @@ def gmm_v2(lhs: jax.Array, rhs: QTensor, group_sizes: jax.Array, group_offset: j
         tiles: explicit tiles (tests); default: `choose_tiles` for the chip.
         interpret: run in Pallas interpret mode (CPU), e.g. `pltpu.InterpretParams()`.
     Returns:
-        [m, n] in lhs.dtype.
+        [m, n] in lhs.dtype (row_scales.dtype with int8 rows).
     """
+    if (rhs.act == "int8") != (row_scales is not None) or (row_scales is not None and lhs.dtype != jnp.int8):
+        raise ValueError(f"act {rhs.act!r}: int8 lhs rows and row_scales go together (got {lhs.dtype} rows)")
+    if row_scales is not None and tiles is not None and tiles.predot:
+        raise ValueError("int8 rows take their weight scales after the dot: tk must divide the group")
     if tiles is None:
         tiles, why = check_gmm_v2(lhs.shape, rhs, CHIPS[chip], group_sizes.shape[0])
         if tiles is None:
             raise ValueError(f"gmm_v2 cannot serve this call: {why}")
     offset = jnp.zeros((), jnp.int32) if group_offset is None else jnp.asarray(group_offset, jnp.int32)
-    return _call(lhs, rhs, group_sizes, offset, tiles, interpret)
+    out_dtype = lhs.dtype if row_scales is None else row_scales.dtype
+    return _call(lhs, rhs, group_sizes, offset, tiles, interpret, row_scales, out_dtype, CHIPS[chip].int8_mxu)

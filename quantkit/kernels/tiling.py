@@ -22,12 +22,13 @@ class Chip:
     vmem_bytes: int
     fp8_mxu: bool
     tpu: bool = True
+    int8_mxu: bool = False  # int8 x int8 -> int32 at twice the bf16 rate (v5e, v6e; not v7x)
 
 
 GIB = 1 << 30
 CHIPS: dict[str, Chip] = {
-    "v5e": Chip("v5e", 16 * GIB, 819e9, 197e12, 128, 128 << 20, fp8_mxu=False),
-    "v6e": Chip("v6e", int(31.25 * GIB), 1.64e12, 918e12, 256, 128 << 20, fp8_mxu=True),
+    "v5e": Chip("v5e", 16 * GIB, 819e9, 197e12, 128, 128 << 20, fp8_mxu=False, int8_mxu=True),
+    "v6e": Chip("v6e", int(31.25 * GIB), 1.64e12, 918e12, 256, 128 << 20, fp8_mxu=True, int8_mxu=True),
     # v7x: per TensorCore, which JAX sees as one device (two a chip). Google Cloud's Ironwood figures are per
     # chip (192 GiB, 7.37 TB/s, 2307 TFLOP/s bf16), split in half as jax's own TPU7x facts have them
     # (pallas tpu_info: 103 GB, 3.7 TB/s, 1155 TFLOP/s a logical device); 94.75 GiB is what libtpu lets one
@@ -87,11 +88,11 @@ def weight_bits(qtype: str) -> int:
 
 
 def vmem_estimate(tm: int, tk: int, tn: int, k: int, group: int, qtype: str, scale_bytes: int,
-                  lhs_resident: bool = False, zero_bytes: int = 0) -> int:
+                  lhs_resident: bool = False, zero_bytes: int = 0, lhs_bytes: int = 2) -> int:
     """VMEM of one step: double-buffered lhs, weight, scales and zero points (pre-dot: the tile's tk/group
     rows; else all k/group rows of its columns) and output blocks, the f32 accumulator, and the dequantized
     tile (f32 and bf16 copies)."""
-    lhs = 2 * tm * (k if lhs_resident else tk) * 2
+    lhs = 2 * tm * (k if lhs_resident else tk) * lhs_bytes
     rhs = 2 * tk * tn * weight_bits(qtype) // 8
     rows = tk // group if group < tk else max(1, k // group)
     scales = 2 * round_up(rows, 8) * tn * scale_bytes + 2 * round_up(rows, 32) * tn * zero_bytes
@@ -102,25 +103,25 @@ def vmem_estimate(tm: int, tk: int, tn: int, k: int, group: int, qtype: str, sca
 
 
 def traffic(m: int, k: int, n: int, g: int, qtype: str, group: int, scale_bytes: int, tiles: Tiles,
-            out_bytes: int = 2, zero_bytes: int = 0) -> tuple[int, int]:
+            out_bytes: int = 2, zero_bytes: int = 0, lhs_bytes: int = 2) -> tuple[int, int]:
     """(bytes moved, FLOPs executed) by one gmm_v2 call, bounded statically.
 
     Each visit reads its group's packed weight tile by tile and its scale (and zero point) rows once; at most min(g, m)
     groups hold rows, so there are at most tiles_m + min(g, m) - 1 visits. lhs: a resident [tm, k] block
     is fetched when the m tile changes (once per call with one m tile, else once per m tile and n tile);
     otherwise once per n tile. The output is written once. FLOPs are what the MXU executes: whole m tiles
-    per visit, masked rows included.
+    per visit, masked rows included. Quantized activations (lhs_bytes 1): int8 rows and a float32 scale each.
     """
     tiles_m = -(-m // tiles.tm)
     visits = min(tiles_m + min(g, m) - 1, tiles_m * g)
     weight = k * n * weight_bits(qtype) // 8 + max(1, k // group) * n * (scale_bytes + zero_bytes)
     lhs_reads = 1 if (tiles.lhs_resident and tiles_m == 1) else n // tiles.tn
-    moved = visits * weight + lhs_reads * m * k * 2 + m * n * out_bytes
+    moved = visits * weight + lhs_reads * m * (k * lhs_bytes + (4 if lhs_bytes == 1 else 0)) + m * n * out_bytes
     return moved, 2 * visits * min(tiles.tm, m) * k * n
 
 
 def choose_tiles(m: int, k: int, n: int, g: int, qtype: str, group: int, scale_bytes: int,
-                 chip: Chip, zero_bytes: int = 0) -> Tiles | None:
+                 chip: Chip, zero_bytes: int = 0, int8_lhs: bool = False) -> Tiles | None:
     """Picks gmm_v2 blocks for lhs [m, k] x weights [g, k, n] on `chip`, or None if nothing fits.
 
     Rules: blocks obey the (8, 128) rule (tk, tn multiples of 128 dividing k and n; tm a multiple of 8
@@ -130,20 +131,25 @@ def choose_tiles(m: int, k: int, n: int, g: int, qtype: str, group: int, scale_b
     wider groups and channel scales multiply partial sums (tk divides the group); the estimated VMEM
     stays under 75% of the limit; a weight of 8 MiB or more gets at least 4 grid steps along k x n so
     that its DMA overlaps compute; otherwise tiles are as large as allowed (fewer, longer steps).
+    int8_lhs (quantized activations): integer products need the scales after the dot (tk divides the group).
     """
     limit = chip.vmem_bytes * 3 // 4
     if g == 1:
-        return _choose_kn(m if m <= 512 else 512, k, n, qtype, group, scale_bytes, chip, limit, zero_bytes)
+        return _choose_kn(m if m <= 512 else 512, k, n, qtype, group, scale_bytes, chip, limit, zero_bytes, int8_lhs)
     # Grouped: a tall m tile wastes MXU work on rows of other groups, a short one re-reads the weights
     # of groups that straddle tiles; take the m tile with the lowest roofline time on this chip.
     best = None
-    for tm in (8, 16, 32, 64, 128, 256, 512):
+    sizes = (8, 16, 32, 64, 128, 256, 512)
+    if int8_lhs:  # int8 rows come in (32, 128) tiles: blocks of a multiple of 32 rows, or all of m
+        sizes = tuple(t for t in sizes if t >= 32) if m >= 32 else (m,)
+    for tm in sizes:
         if tm > round_up(m, 8) and tm != 8:
             break
-        tiles = _choose_kn(tm, k, n, qtype, group, scale_bytes, chip, limit, zero_bytes)
+        tiles = _choose_kn(tm, k, n, qtype, group, scale_bytes, chip, limit, zero_bytes, int8_lhs)
         if tiles is None:
             continue
-        moved, flops = traffic(m, k, n, g, qtype, group, scale_bytes, tiles, zero_bytes=zero_bytes)
+        moved, flops = traffic(m, k, n, g, qtype, group, scale_bytes, tiles, zero_bytes=zero_bytes,
+                               lhs_bytes=1 if int8_lhs else 2)
         t = max(moved / chip.hbm_bytes_per_s, flops / chip.bf16_flops)
         if best is None or t < best[0]:
             best = (t, tiles)
@@ -151,7 +157,7 @@ def choose_tiles(m: int, k: int, n: int, g: int, qtype: str, group: int, scale_b
 
 
 def _choose_kn(tm: int, k: int, n: int, qtype: str, group: int, scale_bytes: int, chip: Chip, limit: int,
-               zero_bytes: int) -> Tiles | None:
+               zero_bytes: int, int8_lhs: bool = False) -> Tiles | None:
     """tk and tn for a given tm (see choose_tiles)."""
     bits = weight_bits(qtype)
     # tk a multiple of the group (scales before the dot), or a divisor of it (scales on partial sums,
@@ -165,14 +171,15 @@ def _choose_kn(tm: int, k: int, n: int, qtype: str, group: int, scale_bytes: int
     def fits_group(t: int) -> bool:
         if group % t == 0:
             return True  # scales on partial sums (below the MXU width only as a fallback: smaller tiles)
-        return t % group == 0 and (t == k or (t // group) % sub == 0)
+        return not int8_lhs and t % group == 0 and (t == k or (t // group) % sub == 0)
 
     def divisors(dim: int, cap: int) -> list[int]:  # multiples of 128 that divide dim, largest first
         return [t for t in range(min(dim, cap) // LANES * LANES, 0, -LANES) if dim % t == 0]
 
     tks = [t for t in divisors(k, max(MAX_TILE, k if k <= 8192 else 0)) if fits_group(t)]
     tns = divisors(n, MAX_TILE)
-    resident = 2 * tm * k * 2 <= limit // 4  # keep [tm, k] of lhs in VMEM across n tiles
+    lhs_bytes = 1 if int8_lhs else 2
+    resident = 2 * tm * k * lhs_bytes <= limit // 4  # keep [tm, k] of lhs in VMEM across n tiles
     best = None
     for tk in tks:
         for tn in tns:
@@ -180,7 +187,7 @@ def _choose_kn(tm: int, k: int, n: int, qtype: str, group: int, scale_bytes: int
             tile_bytes = tk * tn * bits // 8
             if k * n * bits // 8 >= BIG_WEIGHT_BYTES and steps < MIN_STEPS:
                 continue
-            vmem = vmem_estimate(tm, tk, tn, k, group, qtype, scale_bytes, resident, zero_bytes)
+            vmem = vmem_estimate(tm, tk, tn, k, group, qtype, scale_bytes, resident, zero_bytes, lhs_bytes)
             if vmem * 4 > limit * 3:
                 continue
             # Prefer big tiles, but not below the overhead floor; ties -> wider tn (lane-dense output).

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from quantkit.errors import InvalidInput, Unsupported
-from quantkit.formats.compressed_tensors import QuantConfig, weight_qtype
+from quantkit.formats.compressed_tensors import QuantConfig, activation_qtype, weight_qtype
 from quantkit.formats.ct_tensors import KV_SCALES, kernel_layout, kernel_shapes, kv_head_scales, logical_shape
 from quantkit.formats.hf import Checkpoint, group_modules
 from quantkit.quant.qtensor import STORAGE, QTensor, check_qtensor
@@ -48,7 +48,7 @@ def abstract(cfg: ModelConfig, qc: QuantConfig | None, dtype=jnp.bfloat16) -> di
                        jax.ShapeDtypeStruct((g, *ks.scales), jnp.dtype(ks.scale_dtype)), ks.qtype, ks.group,
                        zeros=jax.ShapeDtypeStruct((g, *ks.scales), jnp.int8) if ks.zeros else None,
                        gscale=jax.ShapeDtypeStruct((g,), jnp.float32) if ks.qtype == "nvfp4" else None,
-                       perm=jax.ShapeDtypeStruct((g, k), jnp.int32) if ks.perm else None)
+                       perm=jax.ShapeDtypeStruct((g, k), jnp.int32) if ks.perm else None, act=activation_qtype(scheme))
 
     return jax.tree_util.tree_map(leaf, skeleton(cfg, lane_widths(cfg, qc)),
                                   is_leaf=lambda x: isinstance(x, Slot))
@@ -102,7 +102,7 @@ class _Reader:
             return None
         arrays = {p: np.asarray(self.ckpt.read(n)) for p, n in pnames.items()}
         shape = logical_shape({p: a.shape for p, a in arrays.items()}, arrays.get("weight_shape"), scheme.format)
-        layout = kernel_layout(scheme, arrays, shape, module)
+        layout = kernel_layout(scheme, arrays, shape, module)._replace(act=activation_qtype(scheme))
         if layout.scales.dtype == np.float16:
             layout = layout._replace(scales=layout.scales.astype(np.float32))
         return layout
@@ -127,7 +127,7 @@ class _Reader:
         if all(la is None for la in layouts):
             return np.stack([self.linear(m, shape[1:]) for m in modules])
         if any(la is None for la in layouts) or len({(la.qtype, la.group, la.zeros is None, la.scales.dtype,
-                                                      la.perm is None) for la in layouts}) != 1:
+                                                      la.perm is None, la.act) for la in layouts}) != 1:
             raise Unsupported(f"experts {modules[0]}..: mixed quantization across experts is not supported")
         return _padded_qtensor(layouts, shape[1:])
 
@@ -170,7 +170,7 @@ def _padded_qtensor(layouts: list, shape: tuple[int, int]) -> QTensor:
         perm = np.stack([np.concatenate([la.perm, np.arange(len(la.perm), k, dtype=np.int32)]) for la in layouts])
     check_qtensor(values.shape, scales.shape, first.qtype, group, None if zeros is None else zeros.shape,
                   None if gscale is None else gscale.shape, None if perm is None else perm.shape)
-    return QTensor(values, scales, first.qtype, group, zeros=zeros, gscale=gscale, perm=perm)
+    return QTensor(values, scales, first.qtype, group, zeros=zeros, gscale=gscale, perm=perm, act=first.act)
 
 
 @partial(jax.jit, donate_argnums=0)
@@ -300,7 +300,7 @@ def densify(params: dict, dtype) -> dict:
     lm_head [in, out]). Off TPU this is what serves fastest: the XLA path would otherwise dequantize each
     weight on every call (runtime/step.py `Runner.weights`)."""
     def dense(key, w, layers=None):
-        if not isinstance(w, QTensor):
+        if not isinstance(w, QTensor) or w.act:  # quantized activations: the quantized matmul does them
             return w
         d = jax.jit(QTensor.dequantize)(w).astype(dtype)  # [G, k, n]
         if w.perm is not None:  # activation order: rows back to input-feature order

@@ -82,24 +82,54 @@ def _in_stored_order(x: jax.Array, w: QTensor, group_sizes: jax.Array, group_off
     return jnp.take_along_axis(x, perm[jnp.minimum(row_group, g - 1)], axis=1)
 
 
+def quantize_rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Dynamic symmetric per-token int8 (QTensor.act "int8"), in x's dtype as compressed-tensors computes it:
+    scale = the row's absmax / 127.5 (0 -> the dtype's eps), codes = clip(round(x / scale), -128, 127).
+    Returns (int8 codes [m, k], scales [m, 1] in x.dtype); codes * scales is the library's fake-quantized x."""
+    absmax = jnp.max(jnp.abs(x), axis=1, keepdims=True)
+    scale = _divide(absmax, jnp.asarray(127.5, x.dtype))
+    scale = jnp.where(scale == 0, jnp.asarray(jnp.finfo(x.dtype).eps, x.dtype), scale)
+    return jnp.clip(jnp.round(_divide(x, scale)), -128, 127).astype(jnp.int8), scale
+
+
+def _divide(a: jax.Array, b: jax.Array) -> jax.Array:
+    """a / b rounded once, as torch divides: XLA turns a division by a broadcast value into a product with its
+    reciprocal (a last-bit difference that moves codes across rounding ties); a divisor materialized at a's
+    shape behind an optimization barrier is divided element by element."""
+    return a / jax.lax.optimization_barrier(jnp.broadcast_to(b, a.shape))
+
+
 def grouped_matmul(x: jax.Array, w: QTensor, group_sizes: jax.Array, group_offset=None) -> jax.Array:
-    """x [m, k] rows sorted by group, w [G, k, n], groups group_offset .. + len(group_sizes) - 1 -> [m, n]."""
+    """x [m, k] rows sorted by group, w [G, k, n], groups group_offset .. + len(group_sizes) - 1 -> [m, n].
+    Activations are put in w's stored row order (QTensor.perm) and quantized (QTensor.act) here, on the whole
+    rows: before a tensor-parallel split, whose shards see only some columns."""
     if w.perm is not None:
         x = _in_stored_order(x, w, group_sizes, group_offset)
         w = w.with_arrays({f: a for f, a in w.arrays.items() if f != "perm"})
+    if w.act:
+        x = quantize_rows(x)
     if w.mesh is not None:
         return _per_shard(x, w, group_sizes, group_offset)
+    return _local(x, w, group_sizes, group_offset)
+
+
+def _local(x, w: QTensor, group_sizes: jax.Array, group_offset) -> jax.Array:
+    """One device's matmul: gmm_v2 where it serves the call, else the XLA path; x is an array, or the pair
+    (int8 codes, row scales in the activations' dtype) of quantize_rows (the XLA path multiplies them back:
+    the library's fake-quantized activations, then the weights' own path)."""
+    codes, rows = x if isinstance(x, tuple) else (x, None)
     chip = tpu_chip()
     if chip is not None:
         from quantkit.kernels.gmm_v2 import check_gmm_v2, gmm_v2
 
-        tiles, _ = check_gmm_v2(x.shape, w, CHIPS[chip], group_sizes.shape[0])
+        tiles, _ = check_gmm_v2(codes.shape, w, CHIPS[chip], group_sizes.shape[0])
         if tiles is not None:
-            return gmm_v2(x, w, group_sizes, group_offset, chip=chip, tiles=tiles, interpret=interpret())
-    return gmm_xla(x, w, group_sizes, group_offset)
+            return gmm_v2(codes, w, group_sizes, group_offset, row_scales=rows, chip=chip, tiles=tiles,
+                          interpret=interpret())
+    return gmm_xla(codes if rows is None else codes.astype(rows.dtype) * rows, w, group_sizes, group_offset)
 
 
-def _per_shard(x: jax.Array, w: QTensor, group_sizes: jax.Array, group_offset) -> jax.Array:
+def _per_shard(x, w: QTensor, group_sizes: jax.Array, group_offset) -> jax.Array:
     """A tensor-parallel weight (runtime/sharding.py): each device multiplies by its own shard under
     shard_map, since XLA cannot partition a Mosaic kernel by itself. Split "n": each device computes its
     output columns; split "k": each its input rows' partial product, summed across devices."""
@@ -112,12 +142,13 @@ def _per_shard(x: jax.Array, w: QTensor, group_sizes: jax.Array, group_offset) -
 
     def body(x, arrays, sizes, off):
         mine = w.with_arrays(arrays, group=arrays["values"].shape[1] if channel else w.group, mesh=None, split="")
-        y = grouped_matmul(x, mine, sizes, off)
+        y = _local(x, mine, sizes, off)
         return jax.lax.psum(y, ax) if k_split else y
 
     rows = P() if channel and k_split else spec  # scales and zero points
-    return jax.shard_map(body, mesh=w.mesh, in_specs=(P(None, ax) if k_split else P(), w.per_array(spec, rows, P()),
-                                                      P(), P()),
+    xspec = P(None, ax) if k_split else P()
+    return jax.shard_map(body, mesh=w.mesh, in_specs=((xspec, P()) if isinstance(x, tuple) else xspec,
+                                                      w.per_array(spec, rows, P()), P(), P()),
                          out_specs=P(None, ax) if w.split == "n" else P(), check_vma=False)(
         x, w.arrays, group_sizes, offset)
 

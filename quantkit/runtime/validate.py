@@ -12,8 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from quantkit.errors import InvalidInput, Unsupported
-from quantkit.formats.compressed_tensors import (SPARSE_FORMATS, QuantArgs, QuantConfig, Scheme, quantization_config_of,
-                                                 weight_qtype)
+from quantkit.formats.compressed_tensors import (SPARSE_FORMATS, QuantArgs, QuantConfig, Scheme, activation_qtype,
+                                                 quantization_config_of, weight_qtype)
 from quantkit.formats.ct_tensors import KV_SCALES, check_global_scales, check_module_tensors, kernel_shapes, kv_head_scales
 from quantkit.formats.hf import Checkpoint, classify_module, group_modules
 from quantkit.kernels.dispatch import Verdict, kernel_path
@@ -47,9 +47,10 @@ def _act_reason(name: str, a: QuantArgs | None) -> str | None:
                 "runtime; re-quantize without output_activations")
     if a.type == "float" and a.num_bits == 8:
         return None  # fp8 activations: the runtime keeps activations in bf16 (reported as a warning)
-    return (f"{a.type}{a.num_bits} {a.strategy} input activation quantization is not implemented by the runtime "
-            "(it runs bf16 activations and honours only fp8 activation schemes); "
-            "convert to W4A16 or FP8_DYNAMIC with `quantkit convert`")
+    how = "static scales (they need calibration)" if not a.dynamic else "" if a.symmetric else "zero points"
+    return (f"{a.type}{a.num_bits} {a.strategy} input activation quantization{' with ' + how if how else ''} is "
+            "not implemented by the runtime (it serves dynamic symmetric per-token int8 activations and computes "
+            "fp8 ones in bf16); convert to W8A8, W4A16 or FP8_DYNAMIC with `quantkit convert`")
 
 
 def _int_reason(w: QuantArgs, fmt: str) -> str | None:
@@ -69,18 +70,22 @@ def unsupported_reason(scheme: Scheme) -> str | None:
     """Why quantkit cannot serve weights stored under `scheme` at all (whatever the chip), or None if it can:
     int4 and int8 with or without zero points (pack- or int-quantized, group or channel scales), fp8 e4m3 (float-quantized,
     tensor, channel or block scales), mxfp4, mxfp6 (served as mxfp8), mxfp8 and nvfp4, with no activation
-    quantization other than fp8."""
+    quantization other than fp8 and dynamic per-token int8 (with int weights)."""
     w, fmt = scheme.weights, scheme.format
     if fmt in SPARSE_FORMATS:
         return (f"sparse format {fmt} is not supported (its compressor was removed in compressed-tensors 0.15); "
                 "densify the checkpoint first")
     for name in ("input_activations", "output_activations"):
+        if name == "input_activations" and activation_qtype(scheme):
+            continue  # dynamic per-token int8 (W8A8, W4A8): QTensor.act
         reason = _act_reason(name, getattr(scheme, name))
         if reason:
             return reason
     if w is None or fmt == "dense":
         return None
     qtype = weight_qtype(scheme)
+    if activation_qtype(scheme) == "int8" and w.type != "int":
+        return f"int8 activations with {qtype} weights are not supported; only with int weights (W8A8, W4A8)"
     if qtype == "nvfp4":
         if w.group_size != 16 or w.strategy != "tensor_group" or not w.symmetric:
             return (f"NVFP4 with {w.strategy} scales of group {w.group_size}"
@@ -151,7 +156,8 @@ def weight_path(scheme: Scheme | None, shape: tuple[int, ...] | None, chip: Chip
         return Verdict(None, "weight shape unknown")
     out, inp = shape[-2:]
     k = kernel_shapes(scheme, (out, inp))
-    return kernel_path(k.qtype, inp, out, k.group, chip, scale_bytes=min(k.scale_bytes, 2), zero_bytes=int(k.zeros))
+    return kernel_path(k.qtype, inp, out, k.group, chip, scale_bytes=min(k.scale_bytes, 2), zero_bytes=int(k.zeros),
+                       act=activation_qtype(scheme))
 
 
 def problem(severity: str, where: str, message: str) -> dict:
