@@ -749,21 +749,39 @@ def library_quantize_checkpoint(src, dst, scheme: str, ignore=("lm_head", r"re:.
 def fake_quantize_inputs(model: torch.nn.Module, scheme: str, skip: Iterable[str] = ("lm_head",)) -> torch.nn.Module:
     """Hooks the library's dynamic activation quantization onto the input of every ``nn.Linear`` of ``model``
     but those named in ``skip`` (what its ``forward_quantize`` does to a quantized module's input:
-    ``compute_dynamic_scales_and_zp`` then ``fake_quantize`` with the preset's ``input_activations``): the
-    reference forward of a W8A8 / W4A8 checkpoint run by transformers on its dequantized weights."""
+    ``compute_dynamic_scales_and_zp`` then ``fake_quantize`` with the preset's ``input_activations``), and of
+    every ``F.linear`` of a fused-experts module (transformers 5 keeps MoE experts as 3-D parameters): the
+    reference forward of a W8A8 / W4A8 checkpoint run by transformers on its dequantized weights. Rows go to
+    the library as [batch, tokens, k]: given 2-D rows, its token strategy would take one scale for all."""
     from compressed_tensors.quantization.lifecycle.forward import fake_quantize
     from compressed_tensors.quantization.utils import compute_dynamic_scales_and_zp
 
     args = PRESET_SCHEMES[scheme]["input_activations"]
 
+    def fq(x, module):  # rows as [batch, tokens, k]: the library's token strategy reduces the last dim alone
+        x3 = x if x.ndim == 3 else x[None]
+        scale, zp = compute_dynamic_scales_and_zp(x3, args, module)
+        return fake_quantize(x3, scale, zp, args).reshape(x.shape)
+
     def hook(module, inputs):
-        x = inputs[0]
-        scale, zp = compute_dynamic_scales_and_zp(x, args, module)
-        return (fake_quantize(x, scale, zp, args), *inputs[1:])
+        return (fq(inputs[0], module), *inputs[1:])
+
+    linear = torch.nn.functional.linear
+
+    def experts_forward(module, forward):  # fused 3-D expert weights (transformers 5): each F.linear's input
+        def run(*a, **kw):
+            torch.nn.functional.linear = lambda x, w, b=None: linear(fq(x, module), w, b)
+            try:
+                return forward(*a, **kw)
+            finally:
+                torch.nn.functional.linear = linear
+        return run
 
     for name, module in model.named_modules():
         if isinstance(module, torch.nn.Linear) and name.split(".")[-1] not in skip:
             module.register_forward_pre_hook(hook)
+        elif isinstance(getattr(module, "gate_up_proj", None), torch.nn.Parameter):
+            module.forward = experts_forward(module, module.forward)
     return model
 
 

@@ -300,24 +300,42 @@ def test_quantized_moe_experts_match_transformers(scheme, tmp_path):
         assert np.array_equal(g, np.asarray(model.params["layers"]["full"]["experts_up"].gscale))
 
 
-@pytest.mark.parametrize("scheme", ["MXFP6A16", "W3A16"])
+@pytest.mark.parametrize("scheme", ["MXFP6A16", "W3A16", "W4A8"])
 def test_library_quantized_moe_experts_match_transformers(scheme, tmp_path):
-    """Qwen3-MoE quantized by the library itself (its per-expert Linears: ct_oracle's model-free path; quantkit
-    convert writes neither) to MXFP6A16, served as fp8 values with E8M0 scales, and to 3-bit ints g128 (the
-    2-7 bit ints: one loader path, an int4 container), against transformers on the library's dequantized
-    weights, dequantized by the library in float32 like the runtime here (in bf16 each code times its bf16
-    scale is rounded, 1.7e-3 of every weight: enough to flip near-tied top-2 routes of a random router).
-    Experts 128 wide, so that down_proj's inputs hold a whole group of 128."""
+    """Qwen3-MoE quantized by the library itself (its per-expert Linears: ct_oracle's model-free path) to
+    MXFP6A16, served as fp8 values with E8M0 scales, to 3-bit ints g128 (the 2-7 bit ints: one loader path,
+    an int4 container) and to W4A8 (int4 g128, each expert's input rows quantized to int8 per token: the
+    reference runs the library's activation quantization before every expert's F.linear), against
+    transformers on the library's dequantized weights, dequantized by the library in float32 like the runtime
+    here (in bf16 each code times its bf16 scale is rounded, 1.7e-3 of every weight: enough to flip
+    near-tied top-2 routes of a random router; int-quantized W4A8 dequantizes in its scales' dtype: given
+    float32). Tolerance 1e-2; W4A8 3e-2, as for the dense W8A8 test, which alone would not tell int8 rows
+    from unquantized ones here: one expert's projection is also checked alone, 1e-5. Experts 128 wide, so
+    that down_proj's inputs hold a whole group of 128."""
     torch.manual_seed(0)
     T.Qwen3MoeForCausalLM(T.Qwen3MoeConfig(**COMMON, moe_intermediate_size=128, num_experts=8, num_experts_per_tok=2,
                                            norm_topk_prob=True)).save_pretrained(tmp_path / "moe")
     q = library_quantize_checkpoint(tmp_path / "moe", tmp_path / "q", scheme)
-    dense = library_convert_dequantize(q, tmp_path / "dense", dtype=torch.float32)
+    acts = scheme == "W4A8"
+    dense = library_convert_dequantize(with_float32_scales(q, tmp_path / "q32") if acts else q, tmp_path / "dense",
+                                       dtype=torch.float32)
     ref = T.AutoModelForCausalLM.from_pretrained(dense, dtype=torch.float32).eval()
-    model = greedy_parity(q, ref, jnp.float32, 1e-2)
+    model = greedy_parity(q, fake_quantize_inputs(ref, scheme) if acts else ref, jnp.float32, 3e-2 if acts else 1e-2)
     experts = model.params["layers"]["full"]["experts_gate"]
-    assert experts.values.shape[0] == 3 * 8
-    assert (experts.qtype, experts.group) == {"MXFP6A16": ("mxfp8", 32), "W3A16": ("int4", 128)}[scheme]
+    assert experts.values.shape[0] == 3 * 8 and experts.act == ("int8" if acts else "")
+    assert (experts.qtype, experts.group) == {"MXFP6A16": ("mxfp8", 32), "W3A16": ("int4", 128),
+                                              "W4A8": ("int4", 128)}[scheme]
+    if acts:  # one expert's down projection alone on the same rows (an outlier, a zero row): 1e-5
+        from quantkit.runtime.ops import qmatmul
+
+        x = np.random.default_rng(1).standard_normal((7, 128)).astype(np.float32)
+        x[0, 5], x[3] = 40.0, 0.0
+        lin = torch.nn.Linear(128, 128, bias=False)
+        lin.weight.data = ref.model.layers[1].mlp.experts.down_proj.data[5]  # [hidden, intermediate]
+        with torch.no_grad():
+            theirs = fake_quantize_inputs(torch.nn.Sequential(lin), scheme)(torch.from_numpy(x[None]))[0].numpy()
+        ours = np.asarray(qmatmul(jnp.asarray(x), model.params["layers"]["full"]["experts_down"], 8 + 5))
+        assert rel_err(ours, theirs) < 1e-5
 
 
 def test_activation_ordered_moe_experts_match_transformers(tmp_path):
