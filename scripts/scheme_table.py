@@ -40,6 +40,8 @@ def activations(scheme, cells: list[str]) -> str:
         return "" if cells[0].startswith("refused") else "bf16"
     if activation_qtype(scheme) == "int8":
         return "int8 per token: int8 MXU on v5e, v6e; emulated exactly in bf16 on v7x; fake-quantized on cpu"
+    if activation_qtype(scheme) == "fp8":
+        return "fp8 per token: exact products in bf16 (v7x's fp8 MXU not used yet); fake-quantized on cpu"
     return f"{a.type}{a.num_bits} {a.strategy}: computed in bf16 (a warning)"
 
 

@@ -349,10 +349,12 @@ def _activations(rng, m, k, dtype=jnp.bfloat16):
     return jnp.asarray(x, dtype)
 
 
+@pytest.mark.parametrize("act", ["int8", "fp8"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_quantize_rows_is_the_librarys_dynamic_token_int8(dtype, seed):
+def test_quantize_rows_is_the_librarys_dynamic_token_quantization(act, dtype, seed):
     """quantize_rows' codes times scales equal compressed-tensors' own fake quantization of the same rows
-    (dynamic symmetric per-token int8, in the activations' dtype) bit for bit; codes within [-128, 127]."""
+    (dynamic symmetric per-token int8 / fp8 e4m3, in the activations' dtype) bit for bit; the codes reach the
+    type's largest magnitude and a zero row stays zero."""
     import torch
     from compressed_tensors.quantization import QuantizationArgs
     from compressed_tensors.quantization.lifecycle.forward import fake_quantize
@@ -362,32 +364,37 @@ def test_quantize_rows_is_the_librarys_dynamic_token_int8(dtype, seed):
 
     rng = np.random.default_rng(seed)
     x = _activations(rng, 37, 256, jnp.dtype(dtype))
-    args = QuantizationArgs(num_bits=8, type="int", strategy="token", dynamic=True, symmetric=True)
+    args = QuantizationArgs(num_bits=8, type=act[:-1].replace("fp", "float"), strategy="token", dynamic=True,
+                            symmetric=True)
     t = torch.from_numpy(np.array(x.astype(jnp.float32))).to(getattr(torch, dtype))[None]  # [1, m, k]
     scale, zp = compute_dynamic_scales_and_zp(t, args, torch.nn.Module())
     theirs = fake_quantize(t, scale, zp, args)[0].float().numpy()
-    codes, scales = quantize_rows(x)
-    assert codes.dtype == jnp.int8 and scales.dtype == x.dtype and scales.shape == (37, 1)
+    codes, scales = quantize_rows(x, act)
+    assert codes.dtype == {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn}[act]
+    assert scales.dtype == x.dtype and scales.shape == (37, 1)
     ours = np.asarray((codes.astype(x.dtype) * scales).astype(jnp.float32))
     np.testing.assert_array_equal(ours, theirs, err_msg=f"seed {seed}")
-    assert int(jnp.abs(codes.astype(jnp.int32)).max()) >= 127 and not np.asarray(codes[2]).any()
+    top = np.abs(np.asarray(codes.astype(jnp.float32)))
+    assert top.max() >= (127 if act == "int8" else 448) and not top[2].any()
 
 
-@pytest.mark.parametrize("chip,qtype,group,tk,zeros", [  # v6e: the int8 MXU; v7x: its exact bf16 emulation
-    ("v6e", "int8", None, 256, False), ("v7x", "int4", 128, 128, False), ("v6e", "int4", 256, 128, True),
-    ("v7x", "int8", None, 512, True)])
+@pytest.mark.parametrize("chip,act,qtype,group,tk,zeros", [  # v6e: the int8 MXU; v7x: its exact bf16 emulation
+    ("v6e", "int8", "int8", None, 256, False), ("v7x", "int8", "int4", 128, 128, False),
+    ("v6e", "int8", "int4", 256, 128, True), ("v7x", "int8", "int8", None, 512, True),
+    ("v6e", "fp8", "fp8", None, 256, False), ("v7x", "fp8", "int4", 128, 128, False)])
 @pytest.mark.parametrize("g,m", [(1, 37), (8, 61)])
-def test_int8_activations_match_reference(chip, qtype, group, tk, zeros, g, m, seed):
-    """gmm_v2 on int8 rows and their scales against the reference on the same codes times the row scales:
-    integer products and sums are exact on both MXU paths, the float32 weight scales apply to partial sums,
-    so only the bf16 output rounds (4e-3, as the kernel's other post-dot cases)."""
+def test_quantized_activations_match_reference(chip, act, qtype, group, tk, zeros, g, m, seed):
+    """gmm_v2 on int8 / fp8 rows and their scales against the reference on the same codes times the row
+    scales: products are exact on every path (integers; fp8 times int4 or fp8 values in bf16, float32 sums),
+    the float32 weight scales apply to partial sums, so only the bf16 output rounds (4e-3, as the kernel's
+    other post-dot cases)."""
     from quantkit.runtime.ops import quantize_rows
 
     rng = np.random.default_rng(seed)
     k, n = 512, 256
     group = group or k
-    rhs = dataclasses.replace(_random_qtensor(rng, qtype, g, k, n, group, zeros), act="int8")
-    codes, rows = quantize_rows(_activations(rng, m, k))
+    rhs = dataclasses.replace(_random_qtensor(rng, qtype, g, k, n, group, zeros), act=act)
+    codes, rows = quantize_rows(_activations(rng, m, k), act)
     sizes = jnp.asarray(_sizes(rng, g, m))
     tiles = Tiles(tm=32, tk=tk, tn=128, predot=False, lhs_resident=bool(m % 2), vmem_bytes=0, vmem_limit=32 << 20)
     out = gmm_v2(codes, rhs, sizes, row_scales=rows, chip=chip, tiles=tiles, interpret=INTERPRET)

@@ -65,11 +65,12 @@ def test_bfloat16_logits_close(family_ckpt):
         assert rel_err(ours, theirs) < 4e-2
 
 
-@pytest.mark.parametrize("scheme", ["W4A16", "W4A16_CHANNEL", "W4A16_ASYM", "W8A16_ASYM", "W3A16", "FP8_DYNAMIC",
+@pytest.mark.parametrize("scheme", ["W4A16", "W4A16_CHANNEL", "W4A16_ASYM", "W8A16_ASYM", "W3A16",
                                     "MXFP4A16", "MXFP6A16", "MXFP8A16", "NVFP4A16"])
 def test_quantized_checkpoints_match_transformers_on_decompressed_weights(scheme, tmp_path):
     """Each way a weight reaches the kernels (int4 group / channel / with zero points, int8 with zero points,
-    3-bit in an int4 container, fp8, the MX types (mxfp6 in an fp8 container), nvfp4 with its global scales),
+    3-bit in an int4 container, the MX types (mxfp6 in an fp8 container), nvfp4 with its global scales; fp8:
+    the FP8_DYNAMIC test below, with its activations),
     end to end. g32, symmetric int8 and 6-bit weights take the
     same loader paths (test_kernels and test_inspect compare their layouts with the library; the MoE test
     below runs W8A16)."""
@@ -85,10 +86,11 @@ def test_quantized_checkpoints_match_transformers_on_decompressed_weights(scheme
     assert model.weight_bytes < sum(f.stat().st_size for f in (tmp_path / "dense").glob("*.safetensors"))
 
 
-@pytest.mark.parametrize("scheme", ["W8A8", "W4A8"])
-def test_int8_activation_checkpoints_match_transformers_with_the_librarys_activation_quantization(scheme, tmp_path):
+@pytest.mark.parametrize("scheme", ["W8A8", "W4A8", "FP8_DYNAMIC", "W4AFP8"])
+def test_8bit_activation_checkpoints_match_transformers_with_the_librarys_activation_quantization(scheme, tmp_path):
     """W8A8 (int8 channel weights) and W4A8 (int4 g128) made by the library: every quantized matmul quantizes
-    its input rows to int8 per token (QTensor.act), against transformers on the library's float32 dequantized
+    its input rows to int8 per token (QTensor.act); FP8_DYNAMIC (fp8 channel) and W4AFP8 (int4 g128) to fp8
+    e4m3 per token; against transformers on the library's float32 dequantized
     weights (each the exact product of code and scale, as the runtime's: ct_oracle.with_float32_scales) with
     the library's own dynamic activation quantization on each Linear's input (ct_oracle.fake_quantize_inputs).
 
@@ -111,7 +113,8 @@ def test_int8_activation_checkpoints_match_transformers_with_the_librarys_activa
                      ("o", layer.self_attn.o_proj), ("gate", layer.mlp.gate_proj), ("up", layer.mlp.up_proj),
                      ("down", layer.mlp.down_proj)]:
         w = model.params["layers"]["full"][key]
-        assert w.act == "int8" and w.qtype == {"W8A8": "int8", "W4A8": "int4"}[scheme]
+        assert (w.act, w.qtype) == {"W8A8": ("int8", "int8"), "W4A8": ("int8", "int4"), "FP8_DYNAMIC": ("fp8", "fp8"),
+                                    "W4AFP8": ("fp8", "int4")}[scheme]
         k, n = lin.in_features, lin.out_features
         with torch.no_grad():
             theirs = lin(torch.from_numpy(x[None, :, :k]))[0].numpy()  # [batch, tokens, k]: per token

@@ -338,13 +338,13 @@ def weight_qtype(scheme: Scheme | None) -> str:
 
 
 def activation_qtype(scheme: Scheme | None) -> str:
-    """How the runtime quantizes a Linear's input activations under `scheme` (QTensor.act): "int8" for
-    dynamic symmetric per-token int8 (W8A8, W4A8: each row's absmax / 127.5, as compressed-tensors computes
-    it), "" for none (A16, and fp8 activations, computed in bf16 with a warning)."""
+    """How the runtime quantizes a Linear's input activations under `scheme` (QTensor.act): "int8" / "fp8"
+    for dynamic symmetric per-token int8 (W8A8, W4A8: each row's absmax / 127.5, as compressed-tensors
+    computes it) / fp8 e4m3 (FP8_DYNAMIC, W4AFP8: absmax / 448), "" for none (A16; and other fp8
+    activations, static or per group of 128, computed in bf16 with a warning)."""
     a = None if scheme is None else scheme.input_activations
-    if a is not None and a.type == "int" and a.num_bits == 8 and a.strategy == "token" and a.dynamic is True \
-            and a.symmetric:
-        return "int8"
+    if a is not None and a.num_bits == 8 and a.strategy == "token" and a.dynamic is True and a.symmetric:
+        return {"int": "int8", "float": "fp8"}.get(a.type, "")
     return ""
 
 

@@ -39,7 +39,8 @@ def can_use_gmm_v2(qtype: str, k: int, n: int, group_size: int | None, chip: Chi
         m, g: rows per call and number of groups (experts); m = 256 stands for a decode batch.
         scale_bytes: bytes per stored scale.
         zero_bytes: bytes per stored zero point (0: none, symmetric).
-        act: the activations' quantization (QTensor.act): "int8" multiplies int8 rows by integer weights.
+        act: the activations' quantization (QTensor.act): "int8" multiplies int8 rows by integer weights,
+            "fp8" fp8 rows by integer or fp8 weights (8-bit rows, their scales after the dot).
     """
     if not chip.tpu:
         return None, f"{chip.name}: Pallas TPU kernels need a TPU target"
@@ -50,11 +51,11 @@ def can_use_gmm_v2(qtype: str, k: int, n: int, group_size: int | None, chip: Chi
     group = k if not group_size or group_size < 0 else group_size
     if k % group:
         return None, f"group size {group} does not divide in_features {k}"
-    if act == "int8" and not qtype.startswith("int"):
-        return None, f"int8 activations with {qtype} weights"
-    tiles = choose_tiles(m, k, n, g, qtype, group, scale_bytes, chip, zero_bytes, int8_lhs=act == "int8")
-    if tiles is None and act == "int8" and group < LANES:
-        return None, f"int8 activations need scale groups of at least {LANES} inputs (integer dots), not {group}"
+    if act and qtype not in ("int4", "int8", "fp8") or act == "int8" and qtype == "fp8":
+        return None, f"{act} activations with {qtype} weights"
+    tiles = choose_tiles(m, k, n, g, qtype, group, scale_bytes, chip, zero_bytes, int8_lhs=bool(act))
+    if tiles is None and act and group < LANES:
+        return None, f"{act} activations need scale groups of at least {LANES} inputs, not {group}"
     if tiles is None:
         return None, f"no tiling of [{k}, {n}] with group {group} fits {chip.name} VMEM"
     return tiles, ""
@@ -70,4 +71,6 @@ def kernel_path(qtype: str, k: int, n: int, group: int, chip: Chip, scale_bytes:
     if act == "int8":
         return Verdict("gmm_v2", "int8 x int8 on the MXU" if chip.int8_mxu else
                        f"int8 activations emulated exactly in bf16 ({chip.name} has no int8 MXU)")
+    if act == "fp8":
+        return Verdict("gmm_v2", "fp8 activations multiplied exactly in bf16 (the fp8 MXU of a v7x is not used yet)")
     return Verdict("gmm_v2", "")

@@ -13,11 +13,12 @@ MXU in bf16 with float32 accumulation. Scales (and zero points z of asymmetric i
   point row z is taken off first as z * (the sum of the tile's lhs columns), since x (q - z) = xq - (sum x) z.
 nvfp4's global scale (one float32 per group) comes in SMEM with the group metadata; the tile's scales are
 divided by it in float32 before use, as compressed-tensors divides them (so the bf16 weights are the library's).
-Quantized activations (QTensor.act "int8": W8A8, W4A8): lhs holds int8 codes and `row_scales` one float32
-scale a row; the integer weight tile (int4 widened) meets them on the MXU as int8 x int8 -> int32 on v5e/v6e,
-and as the same small integers in bf16 with float32 sums on v7x (no int8 MXU there; exact: |products| <
-2^14, partial sums < 2^24); scales apply after the dot (tiles never span a scale group), zero points by
-the row-sum identity, the row scales once at the end.
+Quantized activations (QTensor.act "int8": W8A8, W4A8; "fp8": FP8_DYNAMIC, W4AFP8): lhs holds 8-bit codes
+and `row_scales` one float32 scale a row. int8: the integer weight tile (int4 widened) meets them on the MXU
+as int8 x int8 -> int32 on v5e/v6e, and as the same small integers in bf16 with float32 sums on v7x (no int8
+MXU there; exact: |products| < 2^14, partial sums < 2^24). fp8: codes and weights (int or fp8 values, exact
+in bf16) as bf16 with float32 sums, every product exact. Scales apply after the dot (tiles never span a
+scale group), zero points by the row-sum identity, the row scales once at the end.
 A "visit" is one (group, m tile) pair: an m tile that straddles a group boundary is visited once per
 group, and each visit writes only its group's rows (megablox's scheme, reimplemented here).
 
@@ -122,11 +123,11 @@ def _kernel(vg_ref, vt_ref, nv_ref, bounds_ref, off_ref, *refs, qtype: str, grou
     @pl.when(real)
     def _():
         x = lhs_ref[:, pl.ds(pl.multiple_of(ki * tk, 128), tk)] if tiles.lhs_resident else lhs_ref[...]  # [tm, tk]
-        if int8_lhs:  # integer codes on both sides; scales after the dot (tk divides the group)
-            if int8_mxu:
+        if int8_lhs:  # 8-bit codes on both sides; scales after the dot (tk divides the group)
+            if int8_mxu and x.dtype == jnp.int8:
                 part = jnp.dot(x, q_ref[...].astype(jnp.int8), preferred_element_type=jnp.int32)
             else:
-                part = jnp.dot(x.astype(jnp.bfloat16), q_ref[...].astype(jnp.bfloat16),
+                part = jnp.dot(x.astype(jnp.bfloat16), decode_values(q_ref[...], qtype).astype(jnp.bfloat16),
                                preferred_element_type=jnp.float32)
             part = part.astype(jnp.float32)
             if z_ref is not None:
@@ -176,7 +177,7 @@ def _tile_row(all_rows: jax.Array, ki, tk: int, group: int) -> jax.Array:
 def cost(m: int, k: int, n: int, g: int, rhs: QTensor, tiles: Tiles, out_bytes: int = 2) -> pl.CostEstimate:
     """The static bound of tiling.traffic: bytes the call moves and FLOPs the MXU executes."""
     moved, flops = traffic(m, k, n, g, rhs.qtype, rhs.group, rhs.scales.dtype.itemsize, tiles, out_bytes,
-                           _zero_bytes(rhs), lhs_bytes=1 if rhs.act == "int8" else 2)
+                           _zero_bytes(rhs), lhs_bytes=1 if rhs.act else 2)
     moved += 0 if rhs.gscale is None else 4 * g  # the call's global scales, into SMEM once
     return pl.CostEstimate(flops=flops, transcendentals=0, bytes_accessed=moved)
 
@@ -255,11 +256,12 @@ def gmm_v2(lhs: jax.Array, rhs: QTensor, group_sizes: jax.Array, group_offset: j
     """Grouped matmul with quantized weights.
 
     Args:
-        lhs: [m, k] bf16, rows sorted by group; int8 codes when rhs.act is "int8" (runtime/ops.quantize_rows).
+        lhs: [m, k] bf16, rows sorted by group; int8 / fp8 codes when rhs.act is "int8" / "fp8"
+            (runtime/ops.quantize_rows).
         rhs: QTensor [g, k, n] (int4, int8 with or without zero points, fp8, mxfp4, mxfp8 or nvfp4; group or
             channel scales).
         group_sizes: int32 [g], rows per group, sum <= m; rows past the sum come out zero.
-        row_scales: [m, 1] the int8 rows' scales (rhs.act "int8" only), in the output's dtype.
+        row_scales: [m, 1] the quantized rows' scales (with rhs.act only), in the output's dtype.
         group_offset: int32 scalar: the groups are rhs's groups offset .. offset + g - 1 (default 0). A
             layer of a stacked weight [layers, k, n] (scanned layers) is offset = layer, g = 1: the kernel
             DMAs that layer's tiles straight from the stack, never a sliced copy.
@@ -269,10 +271,11 @@ def gmm_v2(lhs: jax.Array, rhs: QTensor, group_sizes: jax.Array, group_offset: j
     Returns:
         [m, n] in lhs.dtype (row_scales.dtype with int8 rows).
     """
-    if (rhs.act == "int8") != (row_scales is not None) or (row_scales is not None and lhs.dtype != jnp.int8):
-        raise ValueError(f"act {rhs.act!r}: int8 lhs rows and row_scales go together (got {lhs.dtype} rows)")
+    codes = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn}.get(rhs.act)
+    if (codes is None) != (row_scales is None) or (codes is not None and lhs.dtype != codes):
+        raise ValueError(f"act {rhs.act!r}: {rhs.act} lhs rows and row_scales go together (got {lhs.dtype} rows)")
     if row_scales is not None and tiles is not None and tiles.predot:
-        raise ValueError("int8 rows take their weight scales after the dot: tk must divide the group")
+        raise ValueError("quantized rows take their weight scales after the dot: tk must divide the group")
     if tiles is None:
         tiles, why = check_gmm_v2(lhs.shape, rhs, CHIPS[chip], group_sizes.shape[0])
         if tiles is None:

@@ -131,7 +131,7 @@ def choose_tiles(m: int, k: int, n: int, g: int, qtype: str, group: int, scale_b
     wider groups and channel scales multiply partial sums (tk divides the group); the estimated VMEM
     stays under 75% of the limit; a weight of 8 MiB or more gets at least 4 grid steps along k x n so
     that its DMA overlaps compute; otherwise tiles are as large as allowed (fewer, longer steps).
-    int8_lhs (quantized activations): integer products need the scales after the dot (tk divides the group).
+    int8_lhs (8-bit quantized activations, int8 or fp8): the scales apply after the dot (tk divides the group).
     """
     limit = chip.vmem_bytes * 3 // 4
     if g == 1:

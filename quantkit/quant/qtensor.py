@@ -21,8 +21,9 @@ Invariants:
   group (row i holds input feature perm[e, i]), so groups are contiguous as above; the matmul's callers gather
   the activations' columns by it (runtime/ops.py), the kernels never see it.
 - `act` (static): how the matmul's callers quantize the activations before multiplying ("" none: bf16 or
-  float32 as the model runs; "int8": dynamic symmetric per token, each row's absmax / 127.5, as compressed-
-  tensors defines W8A8 and W4A8; runtime/ops.py). The kernels then take int8 rows and their scales.
+  float32 as the model runs; "int8" / "fp8": dynamic symmetric per token, each row's absmax / 127.5 / 448,
+  as compressed-tensors defines W8A8 and W4A8 / FP8_DYNAMIC and W4AFP8; runtime/ops.py). The kernels then
+  take 8-bit rows and their scales.
 - `qtype` and `group` are static (pytree metadata), so jit specializes on them.
 - Tensor parallelism (runtime/sharding.py): `mesh` is the Mesh the arrays are placed on and `split` which
   dimension is divided over its "model" axis ("n" output columns, "k" input rows, "" replicated); both
@@ -64,7 +65,7 @@ class QTensor:
     zeros: jax.Array | None = None  # [g, k // group, n] int8 zero points of an asymmetric int weight
     gscale: jax.Array | None = None  # [g] float32 global scales (nvfp4)
     perm: jax.Array | None = None  # [g, k] int32 input feature of each stored row (activation order)
-    act: str = ""  # static: "" | "int8" (see above)
+    act: str = ""  # static: "" | "int8" | "fp8" (see above)
 
     @property
     def arrays(self) -> dict:

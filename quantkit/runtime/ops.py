@@ -82,14 +82,18 @@ def _in_stored_order(x: jax.Array, w: QTensor, group_sizes: jax.Array, group_off
     return jnp.take_along_axis(x, perm[jnp.minimum(row_group, g - 1)], axis=1)
 
 
-def quantize_rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Dynamic symmetric per-token int8 (QTensor.act "int8"), in x's dtype as compressed-tensors computes it:
-    scale = the row's absmax / 127.5 (0 -> the dtype's eps), codes = clip(round(x / scale), -128, 127).
-    Returns (int8 codes [m, k], scales [m, 1] in x.dtype); codes * scales is the library's fake-quantized x."""
+def quantize_rows(x: jax.Array, act: str = "int8") -> tuple[jax.Array, jax.Array]:
+    """Dynamic symmetric per-token quantization (QTensor.act), in x's dtype as compressed-tensors computes it:
+    scale = the row's absmax / half the type's range (int8: 127.5, fp8 e4m3: 448; 0 -> the dtype's eps),
+    codes = x / scale clipped to the type's range, then rounded to it (int8: half to even; fp8: the cast).
+    Returns (codes [m, k] int8 or float8_e4m3fn, scales [m, 1] in x.dtype); codes * scales is the library's
+    fake-quantized x."""
+    half, lo, hi = (127.5, -128, 127) if act == "int8" else (448.0, -448, 448)
     absmax = jnp.max(jnp.abs(x), axis=1, keepdims=True)
-    scale = _divide(absmax, jnp.asarray(127.5, x.dtype))
+    scale = _divide(absmax, jnp.asarray(half, x.dtype))
     scale = jnp.where(scale == 0, jnp.asarray(jnp.finfo(x.dtype).eps, x.dtype), scale)
-    return jnp.clip(jnp.round(_divide(x, scale)), -128, 127).astype(jnp.int8), scale
+    y = jnp.clip(_divide(x, scale), lo, hi)
+    return (jnp.round(y).astype(jnp.int8) if act == "int8" else y.astype(jnp.float8_e4m3fn)), scale
 
 
 def _divide(a: jax.Array, b: jax.Array) -> jax.Array:
@@ -107,7 +111,7 @@ def grouped_matmul(x: jax.Array, w: QTensor, group_sizes: jax.Array, group_offse
         x = _in_stored_order(x, w, group_sizes, group_offset)
         w = w.with_arrays({f: a for f, a in w.arrays.items() if f != "perm"})
     if w.act:
-        x = quantize_rows(x)
+        x = quantize_rows(x, w.act)
     if w.mesh is not None:
         return _per_shard(x, w, group_sizes, group_offset)
     return _local(x, w, group_sizes, group_offset)

@@ -130,7 +130,8 @@ def config_findings(raw: dict | None, qc: QuantConfig | None) -> list[tuple[str,
                     "words); re-save the checkpoint with compressed-tensors >= 0.18"))
     if qc.status not in (None, "compressed"):
         out.append(("warning", f"quantization_status is {qc.status!r}, expected 'compressed'"))
-    if any(a is not None and a.type == "float" and a.num_bits == 8 for a in (g.input_activations for g in qc.groups)):
+    if any(g.input_activations is not None and g.input_activations.type == "float" and g.input_activations.num_bits == 8
+           and not activation_qtype(g) for g in qc.groups):
         out.append(("warning", "fp8 activation quantization in the scheme: the runtime computes activations in "
                     "bf16 (weights stay quantized)"))
     return out
