@@ -51,7 +51,7 @@ def can_use_gmm_v2(qtype: str, k: int, n: int, group_size: int | None, chip: Chi
     group = k if not group_size or group_size < 0 else group_size
     if k % group:
         return None, f"group size {group} does not divide in_features {k}"
-    if act and qtype not in ("int4", "int8", "fp8") or act == "int8" and qtype == "fp8":
+    if act and qtype not in (("int4", "int8") if act == "int8" else ("int4", "int8", "fp8")):
         return None, f"{act} activations with {qtype} weights"
     tiles = choose_tiles(m, k, n, g, qtype, group, scale_bytes, chip, zero_bytes, int8_lhs=bool(act))
     if tiles is None and act and group < LANES:

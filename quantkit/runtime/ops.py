@@ -119,7 +119,7 @@ def grouped_matmul(x: jax.Array, w: QTensor, group_sizes: jax.Array, group_offse
 
 def _local(x, w: QTensor, group_sizes: jax.Array, group_offset) -> jax.Array:
     """One device's matmul: gmm_v2 where it serves the call, else the XLA path; x is an array, or the pair
-    (int8 codes, row scales in the activations' dtype) of quantize_rows (the XLA path multiplies them back:
+    (8-bit codes, row scales in the activations' dtype) of quantize_rows (the XLA path multiplies them back:
     the library's fake-quantized activations, then the weights' own path)."""
     codes, rows = x if isinstance(x, tuple) else (x, None)
     chip = tpu_chip()
