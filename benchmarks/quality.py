@@ -22,7 +22,8 @@ sys.path.insert(0, str(ROOT / "scripts"))
 from quantkit.convert import convert  # noqa: E402
 from quantkit.evaluate import evaluate  # noqa: E402
 
-VARIANTS = [  # label, scheme (None: the bf16 weights), group size, observer, the candidate's KV cache
+VARIANTS = [  # label, scheme (None: the bf16 weights), group size, observer, the candidate's KV cache (, the
+    # label of the row whose checkpoint is the reference: the same weights with bf16 activations; else bf16)
     ("W4A16 g32 min-max", "W4A16", 32, "minmax", "auto"), ("W4A16 g32 mse", "W4A16", 32, "mse", "auto"),
     ("W4A16 g128 min-max", "W4A16", 128, "minmax", "auto"), ("W4A16 g128 mse", "W4A16", 128, "mse", "auto"),
     ("W4A16 channel min-max", "W4A16", -1, "minmax", "auto"), ("W4A16 channel mse", "W4A16", -1, "mse", "auto"),
@@ -30,6 +31,13 @@ VARIANTS = [  # label, scheme (None: the bf16 weights), group size, observer, th
     ("MXFP4A16 mse", "MXFP4A16", 32, "mse", "auto"),
     ("bf16 weights, FP8 E4M3 KV (scale 1)", None, 0, "", "fp8_e4m3"),
     ("bf16 weights, FP8 E5M2 KV (scale 1)", None, 0, "", "fp8_e5m2"),
+    # 8-bit activations (dynamic per token): against bf16, and against the same weights with bf16 activations
+    ("W8A16 channel", "W8A16", -1, "minmax", "auto"), ("W8A8", "W8A8", 0, "minmax", "auto"),
+    ("W8A8 vs W8A16 channel", "W8A8", 0, "minmax", "auto", "W8A16 channel"),
+    ("W4A8 g128", "W4A8", 128, "minmax", "auto"),
+    ("W4A8 g128 vs W4A16 g128 min-max", "W4A8", 128, "minmax", "auto", "W4A16 g128 min-max"),
+    ("W4AFP8 g128", "W4AFP8", 128, "minmax", "auto"),
+    ("W4AFP8 g128 vs W4A16 g128 min-max", "W4AFP8", 128, "minmax", "auto", "W4A16 g128 min-max"),
 ]
 
 
@@ -45,19 +53,25 @@ def main() -> None:
     work = Path(args.dir or tempfile.mkdtemp(prefix="qk-quality-"))
     text = "\n".join(f.read_text(encoding="utf-8", errors="replace") for f in heldout_files())
     rows = []
-    for label, scheme, group, observer, kv in VARIANTS:
+    def made(label: str, scheme: str | None, group: int, observer: str) -> Path:
+        """The checkpoint of a row: the model itself, or its conversion (once)."""
+        dst = work / label.replace(" ", "_")
+        if scheme is not None and not dst.exists():
+            convert(args.model, dst, scheme, group, observer=observer, force=True)
+        return Path(args.model) if scheme is None else dst
+
+    rows_by_label = {v[0]: v for v in VARIANTS}
+    for label, scheme, group, observer, kv, *against in VARIANTS:
         if args.only and label not in args.only:
             continue
-        dst = Path(args.model)
-        if scheme is not None:
-            dst = work / label.replace(" ", "_")
-            convert(args.model, dst, scheme, group, observer=observer, force=True)
-        r = evaluate(Path(args.model), dst, text, max_tokens=args.max_tokens, kv_cache_dtype=kv)
+        dst = made(label.split(" vs ")[0], scheme, group, observer)
+        ref = made(*rows_by_label[against[0]][:4]) if against else Path(args.model)
+        r = evaluate(ref, dst, text, max_tokens=args.max_tokens, kv_cache_dtype=kv)
         rows.append({"label": label, **r})
-        print(f"{label}: ppl {r['ppl_candidate']:.3f} (bf16 {r['ppl_reference']:.3f}), mean KLD "
+        print(f"{label}: ppl {r['ppl_candidate']:.3f} (reference {r['ppl_reference']:.3f}), mean KLD "
               f"{r['kl']['mean']:.5f}, same top-1 {100 * r['top1_agreement']['value']:.2f}%", flush=True)
     (work / "results.json").write_text(json.dumps(rows, indent=1))
-    ref = rows[0]
+    ref = rows[0]  # (the bf16 perplexity: from a row against bf16)
     print(f"\nheld-out text: {ref['tokens']} predicted tokens in {ref['windows']} windows of {ref['window']}; "
           f"bf16 perplexity {ref['ppl_reference']:.3f} [{ref['ppl_reference_ci95'][0]:.3f}, "
           f"{ref['ppl_reference_ci95'][1]:.3f}]\n")

@@ -68,9 +68,10 @@ def plan(path: str | Path, target: str = "v6e", max_model_len: int = 2048, max_n
         kv_cache_dtype: as serve's (runtime/cache.py kv_fp8_dtype): an FP8 cache is compiled with its
             per-layer scales among the weights.
         ep: with tp > 1, MoE experts split whole over the chips (expert parallelism, runtime/sharding.py).
-        cost: also XLA's cost analysis of the decode step and its collectives (three or four more compiles of
-            shallow variants, ~40% of a plan's time); skipped when the step does not compile. Without it
-            `decode_step_cost` and `decode_step_collectives` are None.
+        cost: also XLA's cost analysis of the decode and prefill steps, their matmul FLOPs by MXU type and
+            the decode step's collectives (three or four more compiles of shallow variants a program);
+            skipped when the step does not compile. Without it `decode_step_cost`, `prefill_step_cost` and
+            `decode_step_collectives` are None.
     """
     import importlib.util
 
@@ -183,8 +184,11 @@ def plan(path: str | Path, target: str = "v6e", max_model_len: int = 2048, max_n
     if progress:
         progress(f"compiling the step for {target} ({max_num_seqs} sequences of {max_model_len})")
     fits, temp, seconds, message, found = fits_at(max_num_seqs)
-    cost = _decode_cost(cfg, lambda c: compile_program(c, weights_of(c), decode_bucket(max_num_seqs), max_num_seqs,
-                                                       unroll=True)[0]) if cost and not message else None
+    def step_cost(t: int) -> dict:
+        return _step_cost(cfg, lambda c: compile_program(c, weights_of(c), t, max_num_seqs, unroll=True)[0])
+
+    cost = step_cost(decode_bucket(max_num_seqs)) if cost and not message else None
+    prefill = cost if cost is None or decode_bucket(max_num_seqs) == budget else step_cost(budget)
     weights, best = weight_bytes(), None
     # KV grows by `per_seq` bytes a sequence (marginal, taken at max_num_seqs: a tiny sliding-window pool is
     # clamped to the full one's size), on top of `fixed` bytes whatever n (scratch pages, the pages of one
@@ -202,7 +206,6 @@ def plan(path: str | Path, target: str = "v6e", max_model_len: int = 2048, max_n
     # are left out)
     step_bytes = weights + kv + state
     collectives = {k.split(":")[1]: v for k, v in (cost or {}).items() if k.startswith("collective:")}
-    cost = None if cost is None else {k: v for k, v in cost.items() if not k.startswith("collective:")}
     return {
         "path": str(path), "target": target, "scheme": scheme or ("checkpoint" if qc else "DENSE"),
         "max_model_len": max_model_len, "max_num_seqs": max_num_seqs, "tp": tp, "kv_cache_dtype": kv_dtype.name,
@@ -222,7 +225,11 @@ def plan(path: str | Path, target: str = "v6e", max_model_len: int = 2048, max_n
                                  "output_tokens_per_s": max_num_seqs * chip.hbm_bytes_per_s / step_bytes},
         # XLA's own count for the compiled decode program (Pallas calls by their declared CostEstimate)
         "decode_step_cost": None if cost is None else {
-            **cost, "floor_bytes": step_bytes, "ratio_to_floor": round(cost.get("bytes_accessed", 0) / step_bytes, 3)},
+            **_program_cost(cost, chip), "floor_bytes": step_bytes,
+            "ratio_to_floor": round(cost.get("bytes_accessed", 0) / step_bytes, 3)},
+        # the full-budget program (a prompt's chunk of `tokens`), costed the same way: compute-bound for long
+        # prompts, where 8-bit MXU types pay
+        "prefill_step_cost": None if prefill is None else {"tokens": budget, **_program_cost(prefill, chip)},
         "step_programs": len(buckets),
         # the buffers the compiled decode step reduces or gathers across chips (bytes per chip, per op kind),
         # beside the least a tensor-parallel step with replicated activations needs: one all-reduce of the
@@ -249,9 +256,21 @@ def _quantization(raw: dict, scheme: str | None, group_size: int):
     return parse_quantization_config(raw["quantization_config"]) if "quantization_config" in raw else None
 
 
-def _decode_cost(cfg, compile_layers) -> dict:
-    """XLA's cost analysis of the decode program (compile_layers(c): it compiled for config c, its layers
-    unrolled), scaled to the model's depth: XLA counts a loop body once, so shallow variants are compiled
+def _program_cost(cost: dict, chip) -> dict:
+    """A step program's report from _step_cost's metrics: bytes accessed, FLOPs (all and by MXU operand
+    type), its compute-bound roofline time (each MXU type's FLOPs at the chip's own peak rate) and the HBM
+    time of its bytes (where that is larger, the step is memory-bound): estimates from the compiled program,
+    never measurements."""
+    by_type = {t.split(":")[1]: v for t, v in cost.items() if t.startswith("mxu:")}
+    return {"bytes_accessed": cost.get("bytes_accessed", 0), "flops": cost.get("flops", 0),
+            "flops_by_mxu_type": by_type,
+            "roofline_seconds": sum(v / chip.peak_flops(t) for t, v in by_type.items()),
+            "memory_seconds": cost.get("bytes_accessed", 0) / chip.hbm_bytes_per_s}
+
+
+def _step_cost(cfg, compile_layers) -> dict:
+    """XLA's cost analysis of a step program (compile_layers(c): it compiled for config c, its layers
+    unrolled) and its matmul FLOPs by MXU operand type (`_mxu_flops`), scaled to the model's depth: XLA counts a loop body once, so shallow variants are compiled
     (the first layer's kind alone, then with one more layer of each kind): a kind's layer costs the
     difference, the rest (embedding, logits, sampling) what is left, and the step costs the rest plus each
     kind's layers times their count."""
@@ -263,8 +282,10 @@ def _decode_cost(cfg, compile_layers) -> dict:
         compiled = compile_layers(c)
         ca = compiled.cost_analysis()
         ca = (ca[0] if isinstance(ca, (list, tuple)) else ca) or {}
+        hlo = compiled.as_text()
         return {"bytes_accessed": ca.get("bytes accessed", 0.0), "flops": ca.get("flops", 0.0),
-                **{f"collective:{op}": b for op, b in _collectives(compiled.as_text()).items()}}
+                **{f"mxu:{t}": f for t, f in _mxu_flops(hlo).items()},
+                **{f"collective:{op}": b for op, b in _collectives(hlo).items()}}
 
     base = measure(kinds[:1])
     per = {k: {m: v - base.get(m, 0) for m, v in measure(kinds[:1] + (k,)).items()} for k in cfg.kinds}
@@ -310,7 +331,7 @@ def _largest_fit(fits_at, n: int, fits: bool, temp: int, room: int, per_seq: int
 
 def _kernels(params: dict, chip, m: int) -> list[dict]:
     """One entry per distinct quantized weight shape (on one chip), with its gmm_v2 tiling at m rows."""
-    from quantkit.kernels.dispatch import can_use_gmm_v2
+    from quantkit.kernels.dispatch import can_use_gmm_v2, mxu_type
     from quantkit.quant.qtensor import QTensor
 
     kernels, seen = [], set()
@@ -322,9 +343,11 @@ def _kernels(params: dict, chip, m: int) -> list[dict]:
             group = k if leaf.group == leaf.shape[1] else leaf.group  # channel scales span the shard
             tiles, reason = can_use_gmm_v2(leaf.qtype, k, n, group, chip, m=m, g=g,
                                            scale_bytes=leaf.scales.dtype.itemsize,
-                                           zero_bytes=0 if leaf.zeros is None else leaf.zeros.dtype.itemsize)
+                                           zero_bytes=0 if leaf.zeros is None else leaf.zeros.dtype.itemsize,
+                                           act=leaf.act)
             kernels.append({"name": name, "shape": [g, k, n], "qtype": leaf.qtype, "group": group,
                             "path": "gmm_v2" if tiles else f"xla ({reason})",
+                            "mxu": mxu_type(leaf.qtype, leaf.act, chip) if tiles else None,
                             "vmem_bytes": tiles.vmem_bytes if tiles else 0,
                             "tiles": {"tm": tiles.tm, "tk": tiles.tk, "tn": tiles.tn} if tiles else None})
     return kernels
@@ -367,6 +390,79 @@ def _collectives(hlo: str) -> dict:
             n = math.prod(int(d) for d in dims.split(",") if d) * sizes.get(dtype, 4)
             out[op] = out.get(op, 0) + n
     return out
+
+
+# HLO element types -> the MXU operand type they are multiplied as (f32 dots run as bf16 passes at XLA's
+# default precision on a TPU)
+MXU_OF = {"bf16": "bf16", "f32": "bf16", "f16": "bf16", "s8": "int8", "u8": "int8", "f8e4m3fn": "fp8",
+          "f8e5m2": "fp8"}
+
+
+def _mxu_flops(hlo: str) -> dict[str, int]:
+    """Matmul FLOPs of a compiled program's HLO text by the MXU operand type ("bf16", "int8", "fp8"):
+    XLA's dots and convolutions by their lhs element type (2 x output elements x the products summed into
+    each, counting only the window taps that land on input, as XLA's cost analysis does), Pallas calls by
+    their declared CostEstimate and the operand type in their `mxu` kernel metadata (gmm_v2's, paged
+    attention's; bf16 without one). A loop body counts once (plan compiles its cost variants unrolled)."""
+    import re
+
+    out = {"bf16": 0, "int8": 0, "fp8": 0}
+    types = dict(re.findall(r"%([\w.\-]+) = (\w+\[[0-9,]*\])", hlo))  # instruction -> its result type
+    for line in re.split(r"\n(?=\s*(?:ROOT )?%[\w.\-]+ = )", hlo):  # one instruction each (some span lines)
+        if not (m := re.search(r"%[\w.\-]+ = (\w+)\[([0-9,]*)\]\S* (dot|convolution|custom-call)\(([^)]*)\)", line)):
+            continue
+        _, dims, op, args = m.groups()
+        if op == "custom-call":
+            if "tpu_custom_call" in line and (f := re.search(r'"cost_estimate":\s*\{[^}]*"flops":\s*"?(\d+)', line)):
+                t = re.search(r'"mxu":\s*"(\w+)"', line)
+                out[t.group(1) if t else "bf16"] += int(f.group(1))
+            continue
+        operands = [_dims(types.get(x, "")) for x in re.findall(r"%([\w.\-]+)", args)[:2]]
+        if len(operands) < 2 or None in operands:
+            continue
+        (ltype, lhs), (_, rhs) = operands
+        n = math.prod(int(d) for d in dims.split(",") if d)
+        if op == "dot":
+            c = re.search(r"lhs_contracting_dims=\{([0-9,]*)\}", line)
+            summed = math.prod(lhs[int(i)] for i in c.group(1).split(",") if i) if c else 1
+        else:
+            summed = _conv_taps(line, lhs, rhs)
+        out[MXU_OF.get(ltype, "bf16")] += round(2 * n * summed)
+    return out
+
+
+def _dims(t: str):
+    """"bf16[4,64]" -> ("bf16", [4, 64]); None for anything else."""
+    if "[" not in t:
+        return None
+    dtype, dims = t.rstrip("]").split("[")
+    return dtype, [int(d) for d in dims.split(",") if d]
+
+
+def _conv_taps(line: str, lhs: list[int], rhs: list[int]) -> float:
+    """Products summed into one output element of an HLO convolution, averaged over the output: the
+    kernel's input features times, per spatial dimension, the window taps that land on an input element
+    (not padding or a hole of lhs dilation; XLA rewrites batched dots as such dilated windows)."""
+    import re
+
+    labels = re.search(r"dim_labels=(\w+)_(\w+)->(\w+)", line)
+    lhs_l, rhs_l, out_l = labels.groups()
+    window = dict(re.findall(r"(\w+)=([0-9_x\-]+)", (re.search(r"window=\{([^}]*)\}", line) or [None, ""])[1]))
+    out_dims = [int(d) for d in re.search(r"\[([0-9,]*)\]", line).group(1).split(",") if d]
+    summed = rhs[rhs_l.index("i")]
+    spatial = sorted(c for c in rhs_l if c.isdigit())
+    for j, c in enumerate(spatial):
+        def at(key, default):
+            v = window.get(key)
+            return default if v is None else v.split("x")[j]
+        size, stride = int(at("size", 1)), int(at("stride", 1))
+        lo = int(at("pad", "0_0").split("_")[0])
+        ld, rd = int(at("lhs_dilate", 1)), int(at("rhs_dilate", 1))
+        extent, outs = (lhs[lhs_l.index(c)] - 1) * ld, out_dims[out_l.index(c)]
+        taps = sum(1 for o in range(outs) for w in range(size)
+                   if 0 <= (x := o * stride - lo + w * rd) <= extent and x % ld == 0)
+        summed *= taps / outs
+    return summed
 
 
 def _dequantized(compiled, shapes: set) -> list[str]:
@@ -418,12 +514,18 @@ def print_plan(r: dict, out=sys.stdout) -> None:
     for kern in r["kernels"]:
         t = kern["tiles"]
         tiles = f"tiles {t['tm']}x{t['tk']}x{t['tn']}, VMEM {kern['vmem_bytes'] / (1 << 20):.1f} MiB" if t else ""
-        print(f"  kernel {kern['name']:<18} {kern['qtype']} g{kern['group']} {kern['shape']}: {kern['path']} {tiles}",
+        mxu = f", {kern['mxu']} MXU" if kern["mxu"] else ""
+        print(f"  kernel {kern['name']:<18} {kern['qtype']} g{kern['group']} {kern['shape']}: {kern['path']} {tiles}{mxu}",
               file=out)
     if (c := r["decode_step_cost"]) is not None:
         print(f"  decode step (compiled, XLA cost analysis): {c['bytes_accessed'] / 1e9:.2f} GB accessed "
               f"({c['ratio_to_floor']:.2f}x the {c['floor_bytes'] / 1e9:.2f} GB of weights + KV), "
               f"{c['flops'] / 1e9:.1f} GFLOP", file=out)
+    if (c := r["prefill_step_cost"]) is not None:
+        by = ", ".join(f"{t} {f / 1e12:.2f}" for t, f in c["flops_by_mxu_type"].items() if f)
+        print(f"  prefill step of {c['tokens']} tokens (compiled; roofline estimate, not measured): "
+              f"compute {c['roofline_seconds'] * 1e3:.2f} ms ({by} TFLOP, each at {r['target']}'s rate for it), "
+              f"memory {c['memory_seconds'] * 1e3:.2f} ms ({c['bytes_accessed'] / 1e9:.2f} GB)", file=out)
     est = r["decode_step_estimate"]
     print(f"  decode step (roofline estimate, not measured): {est['seconds'] * 1e3:.1f} ms, "
           f"~{est['output_tokens_per_s']:.0f} output tokens/s at {r['max_num_seqs']} sequences", file=out)

@@ -16,7 +16,9 @@ from compressed_tensors.compressors.format import infer_module_format
 from compressed_tensors.quantization.quant_scheme import PRESET_SCHEMES, preset_name_to_scheme
 
 from quantkit.formats.compressed_tensors import activation_qtype, parse_quantization_config, weight_qtype
+from quantkit.kernels.dispatch import mxu_type
 from quantkit.kernels.tiling import CHIPS
+from quantkit.formats.ct_tensors import kernel_shapes
 from quantkit.runtime.validate import weight_path
 
 SHAPE = (4096, 14336)  # Llama-3-8B down_proj [out, in]
@@ -38,10 +40,12 @@ def activations(scheme, cells: list[str]) -> str:
     a = scheme.input_activations if scheme is not None else None
     if cells[0].startswith("refused") or a is None:
         return "" if cells[0].startswith("refused") else "bf16"
-    if activation_qtype(scheme) == "int8":
-        return "int8 per token: int8 MXU on v5e, v6e; emulated exactly in bf16 on v7x; fake-quantized on cpu"
-    if activation_qtype(scheme) == "fp8":
-        return "fp8 per token: exact products in bf16 (v7x's fp8 MXU not used yet); fake-quantized on cpu"
+    if act := activation_qtype(scheme):
+        qtype = kernel_shapes(scheme, SHAPE).qtype
+        native = [c for c in CHIP_COLUMNS[:3] if mxu_type(qtype, act, CHIPS[c]) == act]
+        exact = [c for c in CHIP_COLUMNS[:3] if c not in native]
+        how = [f"{act} MXU on {', '.join(native)}"] * bool(native) + [f"exact in bf16 on {', '.join(exact)}"] * bool(exact)
+        return f"{act} per token: {'; '.join(how)}; fake-quantized on cpu"
     return f"{a.type}{a.num_bits} {a.strategy}: computed in bf16 (a warning)"
 
 

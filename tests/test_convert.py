@@ -31,6 +31,7 @@ CASES = {  # our (scheme, group size) -> the oracle's scheme name
     ("W8A16", 128): "W8A16", ("FP8_DYNAMIC", 128): "FP8_DYNAMIC", ("FP8_BLOCK", 128): "FP8_BLOCK",
     ("MXFP4A16", 128): "MXFP4A16", ("W4A16_ASYM", 128): "W4A16_ASYM", ("W8A16_ASYM", 128): "W8A16_ASYM",
     ("MXFP8A16", 128): "MXFP8A16", ("NVFP4A16", 128): "NVFP4A16", ("W8A8", 128): "W8A8", ("W4A8", 128): "W4A8",
+    ("W4AFP8", 128): "W4AFP8",
 }
 QUANTKIT = [sys.executable, "-m", "quantkit.cli"]
 

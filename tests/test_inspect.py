@@ -72,11 +72,18 @@ def test_servable_schemes(ckpts, scheme):
     assert {layer["path"] for layer in cpu["layers"] if layer["scheme"]} == {"xla"}
 
 
-def test_int8_activation_schemes_say_how_each_chip_multiplies(ckpts):
-    """W8A8 and W4A8 are served on gmm_v2 with int8 rows: on the int8 MXU of a v5e/v6e, emulated on a v7x."""
-    for scheme in ("W8A8", "W4A8"):
-        for target, says in (("v5e", "int8 x int8 on the MXU"), ("v6e", "int8 x int8 on the MXU"),
-                             ("v7x", "int8 activations emulated exactly in bf16 (v7x has no int8 MXU)")):
+INT8_ROWS = (("v5e", "int8 x int8 on the MXU"), ("v6e", "int8 x int8 on the MXU"),
+             ("v7x", "int8 activations emulated exactly in bf16 (v7x has no int8 MXU)"))
+FP8_ROWS = (("v5e", "fp8 activations multiplied exactly in bf16 (v5e multiplies fp8 at the bf16 rate)"),
+            ("v6e", "fp8 activations multiplied exactly in bf16 (v6e multiplies fp8 at the bf16 rate)"),
+            ("v7x", "fp8 x fp8 on the MXU"))
+
+
+def test_8bit_activation_schemes_say_how_each_chip_multiplies(ckpts):
+    """W8A8 and W4A8 are served on gmm_v2 with int8 rows: on the int8 MXU of a v5e/v6e, emulated on a v7x;
+    FP8_DYNAMIC and W4AFP8 with fp8 rows: on the fp8 MXU of a v7x, exactly in bf16 elsewhere."""
+    for scheme, rows in (("W8A8", INT8_ROWS), ("W4A8", INT8_ROWS), ("FP8_DYNAMIC", FP8_ROWS), ("W4AFP8", FP8_ROWS)):
+        for target, says in rows:
             q = [la for la in inspect_checkpoint(ckpts[scheme], target)["layers"] if la["scheme"]]
             assert len(q) == 14 and {la["path"] for la in q} == {"gmm_v2"}, (scheme, target)
             assert {la["reason"] for la in q} == {says}, (scheme, target)

@@ -422,19 +422,29 @@ def _dots(jaxpr) -> list[tuple]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("chip", ["v6e", "v7x"])  # v5e: the same int8 MXU path as v6e
-def test_int8_activations_compile_to_the_chips_mxu_type(chip):
-    """Deviceless compiles of W8A8 (int8 channel, Llama-3-8B down_proj [14336, 4096]) and W4A8 experts (int4
-    g128, Qwen3-30B-A3B down [768, 2048] x 128) at 2048 rows: the kernel's dot is int8 x int8 -> int32 on
-    v6e and bf16 x bf16 -> float32 on v7x, Mosaic accepts it, and nothing weight-sized is a temporary."""
+@pytest.mark.parametrize("chip", ["v6e", "v7x"])  # v5e: the same MXU types as v6e
+def test_8bit_activations_compile_to_the_chips_mxu_type(chip):
+    """Deviceless compiles of W8A8 (int8 channel, Llama-3-8B down_proj [14336, 4096]), W4A8 experts (int4
+    g128, Qwen3-30B-A3B down [768, 2048] x 128) and FP8_DYNAMIC (fp8 channel, the down_proj) at 2048 rows:
+    the kernel's dot is int8 x int8 -> int32 on v6e and bf16 x bf16 -> float32 on v7x (no int8 MXU); fp8 x
+    fp8 -> float32 on v7x and bf16 on v6e (fp8 at the bf16 rate); Mosaic accepts it, the compiled program
+    declares the call's FLOPs under that MXU type (what `plan` counts), and nothing weight-sized is a
+    temporary."""
+    from quantkit.plan import _mxu_flops
     from quantkit.runtime.aot import compile_for
 
-    for qtype, k, n, g, group in [("int8", 14336, 4096, 1, 14336), ("int4", 768, 2048, 128, 128)]:
+    for act, qtype, k, n, g, group in [("int8", "int8", 14336, 4096, 1, 14336), ("int8", "int4", 768, 2048, 128, 128),
+                                       ("fp8", "fp8", 14336, 4096, 1, 14336)]:
         _, rhs, gs = _abstract(qtype, g, k, n, group, 2048)
-        rhs = dataclasses.replace(rhs, act="int8")
-        lhs, rows = jax.ShapeDtypeStruct((2048, k), jnp.int8), jax.ShapeDtypeStruct((2048, 1), jnp.bfloat16)
+        rhs = dataclasses.replace(rhs, act=act)
+        codes = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn}[act]
+        lhs, rows = jax.ShapeDtypeStruct((2048, k), codes), jax.ShapeDtypeStruct((2048, 1), jnp.bfloat16)
         call = lambda a, b, c, r: gmm_v2(a, b, c, row_scales=r, chip=chip)  # noqa: E731
-        expected = ("int8", "int8", "int32") if CHIPS[chip].int8_mxu else ("bfloat16", "bfloat16", "float32")
+        mxu = {("v6e", "int8"): "int8", ("v7x", "fp8"): "fp8"}.get((chip, act), "bf16")
+        expected = {"int8": ("int8", "int8", "int32"), "fp8": ("float8_e4m3fn", "float8_e4m3fn", "float32"),
+                    "bf16": ("bfloat16", "bfloat16", "float32")}[mxu]
         assert set(_dots(jax.make_jaxpr(call)(lhs, rhs, gs, rows).jaxpr)) == {expected}, (chip, qtype)
         compiled, _ = compile_for(chip, call, lhs, rhs, gs, rows, pinned=(1,))
+        flops = _mxu_flops(compiled.as_text())
+        assert flops[mxu] >= 2 * 2048 * k * n and sum(flops.values()) == flops[mxu], (chip, act, flops)
         assert compiled.memory_analysis().temp_size_in_bytes < max(1 << 20, g * k * n // 16)

@@ -61,7 +61,9 @@ def models(tmp_path_factory):
     _family("gemma4_moe").save_pretrained(tmp / "gemma4-moe")  # bf16 experts packed in 3-D tensors
     _family("qwen3_5_moe").save_pretrained(tmp / "qwen3_5-moe")
     convert(tmp / "qwen3_5-moe", tmp / "qwen3_5-moe-w4", "NVFP4A16")  # GDN projections left bf16, replicated
-    return {"dense": dense, "moe": tmp / "moe-w4", "gemma4_moe": tmp / "gemma4-moe", "qwen3_5_moe": tmp / "qwen3_5-moe-w4"}
+    convert(dense, tmp / "w8a8", "W8A8")
+    return {"dense": dense, "moe": tmp / "moe-w4", "gemma4_moe": tmp / "gemma4-moe", "qwen3_5_moe": tmp / "qwen3_5-moe-w4",
+            "w8a8": tmp / "w8a8"}
 
 
 RUNNER_SCRIPT = r"""
@@ -92,19 +94,22 @@ RUNS = {  # (tp, expert parallel, weights): the dense model has no quantized wei
     "moe": [(1, False, "packed"), (2, False, "packed"), (8, True, "packed"), (4, True, "dense")],
     "gemma4_moe": [(1, False, "auto"), (2, True, "auto")],  # global layers' one KV head replicated
     "qwen3_5_moe": [(1, False, "packed"), (4, True, "packed")],  # KV heads and GDN key heads replicated
+    # int8 rows: each quantized on the whole row before a row-split layer's shards take their columns
+    "w8a8": [(1, False, "packed"), (2, False, "packed"), (8, False, "packed")],
 }
 
 
 # The MoEs run with their layers scanned, as on a TPU: about half the compile time of the unrolled CPU
 # default, which the dense model here and test_generate_cli_takes_tp_and_expert_parallel (the W4A16 MoE at
 # --tp 4 with expert parallelism) keep covering.
-SCANNED = ("moe", "gemma4_moe", "qwen3_5_moe")
+SCANNED = ("moe", "gemma4_moe", "qwen3_5_moe", "w8a8")
 
 
-@pytest.mark.parametrize("name", ["dense", "moe", "gemma4_moe", "qwen3_5_moe"])
+@pytest.mark.parametrize("name", ["dense", "moe", "gemma4_moe", "qwen3_5_moe", "w8a8"])
 def test_two_four_eight_devices_give_one_devices_tokens(models, name):
     """Tensor parallel (and for the MoEs, expert parallel too), with packed int4 / nvfp4 weights (the grouped matmul per
-    shard / on each device's own experts) and dequantized dense ones, and Gemma 4's bf16 experts: the
+    shard / on each device's own experts) and dequantized dense ones, Gemma 4's bf16 experts, and W8A8's
+    int8 weights with int8 activation rows (the same codes on every device count): the
     prompt's float32 logits within 1e-5 of one device's, and the same 8 greedy tokens."""
     import numpy as np
 

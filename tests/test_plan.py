@@ -356,3 +356,50 @@ def test_step_compiles_deviceless_for_v6e(name, cfg):
     # of the recurrence (float32; 33.5 MB a copy for Qwen3.5-35B-A3B, measured 122 MiB in all)
     states = 4 * 16 * c.gdn_dims[1] * 4
     assert compiled.memory_analysis().temp_size_in_bytes < 0.1 * (1 << 30) + states, name
+
+
+@pytest.mark.parametrize("target,scheme,mxu", [("v6e", "W8A8", "int8"), ("v7x", "FP8_DYNAMIC", "fp8")])
+def test_plan_counts_each_programs_matmul_flops_by_mxu_type(tmp_path, target, scheme, mxu):
+    """The decode (8-token bucket of 4 sequences) and prefill (the 512-token budget) programs' matmul FLOPs
+    by the MXU operand type, from the compiled HLO: every quantized linear multiplies 8-bit rows on the
+    chip's 8-bit MXU (v6e: int8, v7x: fp8), exactly 2 x tokens x the 9.4M linear weights of the two layers;
+    what stays bf16 is attention and the lm_head (bf16, ignored by the scheme); nothing lands under the
+    other 8-bit type. The compute-bound roofline takes each type's FLOPs at the chip's published rate (v6e:
+    918 TFLOP/s bf16, 1,836 TOP/s int8; a v7x TensorCore: 1,153.5 bf16, 2,307 fp8), the memory time the
+    bytes at its HBM bandwidth (1.64, 3.685 TB/s)."""
+    from quantkit.plan import plan
+
+    (tmp_path / "config.json").write_text(json.dumps(SMALL))
+    r = plan(tmp_path / "config.json", target, 512, 4, scheme=scheme, search=False)
+    linear = 2 * (1024 * 1024 * 2 + 1024 * 512 * 2 + 3 * 1024 * 2048)
+    bf16, fast = {"v6e": (918e12, 1836e12), "v7x": (1153.5e12, 2307e12)}[target]
+    other = {"int8": "fp8", "fp8": "int8"}[mxu]
+    for key, tokens in (("decode_step_cost", 8), ("prefill_step_cost", 512)):
+        c = r[key]
+        flops = c["flops_by_mxu_type"]
+        assert flops[mxu] == 2 * tokens * linear and flops[other] == 0, (key, flops)
+        assert 2 * 1024 * 4096 <= flops["bf16"] < flops[mxu], (key, flops)  # at least one row's logits
+        assert c["roofline_seconds"] == pytest.approx(flops["bf16"] / bf16 + flops[mxu] / fast, rel=1e-3)
+        assert c["memory_seconds"] == pytest.approx(c["bytes_accessed"] / {"v6e": 1.64e12, "v7x": 3.685e12}[target])
+    assert r["prefill_step_cost"]["tokens"] == 512
+    assert {k["path"] for k in r["kernels"]} == {"gmm_v2"} and {k["mxu"] for k in r["kernels"]} == {mxu}
+
+
+def test_mxu_flops_of_xla_dots(tmp_path):
+    """XLA's own dots in a compiled v6e program, by operand type: a bf16 [256, 1024] x [1024, 512] matmul, a
+    batched bf16 [4, 64, 1024] x [4, 1024, 64] one (which XLA:TPU rewrites as a convolution with a dilated
+    window: only the taps that land on input count) and an int8 x int8 -> int32 [128, 512] x [512, 256]."""
+    import jax.numpy as jnp
+
+    from quantkit.plan import _mxu_flops
+    from quantkit.runtime.aot import compile_for
+
+    def f(x, w, b, i, j):
+        return x @ w, jnp.einsum("bqd,bdk->bqk", b, b.swapaxes(1, 2)), jnp.dot(i, j, preferred_element_type=jnp.int32)
+
+    args = [jax.ShapeDtypeStruct(s, d) for s, d in [((256, 1024), jnp.bfloat16), ((1024, 512), jnp.bfloat16),
+                                                   ((4, 64, 1024), jnp.bfloat16), ((128, 512), jnp.int8),
+                                                   ((512, 256), jnp.int8)]]
+    compiled, _ = compile_for("v6e", f, *args)
+    assert _mxu_flops(compiled.as_text()) == {"bf16": 2 * 256 * 1024 * 512 + 2 * 4 * 64 * 64 * 1024,
+                                              "int8": 2 * 128 * 512 * 256, "fp8": 0}

@@ -61,6 +61,17 @@ def can_use_gmm_v2(qtype: str, k: int, n: int, group_size: int | None, chip: Chi
     return tiles, ""
 
 
+# the weight types whose values an 8-bit MXU operand type holds exactly (int4 also in fp8 e4m3: |q| <= 16)
+EXACT_IN = {"int8": ("int4", "int8"), "fp8": ("int4", "fp8")}
+
+
+def mxu_type(qtype: str, act: str, chip: Chip) -> str:
+    """The operand type gmm_v2 feeds the MXU for `qtype` weights and `act` rows (QTensor.act): the rows'
+    8-bit type where the chip multiplies it at twice the bf16 rate and the weight values are exact in it,
+    else bf16 (the same products, exact in float32 accumulation)."""
+    return act if act in chip.mxu_8bit and qtype in EXACT_IN.get(act, ()) else "bf16"
+
+
 def kernel_path(qtype: str, k: int, n: int, group: int, chip: Chip, scale_bytes: int = 2,
                 zero_bytes: int = 0, act: str = "") -> Verdict:
     """gmm_v2 for a served [k, n] weight of `qtype` with `group` inputs per scale, else the XLA path and why;
@@ -68,9 +79,12 @@ def kernel_path(qtype: str, k: int, n: int, group: int, chip: Chip, scale_bytes:
     tiles, why = can_use_gmm_v2(qtype, k, n, group, chip, scale_bytes=scale_bytes, zero_bytes=zero_bytes, act=act)
     if not tiles:
         return Verdict("xla", f"XLA fallback: {why}")
+    if act and (t := mxu_type(qtype, act, chip)) != "bf16":
+        return Verdict("gmm_v2", f"{t} x {t} on the MXU")
     if act == "int8":
-        return Verdict("gmm_v2", "int8 x int8 on the MXU" if chip.int8_mxu else
-                       f"int8 activations emulated exactly in bf16 ({chip.name} has no int8 MXU)")
+        return Verdict("gmm_v2", f"int8 activations emulated exactly in bf16 ({chip.name} has no int8 MXU)")
     if act == "fp8":
-        return Verdict("gmm_v2", "fp8 activations multiplied exactly in bf16 (the fp8 MXU of a v7x is not used yet)")
+        why = f"{chip.name} multiplies fp8 at the bf16 rate" if "fp8" not in chip.mxu_8bit else \
+            f"{qtype} weights are not exact in fp8"
+        return Verdict("gmm_v2", f"fp8 activations multiplied exactly in bf16 ({why})")
     return Verdict("gmm_v2", "")

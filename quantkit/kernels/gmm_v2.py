@@ -16,8 +16,9 @@ divided by it in float32 before use, as compressed-tensors divides them (so the 
 Quantized activations (QTensor.act "int8": W8A8, W4A8; "fp8": FP8_DYNAMIC, W4AFP8): lhs holds 8-bit codes
 and `row_scales` one float32 scale a row. int8: the integer weight tile (int4 widened) meets them on the MXU
 as int8 x int8 -> int32 on v5e/v6e, and as the same small integers in bf16 with float32 sums on v7x (no int8
-MXU there; exact: |products| < 2^14, partial sums < 2^24). fp8: codes and weights (int or fp8 values, exact
-in bf16) as bf16 with float32 sums, every product exact. Scales apply after the dot (tiles never span a
+MXU there; exact: |products| < 2^14, partial sums < 2^24). fp8: codes × int4 or fp8 weight values as fp8 x fp8
+-> float32 on v7x's fp8 MXU (int4 values are exact in e4m3), else (v5e/v6e: fp8 at the bf16 rate; int8 weights)
+both as bf16 with float32 sums, every product exact. `dispatch.mxu_type` picks the MXU type. Scales apply after the dot (tiles never span a
 scale group), zero points by the row-sum identity, the row scales once at the end.
 A "visit" is one (group, m tile) pair: an m tile that straddles a group boundary is visited once per
 group, and each visit writes only its group's rows (megablox's scheme, reimplemented here).
@@ -35,7 +36,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from quantkit.kernels.dispatch import can_use_gmm_v2
+from quantkit.kernels.dispatch import can_use_gmm_v2, mxu_type
 from quantkit.kernels.tiling import CHIPS, Chip, Tiles, traffic
 from quantkit.quant.qtensor import QTensor, decode_scales, decode_values
 
@@ -101,7 +102,7 @@ def visits(group_sizes: jax.Array, m: int, tm: int) -> tuple[jax.Array, jax.Arra
 # ---- the kernel ------------------------------------------------------------------------------------
 
 def _kernel(vg_ref, vt_ref, nv_ref, bounds_ref, off_ref, *refs, qtype: str, group: int, tiles: Tiles,
-            num_groups: int, nk: int, zeros: bool, gscale: bool, int8_lhs: bool, int8_mxu: bool):
+            num_groups: int, nk: int, zeros: bool, gscale: bool, int8_lhs: bool, mxu: str):
     gs_ref, refs = (refs[0], refs[1:]) if gscale else (None, refs)  # global scales [num_groups] (nvfp4)
     lhs_ref, *refs = refs
     rs_ref, refs = (refs[0], refs[1:]) if int8_lhs else (None, refs)  # row scales [tm, 1] of int8 codes
@@ -124,8 +125,10 @@ def _kernel(vg_ref, vt_ref, nv_ref, bounds_ref, off_ref, *refs, qtype: str, grou
     def _():
         x = lhs_ref[:, pl.ds(pl.multiple_of(ki * tk, 128), tk)] if tiles.lhs_resident else lhs_ref[...]  # [tm, tk]
         if int8_lhs:  # 8-bit codes on both sides; scales after the dot (tk divides the group)
-            if int8_mxu and x.dtype == jnp.int8:
+            if mxu == "int8":
                 part = jnp.dot(x, q_ref[...].astype(jnp.int8), preferred_element_type=jnp.int32)
+            elif mxu == "fp8":  # int4 or fp8 weight values, exact in e4m3
+                part = jnp.dot(x, decode_values(q_ref[...], qtype).astype(x.dtype), preferred_element_type=jnp.float32)
             else:
                 part = jnp.dot(x.astype(jnp.bfloat16), decode_values(q_ref[...], qtype).astype(jnp.bfloat16),
                                preferred_element_type=jnp.float32)
@@ -185,7 +188,7 @@ def cost(m: int, k: int, n: int, g: int, rhs: QTensor, tiles: Tiles, out_bytes: 
 # ---- pallas_call -----------------------------------------------------------------------------------
 
 def _call(lhs: jax.Array, rhs: QTensor, group_sizes: jax.Array, group_offset: jax.Array, tiles: Tiles,
-          interpret, row_scales: jax.Array | None, out_dtype, int8_mxu: bool) -> jax.Array:
+          interpret, row_scales: jax.Array | None, out_dtype, mxu: str) -> jax.Array:
     m, k = lhs.shape
     _, _, n = rhs.shape
     g = group_sizes.shape[0]
@@ -196,7 +199,7 @@ def _call(lhs: jax.Array, rhs: QTensor, group_sizes: jax.Array, group_offset: ja
     grid = (n // tn, vg.shape[0], nk)
     kernel = functools.partial(_kernel, qtype=rhs.qtype, group=rhs.group, tiles=tiles, num_groups=g, nk=nk,
                                zeros=rhs.zeros is not None, gscale=rhs.gscale is not None,
-                               int8_lhs=row_scales is not None, int8_mxu=int8_mxu)
+                               int8_lhs=row_scales is not None, mxu=mxu)
     # index maps take the grid indices, then the scalar prefetch refs (and the global scales, unused there)
 
     def lhs_map(ni, v, ki, vg, vt, nv, bounds, off, *_):  # resident: one block per m tile, kept across n tiles
@@ -243,6 +246,7 @@ def _call(lhs: jax.Array, rhs: QTensor, group_sizes: jax.Array, group_offset: ja
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary", "arbitrary"),
                                              vmem_limit_bytes=tiles.vmem_limit),
         cost_estimate=cost(m, k, n, g, rhs, tiles, jnp.dtype(out_dtype).itemsize),
+        name="gmm_v2", metadata={"mxu": mxu},  # the MXU's operand type, which `plan` counts FLOPs by
         interpret=interpret,
     )(*prefetch, *lhs_args, *blocks)
 
@@ -282,4 +286,5 @@ def gmm_v2(lhs: jax.Array, rhs: QTensor, group_sizes: jax.Array, group_offset: j
             raise ValueError(f"gmm_v2 cannot serve this call: {why}")
     offset = jnp.zeros((), jnp.int32) if group_offset is None else jnp.asarray(group_offset, jnp.int32)
     out_dtype = lhs.dtype if row_scales is None else row_scales.dtype
-    return _call(lhs, rhs, group_sizes, offset, tiles, interpret, row_scales, out_dtype, CHIPS[chip].int8_mxu)
+    mxu = mxu_type(rhs.qtype, rhs.act, CHIPS[chip]) if rhs.act else "bf16"
+    return _call(lhs, rhs, group_sizes, offset, tiles, interpret, row_scales, out_dtype, mxu)

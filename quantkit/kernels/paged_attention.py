@@ -399,6 +399,7 @@ def _call(q, kv, layer, kv_lens, block_tables, cu_q_lens, num_seqs, *, blocks: B
         compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",),
                                              vmem_limit_bytes=blocks.vmem_limit),
         cost_estimate=est,
+        name="paged_attention", metadata={"mxu": "bf16"},  # q and the KV chunk (fp8 widened) meet in bf16
         interpret=interpret,
     )(*prefetch, q, kv)
     out = outs[0] if d >= 128 else outs[0].reshape(t, -1, d)[:, :h]

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class Chip:
     """One accelerator generation, per JAX device (a v7x chip is two). `hbm_bytes` is what XLA can use, `mxu`
-    the MXU column count."""
+    the MXU column count, `mxu_8bit` the 8-bit operand types its MXU multiplies at twice the bf16 rate."""
 
     name: str
     hbm_bytes: int
@@ -20,22 +20,26 @@ class Chip:
     bf16_flops: float
     mxu: int
     vmem_bytes: int
-    fp8_mxu: bool
+    mxu_8bit: tuple[str, ...] = ()  # int8 x int8 -> int32 (v5e, v6e), fp8 x fp8 -> float32 (v7x)
     tpu: bool = True
-    int8_mxu: bool = False  # int8 x int8 -> int32 at twice the bf16 rate (v5e, v6e; not v7x)
+
+    def peak_flops(self, mxu_type: str) -> float:
+        """The MXU's peak rate for operands of `mxu_type` ("bf16", "int8", "fp8"; FLOP/s or OP/s)."""
+        return self.bf16_flops * (2 if mxu_type in self.mxu_8bit else 1)
 
 
 GIB = 1 << 30
 CHIPS: dict[str, Chip] = {
-    "v5e": Chip("v5e", 16 * GIB, 819e9, 197e12, 128, 128 << 20, fp8_mxu=False, int8_mxu=True),
-    "v6e": Chip("v6e", int(31.25 * GIB), 1.64e12, 918e12, 256, 128 << 20, fp8_mxu=True, int8_mxu=True),
+    "v5e": Chip("v5e", 16 * GIB, 819e9, 197e12, 128, 128 << 20, ("int8",)),
+    # v6e: 1,836 int8 TOP/s; its MXU takes fp8 only at the bf16 rate
+    "v6e": Chip("v6e", int(31.25 * GIB), 1.64e12, 918e12, 256, 128 << 20, ("int8",)),
     # v7x: per TensorCore, which JAX sees as one device (two a chip). Google Cloud's Ironwood figures are per
     # chip (192 GiB, 7.37 TB/s, 2307 TFLOP/s bf16), split in half as jax's own TPU7x facts have them
     # (pallas tpu_info: 103 GB, 3.7 TB/s, 1155 TFLOP/s a logical device); 94.75 GiB is what libtpu lets one
-    # device's programs use (its out-of-memory message, deviceless `tpu7x:1x1x1`).
-    "v7x": Chip("v7x", int(94.75 * GIB), 7.37e12 / 2, 2307e12 / 2, 256, 64 << 20, fp8_mxu=True),
+    # device's programs use (its out-of-memory message, deviceless `tpu7x:1x1x1`). fp8: 4,614 TFLOP/s a chip; no int8.
+    "v7x": Chip("v7x", int(94.75 * GIB), 7.37e12 / 2, 2307e12 / 2, 256, 64 << 20, ("fp8",)),
     # The XLA path on the host: no tiling, arrays stored densely.
-    "cpu": Chip("cpu", 0, 0.0, 0.0, 0, 0, fp8_mxu=False, tpu=False),
+    "cpu": Chip("cpu", 0, 0.0, 0.0, 0, 0, tpu=False),
 }
 LANES = 128
 
