@@ -781,6 +781,9 @@ def fake_quantize_inputs(model: torch.nn.Module, scheme: str, skip: Iterable[str
         if isinstance(module, torch.nn.Linear) and name.split(".")[-1] not in skip:
             module.register_forward_pre_hook(hook)
         elif isinstance(getattr(module, "gate_up_proj", None), torch.nn.Parameter):
+            # transformers' default grouped_mm experts never call F.linear: the hook would see nothing
+            assert getattr(model.config, "_experts_implementation", "eager") == "eager", \
+                "load the reference with experts_implementation='eager'"
             module.forward = experts_forward(module, module.forward)
     return model
 

@@ -86,24 +86,33 @@ def test_quantized_checkpoints_match_transformers_on_decompressed_weights(scheme
     assert model.weight_bytes < sum(f.stat().st_size for f in (tmp_path / "dense").glob("*.safetensors"))
 
 
-@pytest.mark.parametrize("scheme", ["W8A8", "W4A8", "FP8_DYNAMIC", "W4AFP8"])
-def test_8bit_activation_checkpoints_match_transformers_with_the_librarys_activation_quantization(scheme, tmp_path):
+ACTS = {"W8A8": ("int8", "int8"), "W4A8": ("int8", "int4"), "FP8_DYNAMIC": ("fp8", "fp8"), "W4AFP8": ("fp8", "int4"),
+        "MXFP4": ("mxfp4", "mxfp4"), "MXFP8": ("mxfp8", "mxfp8"), "FP8_BLOCK": ("fp8_g128", "fp8")}
+
+
+@pytest.mark.parametrize("scheme", list(ACTS))
+def test_quantized_activation_checkpoints_match_transformers_with_the_librarys_activation_quantization(scheme, tmp_path):
     """W8A8 (int8 channel weights) and W4A8 (int4 g128) made by the library: every quantized matmul quantizes
     its input rows to int8 per token (QTensor.act); FP8_DYNAMIC (fp8 channel) and W4AFP8 (int4 g128) to fp8
-    e4m3 per token; against transformers on the library's float32 dequantized
+    e4m3 per token; MXFP4 and MXFP8 to e2m1 / e4m3 per 32 with E8M0 scales, FP8_BLOCK (128 x 128 weight
+    blocks) to e4m3 per group of 128 (quantize-dequantized); against transformers on the library's float32 dequantized
     weights (each the exact product of code and scale, as the runtime's: ct_oracle.with_float32_scales) with
     the library's own dynamic activation quantization on each Linear's input (ct_oracle.fake_quantize_inputs).
 
     Each Linear alone, on the same rows (an outlier, a zero row): the same codes, scales and sums, 1e-5. The
-    whole model: rounding a row to 255 levels turns last-bit differences (float32 summation order) into whole
-    steps where a value sits near a tie, and a random tiny model carries them to the logits: the library's
-    own float32 forward differs from its float64 one by 1.2e-2 here (measured), so 3e-2, and greedy tokens
-    identical."""
+    whole model: rounding a row to a few levels turns last-bit differences (float32 summation order) into
+    whole steps where a value sits near a tie, and a random tiny model carries them to the logits: the
+    library's own float32 forward differs from its float64 one by 1.2e-2 (int8 rows) and 3.2e-2 (FP8_BLOCK)
+    here, ours from its float32 one by 1.3e-2 and 3.1e-2, from its float64 one by 1.3e-2 and 2.1e-2
+    (measured; fp8 per token and MX: below 1e-6 to 6e-3), so 3e-2 against the float32 forward (FP8_BLOCK: the
+    float64 one, closer to both), and greedy tokens identical."""
     q = make_checkpoint(tmp_path / "q", scheme)
-    dense = library_convert_dequantize(with_float32_scales(q, tmp_path / "q32"), tmp_path / "dense",
-                                       dtype=torch.float32)
+    exact = q if scheme.startswith("MX") else with_float32_scales(q, tmp_path / "q32")  # E8M0: powers of two
+    dense = library_convert_dequantize(exact, tmp_path / "dense", dtype=torch.float32)
     ref = fake_quantize_inputs(T.AutoModelForCausalLM.from_pretrained(dense, dtype=torch.float32).eval(), scheme)
-    model = greedy_parity(q, ref, jnp.float32, 3e-2)
+    whole = ref if scheme != "FP8_BLOCK" else fake_quantize_inputs(
+        T.AutoModelForCausalLM.from_pretrained(dense, dtype=torch.float64).eval(), scheme)
+    model = greedy_parity(q, whole, jnp.float32, 3e-2)
     from quantkit.runtime.ops import qmatmul
 
     x = np.random.default_rng(1).standard_normal((7, 512)).astype(np.float32)
@@ -113,8 +122,7 @@ def test_8bit_activation_checkpoints_match_transformers_with_the_librarys_activa
                      ("o", layer.self_attn.o_proj), ("gate", layer.mlp.gate_proj), ("up", layer.mlp.up_proj),
                      ("down", layer.mlp.down_proj)]:
         w = model.params["layers"]["full"][key]
-        assert (w.act, w.qtype) == {"W8A8": ("int8", "int8"), "W4A8": ("int8", "int4"), "FP8_DYNAMIC": ("fp8", "fp8"),
-                                    "W4AFP8": ("fp8", "int4")}[scheme]
+        assert (w.act, w.qtype) == ACTS[scheme]
         k, n = lin.in_features, lin.out_features
         with torch.no_grad():
             theirs = lin(torch.from_numpy(x[None, :, :k]))[0].numpy()  # [batch, tokens, k]: per token
@@ -303,10 +311,11 @@ def test_quantized_moe_experts_match_transformers(scheme, tmp_path):
         assert np.array_equal(g, np.asarray(model.params["layers"]["full"]["experts_up"].gscale))
 
 
-@pytest.mark.parametrize("scheme", ["MXFP6A16", "W3A16", "W4A8"])
+@pytest.mark.parametrize("scheme", ["MXFP6A8", "W3A16", "W4A8"])
 def test_library_quantized_moe_experts_match_transformers(scheme, tmp_path):
     """Qwen3-MoE quantized by the library itself (its per-expert Linears: ct_oracle's model-free path) to
-    MXFP6A16, served as fp8 values with E8M0 scales, to 3-bit ints g128 (the 2-7 bit ints: one loader path,
+    MXFP6A8, served as fp8 values with E8M0 scales, each expert's input rows quantize-dequantized to MX e4m3
+    per 32 (`mxfp8` activations), to 3-bit ints g128 (the 2-7 bit ints: one loader path,
     an int4 container) and to W4A8 (int4 g128, each expert's input rows quantized to int8 per token: the
     reference runs the library's activation quantization before every expert's F.linear), against
     transformers on the library's dequantized weights, dequantized by the library in float32 like the runtime
@@ -319,16 +328,20 @@ def test_library_quantized_moe_experts_match_transformers(scheme, tmp_path):
     T.Qwen3MoeForCausalLM(T.Qwen3MoeConfig(**COMMON, moe_intermediate_size=128, num_experts=8, num_experts_per_tok=2,
                                            norm_topk_prob=True)).save_pretrained(tmp_path / "moe")
     q = library_quantize_checkpoint(tmp_path / "moe", tmp_path / "q", scheme)
-    acts = scheme == "W4A8"
-    dense = library_convert_dequantize(with_float32_scales(q, tmp_path / "q32") if acts else q, tmp_path / "dense",
+    act = {"W4A8": "int8", "MXFP6A8": "mxfp8"}.get(scheme, "")
+    int8 = act == "int8"
+    dense = library_convert_dequantize(with_float32_scales(q, tmp_path / "q32") if int8 else q, tmp_path / "dense",
                                        dtype=torch.float32)
-    ref = T.AutoModelForCausalLM.from_pretrained(dense, dtype=torch.float32).eval()
-    model = greedy_parity(q, fake_quantize_inputs(ref, scheme) if acts else ref, jnp.float32, 3e-2 if acts else 1e-2)
+    # eager experts: one F.linear per expert, whose input the library's activation quantization is hooked on
+    ref = T.AutoModelForCausalLM.from_pretrained(dense, dtype=torch.float32, experts_implementation="eager").eval()
+    # the router (`gate`, a Linear) is not quantized: its input stays as it is
+    model = greedy_parity(q, fake_quantize_inputs(ref, scheme, skip=("lm_head", "gate")) if act else ref, jnp.float32,
+                          3e-2 if int8 else 1e-2)
     experts = model.params["layers"]["full"]["experts_gate"]
-    assert experts.values.shape[0] == 3 * 8 and experts.act == ("int8" if acts else "")
-    assert (experts.qtype, experts.group) == {"MXFP6A16": ("mxfp8", 32), "W3A16": ("int4", 128),
+    assert experts.values.shape[0] == 3 * 8 and experts.act == act
+    assert (experts.qtype, experts.group) == {"MXFP6A8": ("mxfp8", 32), "W3A16": ("int4", 128),
                                               "W4A8": ("int4", 128)}[scheme]
-    if acts:  # one expert's down projection alone on the same rows (an outlier, a zero row): 1e-5
+    if act:  # one expert's down projection alone on the same rows (an outlier, a zero row): 1e-5
         from quantkit.runtime.ops import qmatmul
 
         x = np.random.default_rng(1).standard_normal((7, 128)).astype(np.float32)

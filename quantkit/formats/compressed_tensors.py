@@ -338,13 +338,23 @@ def weight_qtype(scheme: Scheme | None) -> str:
 
 
 def activation_qtype(scheme: Scheme | None) -> str:
-    """How the runtime quantizes a Linear's input activations under `scheme` (QTensor.act): "int8" / "fp8"
-    for dynamic symmetric per-token int8 (W8A8, W4A8: each row's absmax / 127.5, as compressed-tensors
-    computes it) / fp8 e4m3 (FP8_DYNAMIC, W4AFP8: absmax / 448), "" for none (A16; and other fp8
-    activations, static or per group of 128, computed in bf16 with a warning)."""
+    """How the runtime quantizes a Linear's input activations under `scheme` (QTensor.act), "" for none (A16,
+    and what is not honoured: static fp8 activations, computed in bf16 with a warning). Dynamic and symmetric:
+    - "int8" / "fp8": per token, int8 (W8A8, W4A8: each row's absmax / 127.5) or fp8 e4m3 (FP8_DYNAMIC,
+      W4AFP8: absmax / 448), as compressed-tensors computes them; the codes go to the MXU (runtime/ops.quantize_rows);
+    - "mxfp4" / "mxfp8": e2m1 / e4m3 per group of 32 inputs with an E8M0 scale (MXFP4, MXFP8, MXFP6A8), and
+      "fp8_g<N>": e4m3 per group of N with a float scale (FP8_BLOCK, MXFP4XFP8): quantize-dequantized exactly
+      as the library does (runtime/ops.fake_quantize_groups), then the weights' bf16 path."""
     a = None if scheme is None else scheme.input_activations
-    if a is not None and a.num_bits == 8 and a.strategy == "token" and a.dynamic is True and a.symmetric:
+    if a is None or a.dynamic is not True or not a.symmetric:
+        return ""
+    if a.num_bits == 8 and a.strategy == "token":
         return {"int": "int8", "float": "fp8"}.get(a.type, "")
+    if a.type == "float" and a.strategy == "group" and a.group_size and a.group_size > 0:
+        if a.scale_dtype == "torch.uint8" and a.group_size == 32 and a.num_bits in (4, 8):
+            return f"mxfp{a.num_bits}"
+        if a.scale_dtype is None and a.num_bits == 8:
+            return f"fp8_g{a.group_size}"
     return ""
 
 

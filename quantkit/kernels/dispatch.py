@@ -14,6 +14,9 @@ from quantkit.kernels.tiling import LANES, Chip, Tiles, choose_tiles
 # Weight types the runtime keeps quantized on device (int4 and int8 with or without zero points, fp8 e4m3, mxfp4,
 # mxfp8, nvfp4).
 SERVED_QTYPES = ("int4", "int8", "fp8", "mxfp4", "mxfp8", "nvfp4")
+# Activation quantizations (QTensor.act) whose 8-bit codes gmm_v2 multiplies; the others (mxfp4, mxfp8,
+# fp8_g<N>: per group) are quantize-dequantized before the call and take the bf16 path.
+ROW_CODES = ("int8", "fp8")
 
 
 @dataclass(frozen=True)
@@ -40,8 +43,10 @@ def can_use_gmm_v2(qtype: str, k: int, n: int, group_size: int | None, chip: Chi
         scale_bytes: bytes per stored scale.
         zero_bytes: bytes per stored zero point (0: none, symmetric).
         act: the activations' quantization (QTensor.act): "int8" multiplies int8 rows by integer weights,
-            "fp8" fp8 rows by integer or fp8 weights (8-bit rows, their scales after the dot).
+            "fp8" fp8 rows by integer or fp8 weights (8-bit rows, their scales after the dot); any other
+            reaches the kernel already dequantized (bf16 rows).
     """
+    act = act if act in ROW_CODES else ""
     if not chip.tpu:
         return None, f"{chip.name}: Pallas TPU kernels need a TPU target"
     if qtype not in SERVED_QTYPES:
@@ -75,10 +80,13 @@ def mxu_type(qtype: str, act: str, chip: Chip) -> str:
 def kernel_path(qtype: str, k: int, n: int, group: int, chip: Chip, scale_bytes: int = 2,
                 zero_bytes: int = 0, act: str = "") -> Verdict:
     """gmm_v2 for a served [k, n] weight of `qtype` with `group` inputs per scale, else the XLA path and why;
-    with int8 activations, whether the chip's MXU multiplies int8 or the kernel emulates it (exactly, in bf16)."""
+    with quantized activations, the MXU type that multiplies them (or how they are computed exactly in bf16)."""
     tiles, why = can_use_gmm_v2(qtype, k, n, group, chip, scale_bytes=scale_bytes, zero_bytes=zero_bytes, act=act)
     if not tiles:
         return Verdict("xla", f"XLA fallback: {why}")
+    if act and act not in ROW_CODES:
+        return Verdict("gmm_v2", f"{act} activations quantize-dequantized exactly per group, then multiplied in "
+                       "bf16 (per-group activation scales are not fed to the MXU)")
     if act and (t := mxu_type(qtype, act, chip)) != "bf16":
         return Verdict("gmm_v2", f"{t} x {t} on the MXU")
     if act == "int8":

@@ -13,6 +13,8 @@ from quantkit.kernels.tiling import CHIPS
 from quantkit.kernels.xla import gmm_xla
 from quantkit.quant.qtensor import QTensor
 
+FP8_MAX = 448.0  # e4m3's largest value
+
 
 # Set only inside `interpreted_tpu_kernels` (tests): trace the TPU path, kernels in Pallas interpret mode.
 _INTERPRETED = contextvars.ContextVar("quantkit_interpreted_tpu_kernels", default=None)
@@ -88,12 +90,58 @@ def quantize_rows(x: jax.Array, act: str = "int8") -> tuple[jax.Array, jax.Array
     codes = x / scale clipped to the type's range, then rounded to it (int8: half to even; fp8: the cast).
     Returns (codes [m, k] int8 or float8_e4m3fn, scales [m, 1] in x.dtype); codes * scales is the library's
     fake-quantized x."""
-    half, lo, hi = (127.5, -128, 127) if act == "int8" else (448.0, -448, 448)
+    half, lo, hi = (127.5, -128, 127) if act == "int8" else (FP8_MAX, -FP8_MAX, FP8_MAX)
     absmax = jnp.max(jnp.abs(x), axis=1, keepdims=True)
     scale = _divide(absmax, jnp.asarray(half, x.dtype))
     scale = jnp.where(scale == 0, jnp.asarray(jnp.finfo(x.dtype).eps, x.dtype), scale)
     y = jnp.clip(_divide(x, scale), lo, hi)
     return (jnp.round(y).astype(jnp.int8) if act == "int8" else y.astype(jnp.float8_e4m3fn)), scale
+
+
+def fake_quantize_groups(x: jax.Array, act: str) -> jax.Array:
+    """Dynamic symmetric per-group quantize-dequantize of x [m, k] along its rows (QTensor.act "mxfp4",
+    "mxfp8": groups of 32 with an E8M0 scale; "fp8_g<N>": groups of N with a float scale), in x's dtype as
+    compressed-tensors computes it: the group's absmax -> scale (MX: the absmax rounded to a power of two, up
+    only from mantissa 1.75, over the element type's largest power, 2 for e2m1 and 256 for e4m3; fp8: absmax /
+    448, 0 -> the dtype's eps), x / scale clipped to the type's range and rounded to it (e4m3: the cast;
+    e2m1: nearest, ties to even), times the scale. No MXU multiplies these types: the result is multiplied in
+    the activations' dtype by the weights' own path."""
+    m, k = x.shape
+    group = 32 if act.startswith("mx") else int(act.split("_g")[1])
+    g = x.reshape(m, k // group, group)
+    absmax = jnp.max(jnp.abs(g), axis=2, keepdims=True)
+    fp4 = act == "mxfp4"
+    if act.startswith("mx"):  # the library's generate_mx_scales, on the bits of x's dtype
+        bits = jnp.dtype(x.dtype).itemsize * 8
+        mant = jnp.finfo(x.dtype).nmant
+        uint = {16: jnp.uint16, 32: jnp.uint32}[bits]
+        u = jax.lax.bitcast_convert_type(absmax, uint)
+        mask = jnp.asarray(((1 << (bits - mant)) - 1) << mant, uint)  # sign and exponent: the mantissa rounded away
+        p2 = jax.lax.bitcast_convert_type((u + jnp.asarray(1 << (mant - 2), uint)) & mask, x.dtype)
+        p2 = p2.astype(jnp.float32)
+        e = jnp.clip(jnp.floor(jnp.log2(p2)) - (2 if fp4 else 8), -127, 127).astype(jnp.int32)
+        # 2**e exactly, from its float32 bits (2**-127 is the subnormal 2**-23 * 2**-104)
+        scale = jax.lax.bitcast_convert_type(jnp.where(e > -127, (e + 127) << 23, 1 << 22), jnp.float32)
+        # an all-zero group: 2**-127, which a chip that flushes subnormals (XLA:CPU, TPU) reads as 0, so 1
+        # here (the group stays zero either way)
+        scale = jnp.where(absmax == 0, 1.0, scale).astype(x.dtype)
+    else:
+        scale = _divide(absmax, jnp.asarray(FP8_MAX, x.dtype))
+        scale = jnp.where(scale == 0, jnp.asarray(jnp.finfo(x.dtype).eps, x.dtype), scale)
+    top = 6.0 if fp4 else FP8_MAX
+    y = jnp.clip(_divide(g, scale), -top, top)
+    y = _round_e2m1(y) if fp4 else y.astype(jnp.float8_e4m3fn).astype(x.dtype)
+    return (y * scale).reshape(m, k)
+
+
+def _round_e2m1(y: jax.Array) -> jax.Array:
+    """Values in [-6, 6] rounded to the nearest e2m1 value (0, 0.5, 1, 1.5, 2, 3, 4, 6), ties to the even
+    code, sign kept: the steps between neighbours, each taken past its midpoint (at an odd code's midpoint
+    only beyond it)."""
+    a = jnp.abs(y)
+    steps = ((a > 0.25) * 0.5 + (a >= 0.75) * 0.5 + (a > 1.25) * 0.5 + (a >= 1.75) * 0.5 + (a > 2.5) * 1.0
+             + (a >= 3.5) * 1.0 + (a > 5.0) * 2.0)
+    return jnp.copysign(steps.astype(y.dtype), y)
 
 
 def _divide(a: jax.Array, b: jax.Array) -> jax.Array:
@@ -110,8 +158,10 @@ def grouped_matmul(x: jax.Array, w: QTensor, group_sizes: jax.Array, group_offse
     if w.perm is not None:
         x = _in_stored_order(x, w, group_sizes, group_offset)
         w = w.with_arrays({f: a for f, a in w.arrays.items() if f != "perm"})
-    if w.act:
+    if w.act in ("int8", "fp8"):  # codes and row scales for the MXU
         x = quantize_rows(x, w.act)
+    elif w.act:  # group-quantized activations: exact values, then the weights' own path
+        x, w = fake_quantize_groups(x, w.act), w.with_arrays(w.arrays, act="")
     if w.mesh is not None:
         return _per_shard(x, w, group_sizes, group_offset)
     return _local(x, w, group_sizes, group_offset)

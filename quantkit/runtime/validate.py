@@ -49,8 +49,9 @@ def _act_reason(name: str, a: QuantArgs | None) -> str | None:
         return None  # fp8 activations: the runtime keeps activations in bf16 (reported as a warning)
     how = "static scales (they need calibration)" if not a.dynamic else "" if a.symmetric else "zero points"
     return (f"{a.type}{a.num_bits} {a.strategy} input activation quantization{' with ' + how if how else ''} is "
-            "not implemented by the runtime (it serves dynamic symmetric per-token int8 and fp8 activations and "
-            "computes other fp8 ones in bf16); convert to W8A8, W4A16 or FP8_DYNAMIC with `quantkit convert`")
+            "not implemented by the runtime (it serves dynamic symmetric int8 and fp8 per token, fp8 per group and "
+            "MX fp4 / fp8 per 32, and computes static fp8 ones in bf16); convert to W8A8, W4A16 or FP8_DYNAMIC with "
+            "`quantkit convert`")
 
 
 def _int_reason(w: QuantArgs, fmt: str) -> str | None:
@@ -70,15 +71,15 @@ def unsupported_reason(scheme: Scheme) -> str | None:
     """Why quantkit cannot serve weights stored under `scheme` at all (whatever the chip), or None if it can:
     int4 and int8 with or without zero points (pack- or int-quantized, group or channel scales), fp8 e4m3 (float-quantized,
     tensor, channel or block scales), mxfp4, mxfp6 (served as mxfp8), mxfp8 and nvfp4, with no activation
-    quantization other than fp8 (per token: honoured; otherwise computed in bf16) and dynamic per-token int8
-    (with int weights)."""
+    quantization other than the dynamic symmetric kinds of `activation_qtype` (int8 only with int weights)
+    and static fp8 (computed in bf16)."""
     w, fmt = scheme.weights, scheme.format
     if fmt in SPARSE_FORMATS:
         return (f"sparse format {fmt} is not supported (its compressor was removed in compressed-tensors 0.15); "
                 "densify the checkpoint first")
     for name in ("input_activations", "output_activations"):
         if name == "input_activations" and activation_qtype(scheme):
-            continue  # dynamic per-token int8 or fp8 (W8A8, W4A8, FP8_DYNAMIC, W4AFP8): QTensor.act
+            continue  # dynamic int8 / fp8 per token, fp8 per group, MX per 32: QTensor.act
         reason = _act_reason(name, getattr(scheme, name))
         if reason:
             return reason
@@ -133,9 +134,9 @@ def config_findings(raw: dict | None, qc: QuantConfig | None) -> list[tuple[str,
         out.append(("warning", f"quantization_status is {qc.status!r}, expected 'compressed'"))
     fp8 = [g for g in qc.groups if g.input_activations is not None and g.input_activations.type == "float"
            and g.input_activations.num_bits == 8]
-    if any(not activation_qtype(g) for g in fp8):  # static or per-group fp8: not honoured
-        out.append(("warning", "fp8 activation quantization in the scheme: the runtime computes activations in "
-                    "bf16 (weights stay quantized)"))
+    if any(not activation_qtype(g) for g in fp8):  # static fp8: not honoured
+        out.append(("warning", "static fp8 activation quantization in the scheme: the runtime computes those "
+                    "activations in bf16 (weights stay quantized)"))
     return out
 
 
