@@ -453,6 +453,40 @@ def _dots(jaxpr) -> list[tuple]:
     return found
 
 
+@pytest.mark.parametrize("act,qtype,group,resident,sizes", [
+    ("int8", "int8", 512, True, [40, 30, 26]), ("int8", "int4", 128, False, [96]), ("", "int8", 128, False, [40, 30, 26]),
+    ("fp8", "fp8", 512, True, [96]), ("", "int4", 32, True, [40, 30, 26])])
+def test_declared_cost_equals_the_blocks_the_grid_copies(act, qtype, group, resident, sizes):
+    """gmm_v2's CostEstimate (tiling.traffic) against the bytes its pipeline copies for one call, counted by
+    walking the grid with the call's own visit metadata (`visits`) through the kernel's own index maps
+    (`index_maps`): an input block is copied when its index differs from the previous step's, the output
+    written when its index changes. Groups of 40 / 30 / 26 rows over 32-row tiles straddle tiles (5 visits,
+    the static bound tiles_m + g - 1, attained); the bound's padding visit copies nothing; 8-bit rows move 1
+    byte an element and a float32 scale a row."""
+    from quantkit.kernels.gmm_v2 import cost, index_maps, visits
+
+    m, k, n, tm, tk, tn = 96, 512, 384, 32, 128, 128
+    g, nk = len(sizes), k // tk
+    _, rhs, _ = _abstract(qtype, g, k, n, group, m)
+    rhs = dataclasses.replace(rhs, act=act)
+    tiles = Tiles(tm=tm, tk=tk, tn=tn, predot=group < tk, lhs_resident=resident, vmem_bytes=0, vmem_limit=0)
+    meta = visits(jnp.asarray(sizes, jnp.int32), m, tm) + (jnp.zeros(1, jnp.int32),)  # + the group offset
+    lhs_map, rows_map, q_map, s_map, out_map = index_maps(tiles, g, nk)
+    vbits = 8 if qtype in ("int8", "fp8") else 4
+    blocks = [(lhs_map, tm * (k if resident else tk) * (1 if act else 2)), (rows_map, tm * 4 if act else 0),
+              (q_map, tk * tn * vbits // 8), (s_map, (tk // group if group < tk else k // group) * tn * 2)]
+    copied, last, out_last, written = 0, {}, None, 0
+    for ni in range(n // tn):
+        for v in range(meta[0].shape[0]):
+            for ki in range(nk):
+                for j, (index, size) in enumerate(blocks):
+                    if last.get(j) != (i := tuple(int(x) for x in index(ni, v, ki, *meta))):
+                        copied, last[j] = copied + size, i
+                if (o := tuple(int(x) for x in out_map(ni, v, ki, *meta))) != out_last:
+                    written, out_last = written + tm * tn * 2, o
+    assert cost(m, k, n, g, rhs, tiles).bytes_accessed == copied + written, (copied, written)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("chip", ["v6e", "v7x"])  # v5e: the same MXU types as v6e
 def test_8bit_activations_compile_to_the_chips_mxu_type(chip):

@@ -73,7 +73,7 @@ def visits(group_sizes: jax.Array, m: int, tm: int) -> tuple[jax.Array, jax.Arra
 
     Returns int32 arrays: group id per visit [V], m tile per visit [V], the number of real visits [1],
     and group row bounds [g + 1, 2] (the extra group g, empty, stands for rows past all groups). V is the
-    static bound tiles_m + g - 1 + 1; padding visits repeat the last real one (same blocks: no new DMA)
+    static bound tiles_m + g - 1 + 1; padding visits repeat the last real one (index_maps: same blocks, no new DMA)
     and are skipped by the kernel.
     """
     g = group_sizes.shape[0]
@@ -187,6 +187,34 @@ def cost(m: int, k: int, n: int, g: int, rhs: QTensor, tiles: Tiles, out_bytes: 
 
 # ---- pallas_call -----------------------------------------------------------------------------------
 
+def index_maps(tiles: Tiles, g: int, nk: int) -> tuple:
+    """The block index of each operand at grid step (n tile, visit, k tile) — (lhs, row scales, weight values,
+    scales and zero points, output) — from the scalar prefetch refs (visit groups and m tiles, the number of
+    real visits, group bounds, the group offset; nvfp4's global scales after them, unused). A padding visit
+    (past the real ones) repeats the last real visit's blocks at its last k tile: an unchanged index copies
+    nothing, so the bound's spare visits move no bytes (the CostEstimate counts real visits only)."""
+
+    def at(v, ki, nv):  # the k tile a visit reads: the last one throughout a padding visit
+        return jnp.where(v < nv[0], ki, nk - 1)
+
+    def lhs_map(ni, v, ki, vg, vt, nv, bounds, off, *_):  # resident: one block per m tile, kept across n tiles
+        return vt[v], 0 if tiles.lhs_resident else at(v, ki, nv)
+
+    def rows_map(ni, v, ki, vg, vt, *_):  # 8-bit rows' scales: a block per m tile, like the output's
+        return vt[v], 0
+
+    def q_map(ni, v, ki, vg, vt, nv, bounds, off, *_):
+        return off[0] + jnp.minimum(vg[v], g - 1), at(v, ki, nv), ni
+
+    def s_map(ni, v, ki, vg, vt, nv, bounds, off, *_):  # pre-dot: the k tile's rows; else all rows (few)
+        return off[0] + jnp.minimum(vg[v], g - 1), at(v, ki, nv) if tiles.predot else 0, ni
+
+    def out_map(ni, v, ki, vg, vt, nv, bounds, off, *_):
+        return vt[v], ni
+
+    return lhs_map, rows_map, q_map, s_map, out_map
+
+
 def _call(lhs: jax.Array, rhs: QTensor, group_sizes: jax.Array, group_offset: jax.Array, tiles: Tiles,
           interpret, row_scales: jax.Array | None, out_dtype, mxu: str) -> jax.Array:
     m, k = lhs.shape
@@ -200,21 +228,8 @@ def _call(lhs: jax.Array, rhs: QTensor, group_sizes: jax.Array, group_offset: ja
     kernel = functools.partial(_kernel, qtype=rhs.qtype, group=rhs.group, tiles=tiles, num_groups=g, nk=nk,
                                zeros=rhs.zeros is not None, gscale=rhs.gscale is not None,
                                int8_lhs=row_scales is not None, mxu=mxu)
-    # index maps take the grid indices, then the scalar prefetch refs (and the global scales, unused there)
-
-    def lhs_map(ni, v, ki, vg, vt, nv, bounds, off, *_):  # resident: one block per m tile, kept across n tiles
-        return vt[v], 0 if tiles.lhs_resident else ki
-
-    def q_map(ni, v, ki, vg, vt, nv, bounds, off, *_):
-        return off[0] + jnp.minimum(vg[v], g - 1), ki, ni
-
-    def s_map(ni, v, ki, vg, vt, nv, bounds, off, *_):  # pre-dot: the k tile's rows; else all rows (few)
-        return off[0] + jnp.minimum(vg[v], g - 1), ki if tiles.predot else 0, ni
-
+    lhs_map, rows_map, q_map, s_map, out_map = index_maps(tiles, g, nk)
     s_spec = pl.BlockSpec((None, tk // rhs.group if tiles.predot else srows, tn), s_map)  # zero points too
-
-    def out_map(ni, v, ki, vg, vt, nv, bounds, off, *_):
-        return vt[v], ni
 
     offset = group_offset.reshape(1).astype(jnp.int32)
     prefetch = [vg, vt, nv, bounds, offset]
@@ -226,7 +241,7 @@ def _call(lhs: jax.Array, rhs: QTensor, group_sizes: jax.Array, group_offset: ja
     lhs_specs = [pl.BlockSpec((tm, k if tiles.lhs_resident else tk), lhs_map)]
     lhs_args = [lhs]
     if row_scales is not None:  # [m, 1] float32, a block per m tile like the output's
-        lhs_specs.append(pl.BlockSpec((tm, 1), lambda ni, v, ki, vg, vt, *_: (vt[v], 0)))
+        lhs_specs.append(pl.BlockSpec((tm, 1), rows_map))
         lhs_args.append(row_scales.astype(jnp.float32))
 
     return pl.pallas_call(

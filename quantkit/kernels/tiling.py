@@ -110,17 +110,27 @@ def traffic(m: int, k: int, n: int, g: int, qtype: str, group: int, scale_bytes:
             out_bytes: int = 2, zero_bytes: int = 0, lhs_bytes: int = 2) -> tuple[int, int]:
     """(bytes moved, FLOPs executed) by one gmm_v2 call, bounded statically.
 
-    Each visit reads its group's packed weight tile by tile and its scale (and zero point) rows once; at most min(g, m)
-    groups hold rows, so there are at most tiles_m + min(g, m) - 1 visits. lhs: a resident [tm, k] block
-    is fetched when the m tile changes (once per call with one m tile, else once per m tile and n tile);
-    otherwise once per n tile. The output is written once. FLOPs are what the MXU executes: whole m tiles
-    per visit, masked rows included. Quantized activations (lhs_bytes 1): int8 rows and a float32 scale each.
+    Each visit reads its group's packed weight tile by tile; at most min(g, m) groups hold rows, so there are
+    at most tiles_m + min(g, m) - 1 visits (gmm_v2.index_maps: the bound's spare visits copy nothing). A block
+    whose index does not change from one grid step to the next is not copied again: scale (and zero point)
+    rows applied after the dot, and with a single k tile the weight tile too, are read once per run of
+    visits to one group (at most min(g, m) runs). lhs: a resident [tm, k] block is fetched when the m tile
+    changes (once per call with one m tile, else once per m tile and n tile); otherwise by k tiles, each
+    visit its rows (an m tile shared by two groups twice), for each n tile. The output is written once. FLOPs
+    are what the MXU executes: whole m tiles per visit, masked rows included. Quantized activations
+    (lhs_bytes 1): 8-bit rows and a float32 scale each. (test_declared_cost_equals_the_blocks_the_grid_copies
+    walks the grid through the kernel's index maps.)
     """
     tiles_m = -(-m // tiles.tm)
     visits = min(tiles_m + min(g, m) - 1, tiles_m * g)
-    weight = k * n * weight_bits(qtype) // 8 + max(1, k // group) * n * (scale_bytes + zero_bytes)
+    runs = min(g, m, visits)  # runs of consecutive visits to one group
+    ktiles = k // tiles.tk > 1  # blocks indexed by the k tile change at every step: a visit reads all of them
+    values = (visits if ktiles else runs) * k * n * weight_bits(qtype) // 8
+    scales = (visits if ktiles and tiles.predot else runs) * max(1, k // group) * n * (scale_bytes + zero_bytes)
     lhs_reads = 1 if (tiles.lhs_resident and tiles_m == 1) else n // tiles.tn
-    moved = visits * weight + lhs_reads * m * (k * lhs_bytes + (4 if lhs_bytes == 1 else 0)) + m * n * out_bytes
+    lhs_rows = visits * min(tiles.tm, m) if ktiles and not tiles.lhs_resident else m  # k tiles: a visit reads its rows
+    rows = m * 4 if lhs_bytes == 1 else 0  # 8-bit rows' float32 scales, a block per m tile
+    moved = values + scales + lhs_reads * (lhs_rows * k * lhs_bytes + rows) + m * n * out_bytes
     return moved, 2 * visits * min(tiles.tm, m) * k * n
 
 
