@@ -458,6 +458,10 @@ def _check_options(scheme: str, group_size: int, observer: str, workers: int) ->
         raise Unsupported("FP8 (per-tensor weights with a static per-tensor input scale) needs calibration data "
                           "to set input_scale, which quantkit convert does not do; use FP8_DYNAMIC "
                           "(per-channel weights, dynamic per-token activations)")
+    if scheme == "NVFP4":
+        raise Unsupported("NVFP4 (fp4 activations relative to a static input_global_scale per layer) needs "
+                          "calibration data to set input_global_scale, which quantkit convert does not do; use "
+                          "NVFP4A16 (the same weights, bf16 activations) or quantize with llm-compressor")
     if scheme in GROUPED and not (group_size == -1 or group_size > 0):
         raise InvalidInput(f"--group-size {group_size}: use a positive group size or -1 for channel scales")
     if observer not in ("minmax", "mse"):

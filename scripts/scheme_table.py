@@ -15,7 +15,8 @@ import torch
 from compressed_tensors.compressors.format import infer_module_format
 from compressed_tensors.quantization.quant_scheme import PRESET_SCHEMES, preset_name_to_scheme
 
-from quantkit.formats.compressed_tensors import activation_qtype, parse_quantization_config, weight_qtype
+from quantkit.formats.compressed_tensors import (activation_group, activation_qtype, parse_quantization_config,
+                                                 weight_qtype)
 from quantkit.kernels.dispatch import ROW_CODES, mxu_type
 from quantkit.kernels.tiling import CHIPS
 from quantkit.formats.ct_tensors import kernel_shapes
@@ -41,8 +42,10 @@ def activations(scheme, cells: list[str]) -> str:
     if cells[0].startswith("refused") or a is None:
         return "" if cells[0].startswith("refused") else "bf16"
     if (act := activation_qtype(scheme)) and act not in ROW_CODES:
-        what = f"{act} per group of 32" if act.startswith("mx") else f"fp8 per group of {act.split('_g')[1]}"
-        return f"{what}: quantize-dequantized exactly, then the weights' bf16 path"
+        kind = act.split("_g")[0]
+        scale = " (fp8 scales under input_global_scale)" if act == "nvfp4" else ""
+        return (f"{kind} per group of {activation_group(act)}{scale}: quantize-dequantized exactly, then the weights' "
+                "bf16 path")
     if act:
         qtype = kernel_shapes(scheme, SHAPE).qtype
         native = [c for c in CHIP_COLUMNS[:3] if mxu_type(qtype, act, CHIPS[c]) == act]

@@ -119,6 +119,7 @@ EXPECTED_FORMAT = {
     "MXFP6A16": "mxfp6-pack-quantized",
     "MXFP8A16": "mxfp8-quantized",
     "NVFP4A16": "nvfp4-pack-quantized",
+    "NVFP4": "nvfp4-pack-quantized",
     "MIXED": "mixed-precision",
     "W8A8": "int-quantized",
     "W4A8": "int-quantized",
@@ -415,8 +416,9 @@ def _calibrate_weights(model: torch.nn.Module, fuse_global_scales: bool) -> None
         if hasattr(m, "weight_zero_point"):
             update_offload_parameter(m, "weight_zero_point", zp)
 
-    # 3. static activation scales: any fixed positive value
-    for _, m in model.named_modules():
+    # 3. static activation scales: any fixed positive value; NVFP4's input global scale as llm-compressor
+    # calibrates it (generate_gparam of the input's range) for a made-up range per input (_input_absmax)
+    for name, m in model.named_modules():
         if not is_module_quantized(m):
             continue
         for base in ("input", "output"):
@@ -427,8 +429,18 @@ def _calibrate_weights(model: torch.nn.Module, fuse_global_scales: bool) -> None
                 p = getattr(m, f"{base}_zero_point")
                 update_offload_parameter(m, f"{base}_zero_point", torch.zeros_like(p))
             if hasattr(m, f"{base}_global_scale"):
-                p = getattr(m, f"{base}_global_scale")
-                update_offload_parameter(m, f"{base}_global_scale", torch.ones_like(p))
+                a = torch.tensor(_input_absmax(name))
+                update_offload_parameter(m, f"{base}_global_scale", generate_gparam(-a, a).reshape(1))
+
+
+def _input_absmax(name: str) -> float:
+    """A made-up absmax in [1, 5) of the input of module `name`: the same for modules that read one input
+    (q/k/v, gate/up), different between layers, experts and inputs."""
+    import zlib
+
+    parent, leaf = name.rsplit(".", 1)
+    site = {"k_proj": "q_proj", "v_proj": "q_proj", "up_proj": "gate_proj"}.get(leaf, leaf)
+    return 1 + zlib.crc32(f"{parent}.{site}".encode()) % 1000 / 250
 
 
 def _fuse_global_scales(model: torch.nn.Module) -> None:
@@ -746,31 +758,44 @@ def library_quantize_checkpoint(src, dst, scheme: str, ignore=("lm_head", r"re:.
     return dst
 
 
-def fake_quantize_inputs(model: torch.nn.Module, scheme: str, skip: Iterable[str] = ("lm_head",)) -> torch.nn.Module:
+def fake_quantize_inputs(model: torch.nn.Module, scheme: str, skip: Iterable[str] = ("lm_head",),
+                         global_scales: dict | None = None) -> torch.nn.Module:
     """Hooks the library's dynamic activation quantization onto the input of every ``nn.Linear`` of ``model``
     but those named in ``skip`` (what its ``forward_quantize`` does to a quantized module's input:
     ``compute_dynamic_scales_and_zp`` then ``fake_quantize`` with the preset's ``input_activations``), and of
     every ``F.linear`` of a fused-experts module (transformers 5 keeps MoE experts as 3-D parameters): the
     reference forward of a W8A8 / W4A8 checkpoint run by transformers on its dequantized weights. Rows go to
-    the library as [batch, tokens, k]: given 2-D rows, its token strategy would take one scale for all."""
+    the library as [batch, tokens, k]: given 2-D rows, its token strategy would take one scale for all.
+    NVFP4: ``global_scales`` (``input_global_scales`` of the checkpoint) gives each module's
+    ``input_global_scale`` (a fused expert's F.linear: its expert's, found by its weight)."""
     from compressed_tensors.quantization.lifecycle.forward import fake_quantize
     from compressed_tensors.quantization.utils import compute_dynamic_scales_and_zp
 
     args = PRESET_SCHEMES[scheme]["input_activations"]
 
-    def fq(x, module):  # rows as [batch, tokens, k]: the library's token strategy reduces the last dim alone
+    def fq(x, module, name):  # rows as [batch, tokens, k]: the library's token strategy reduces the last dim alone
         x3 = x if x.ndim == 3 else x[None]
-        scale, zp = compute_dynamic_scales_and_zp(x3, args, module)
-        return fake_quantize(x3, scale, zp, args).reshape(x.shape)
+        g = None if global_scales is None else global_scales[name]
+        scale, zp = compute_dynamic_scales_and_zp(x3, args, module, global_scale=g)
+        return fake_quantize(x3, scale, zp, args, global_scale=g).reshape(x.shape)
+
+    names = {m: n for n, m in model.named_modules()}
 
     def hook(module, inputs):
-        return (fq(inputs[0], module), *inputs[1:])
+        return (fq(inputs[0], module, names[module]), *inputs[1:])
 
     linear = torch.nn.functional.linear
 
+    def expert_of(module, w):  # the per-expert module name of one expert's weight
+        for param, leaf in (("gate_up_proj", "gate_proj"), ("down_proj", "down_proj")):
+            for e, we in enumerate(getattr(module, param)):
+                if we.data_ptr() == w.data_ptr():
+                    return f"{names[module]}.{e}.{leaf}"
+        raise AssertionError("not an expert weight")
+
     def experts_forward(module, forward):  # fused 3-D expert weights (transformers 5): each F.linear's input
         def run(*a, **kw):
-            torch.nn.functional.linear = lambda x, w, b=None: linear(fq(x, module), w, b)
+            torch.nn.functional.linear = lambda x, w, b=None: linear(fq(x, module, expert_of(module, w)), w, b)
             try:
                 return forward(*a, **kw)
             finally:
@@ -788,15 +813,32 @@ def fake_quantize_inputs(model: torch.nn.Module, scheme: str, skip: Iterable[str
     return model
 
 
+def input_global_scales(path) -> dict:
+    """Module name -> its ``input_global_scale`` in checkpoint ``path`` (NVFP4 activations)."""
+    suffix = ".input_global_scale"
+    return {k.removesuffix(suffix): v for k, v in read_tensors(path).items() if k.endswith(suffix)}
+
+
 def with_float32_scales(src, dst) -> pathlib.Path:
     """A copy of checkpoint ``src`` with its ``*_scale`` tensors upcast (losslessly) to float32: the library then
     dequantizes in float32 (it computes in the scales' dtype), each weight the exact product of its code and
     scale, as the runtime does in a float32 parity test."""
+    return _copy_checkpoint(src, dst, {k: v.float() if k.endswith("_scale") else v for k, v in read_tensors(src).items()})
+
+
+def without_input_global_scales(src, dst) -> pathlib.Path:
+    """A copy of NVFP4 checkpoint ``src`` without its ``input_global_scale`` tensors, which the library's
+    dequantizer (convert_checkpoint) refuses as orphan parameters: what it dequantizes are the weights."""
+    tensors = {k: v for k, v in read_tensors(src).items() if not k.endswith(".input_global_scale")}
+    return _copy_checkpoint(src, dst, tensors)
+
+
+def _copy_checkpoint(src, dst, tensors: dict) -> pathlib.Path:
+    """Checkpoint ``src``'s files but its safetensors into ``dst``, with ``tensors`` as its one safetensors file."""
     from safetensors.torch import save_file
 
     src, dst = pathlib.Path(src), pathlib.Path(dst)
     dst.mkdir(parents=True, exist_ok=True)
-    tensors = {k: v.float() if k.endswith("_scale") else v for k, v in read_tensors(src).items()}
     save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
     for f in src.iterdir():
         if f.is_file() and f.suffix != ".safetensors" and not f.name.endswith(".index.json"):

@@ -279,9 +279,11 @@ def test_nan_weights_leave_no_dst(src, tmp_path):
 def test_quantized_source_and_fp8_static(converted, tmp_path):
     with pytest.raises(InvalidInput, match="already quantized"):
         convert(converted[("W4A16", 128)], tmp_path / "again", "MXFP4A16")
-    with pytest.raises(Unsupported, match="needs calibration"):
-        convert(converted[("W4A16", 128)], tmp_path / "fp8", "FP8")
-    assert _no_dst(tmp_path / "again") and _no_dst(tmp_path / "fp8")
+    for static in ("FP8", "NVFP4"):  # static activation scales (input_scale, input_global_scale)
+        with pytest.raises(Unsupported, match="needs calibration"):
+            convert(converted[("W4A16", 128)], tmp_path / static, static)
+        assert _no_dst(tmp_path / static)
+    assert _no_dst(tmp_path / "again")
     foreign = tmp_path / "gptq"  # another method's quantization_config: named, not parsed as compressed-tensors
     shutil.copytree(converted[("W4A16", 128)], foreign)
     cfg = json.loads((foreign / "config.json").read_text())

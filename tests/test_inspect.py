@@ -27,7 +27,7 @@ from quantkit.inspect import inspect_checkpoint
 
 SERVABLE = ["W4A16", "W4A16_G32", "W4A16_CHANNEL", "W4A16_ASYM", "W8A16", "W8A16_INT", "W8A16_ASYM", "W3A16",
             "W6A16", "W4AFP8", "FP8", "FP8_DYNAMIC", "FP8_BLOCK", "MXFP4A16", "MXFP6A16", "MXFP8A16", "NVFP4A16",
-            "MIXED", "W8A8", "W4A8"]
+            "MIXED", "W8A8", "W4A8", "NVFP4"]
 UNSUPPORTED = {"W4A4": "int4 token input activation"}  # int4 activations: not served
 QUANTKIT = [sys.executable, "-m", "quantkit.cli"]
 
@@ -35,7 +35,7 @@ QUANTKIT = [sys.executable, "-m", "quantkit.cli"]
 @pytest.fixture(scope="session")
 def ckpts(tmp_path_factory):
     root = tmp_path_factory.mktemp("ckpts")
-    return {s: make_checkpoint(root / s, s) for s in (*SCHEMES, "W8A8", "W4A8", *UNSUPPORTED)}
+    return {s: make_checkpoint(root / s, s) for s in (*SCHEMES, "W8A8", "W4A8", "NVFP4", *UNSUPPORTED)}
 
 
 def _copy(src: Path, tmp_path: Path) -> Path:
@@ -97,6 +97,33 @@ def test_unsupported_schemes_name_each_layer_and_reason(ckpts, scheme):
     assert len(bad) == 14 and all(UNSUPPORTED[scheme] in layer["reason"] for layer in bad)
     assert all(layer["path"] is None for layer in bad)
     assert sum(p["severity"] == "unsupported" for p in r["problems"]) == 14
+
+
+_ACTS = {"num_bits": 8, "type": "int", "strategy": "token", "dynamic": True, "symmetric": True}
+
+
+@pytest.mark.parametrize("edit,expect,code", [
+    ({"input_activations": {**_ACTS, "strategy": "tensor", "dynamic": False}},
+     "int8 tensor input activation quantization with static scales (they need calibration)", 1),
+    ({"input_activations": {**_ACTS, "symmetric": False}}, "int8 token input activation quantization with zero points",
+     3),
+    ({"output_activations": _ACTS}, "output activation quantization (int8 token) is not supported", 3),
+    ({"input_activations": {**_ACTS, "type": "float", "strategy": "group", "group_size": 512}},
+     "input activations quantized in groups of 512, which do not divide the 256 inputs", 3),
+])
+def test_activation_schemes_the_runtime_cannot_serve_name_each_layer(ckpts, tmp_path, edit, expect, code):
+    """W8A8's layers refused, each by name and reason, when its activations are static (without the scales
+    that needs: also an error per layer, exit 1), asymmetric, on the outputs, or in groups that do not divide
+    a layer's inputs (the layers whose inputs they do divide stay servable)."""
+    path = _copy(ckpts["W8A8"], tmp_path)
+    _edit_config(path, lambda qc: qc["config_groups"]["group_0"].update(edit))
+    r = inspect_checkpoint(path, "v6e")
+    assert r["exit_code"] == code and not r["servable"]
+    bad = {la["name"]: la["reason"] for la in r["layers"] if not la["servable"]}
+    assert len(bad) == (12 if "512" in expect else 14) and all(expect in why for why in bad.values()), bad
+    assert {p["where"] for p in r["problems"] if p["severity"] == "unsupported"} == set(bad)
+    if code == 1:
+        assert {p["where"] for p in r["problems"] if "missing tensor" in p["message"]} == set(bad)
 
 
 def test_scheme_fields_in_json(ckpts):
@@ -230,6 +257,8 @@ def test_odd_bit_ints_of_the_old_packing_are_refused(ckpts, tmp_path):
     ("MXFP4A16", lambda t: t.update({"model.layers.0.mlp.up_proj.weight_scale": torch.ones(512, 4, dtype=torch.uint8)}),
      "expected [512, 8]"),
     ("FP8", lambda t: t.pop("model.layers.0.self_attn.q_proj.input_scale"), "missing tensor"),
+    ("NVFP4", lambda t: t.pop("model.layers.1.mlp.up_proj.input_global_scale"),
+     "missing tensor model.layers.1.mlp.up_proj.input_global_scale"),
     # tensors a symmetric / un-reordered scheme would ignore: serving without them would be wrong
     ("W8A16", lambda t: t.update({"model.layers.0.mlp.up_proj.weight_zero_point": torch.zeros(128, 4, dtype=torch.int32)}),
      "model.layers.0.mlp.up_proj.weight_zero_point: present, but the scheme is symmetric"),

@@ -24,8 +24,9 @@ import pytest
 import torch
 import transformers as T
 
-from ct_oracle import (fake_quantize_inputs, library_convert_dequantize, library_quantize_checkpoint,
-                       make_actorder_checkpoint, make_checkpoint, to_activation_order, with_float32_scales)
+from ct_oracle import (fake_quantize_inputs, input_global_scales, library_convert_dequantize, library_quantize_checkpoint,
+                       make_actorder_checkpoint, make_checkpoint, to_activation_order, with_float32_scales,
+                       without_input_global_scales)
 from helpers import (COMMON, activation_order_moe, family, gemma4_config, greedy_parity, perturbed, rel_err,
                      with_tokenizer)
 from quantkit.errors import InvalidInput, Unsupported
@@ -87,7 +88,8 @@ def test_quantized_checkpoints_match_transformers_on_decompressed_weights(scheme
 
 
 ACTS = {"W8A8": ("int8", "int8"), "W4A8": ("int8", "int4"), "FP8_DYNAMIC": ("fp8", "fp8"), "W4AFP8": ("fp8", "int4"),
-        "MXFP4": ("mxfp4", "mxfp4"), "MXFP8": ("mxfp8", "mxfp8"), "FP8_BLOCK": ("fp8_g128", "fp8")}
+        "MXFP4": ("mxfp4", "mxfp4"), "MXFP8": ("mxfp8", "mxfp8"), "FP8_BLOCK": ("fp8_g128", "fp8"),
+        "NVFP4": ("nvfp4", "nvfp4")}
 
 
 @pytest.mark.parametrize("scheme", list(ACTS))
@@ -95,9 +97,11 @@ def test_quantized_activation_checkpoints_match_transformers_with_the_librarys_a
     """W8A8 (int8 channel weights) and W4A8 (int4 g128) made by the library: every quantized matmul quantizes
     its input rows to int8 per token (QTensor.act); FP8_DYNAMIC (fp8 channel) and W4AFP8 (int4 g128) to fp8
     e4m3 per token; MXFP4 and MXFP8 to e2m1 / e4m3 per 32 with E8M0 scales, FP8_BLOCK (128 x 128 weight
-    blocks) to e4m3 per group of 128 (quantize-dequantized); against transformers on the library's float32 dequantized
-    weights (each the exact product of code and scale, as the runtime's: ct_oracle.with_float32_scales) with
-    the library's own dynamic activation quantization on each Linear's input (ct_oracle.fake_quantize_inputs).
+    blocks) to e4m3 per group of 128, NVFP4 (W4A4) to e2m1 per 16 with fp8 scales relative to each module's
+    own static input_global_scale (quantize-dequantized); against transformers on the library's float32
+    dequantized weights (each the exact product of code and scale, as the runtime's:
+    ct_oracle.with_float32_scales; nvfp4: the library's bf16 rounding, as the runtime's) with the library's
+    own dynamic activation quantization on each Linear's input (ct_oracle.fake_quantize_inputs).
 
     Each Linear alone, on the same rows (an outlier, a zero row): the same codes, scales and sums, 1e-5. The
     whole model: rounding a row to a few levels turns last-bit differences (float32 summation order) into
@@ -107,9 +111,13 @@ def test_quantized_activation_checkpoints_match_transformers_with_the_librarys_a
     (measured; fp8 per token and MX: below 1e-6 to 6e-3), so 3e-2 against the float32 forward (FP8_BLOCK: the
     float64 one, closer to both), and greedy tokens identical."""
     q = make_checkpoint(tmp_path / "q", scheme)
-    exact = q if scheme.startswith("MX") else with_float32_scales(q, tmp_path / "q32")  # E8M0: powers of two
-    dense = library_convert_dequantize(exact, tmp_path / "dense", dtype=torch.float32)
-    ref = fake_quantize_inputs(T.AutoModelForCausalLM.from_pretrained(dense, dtype=torch.float32).eval(), scheme)
+    nv = scheme == "NVFP4"  # weights defined as their bf16 rounding, activations by their input_global_scale
+    exact = q if scheme.startswith("MX") else without_input_global_scales(q, tmp_path / "q-") if nv else \
+        with_float32_scales(q, tmp_path / "q32")  # E8M0: powers of two
+    dense = library_convert_dequantize(exact, tmp_path / "dense", dtype=torch.bfloat16 if nv else torch.float32)
+    gs = input_global_scales(q) if nv else None
+    ref = fake_quantize_inputs(T.AutoModelForCausalLM.from_pretrained(dense, dtype=torch.float32).eval(), scheme,
+                               global_scales=gs)
     whole = ref if scheme != "FP8_BLOCK" else fake_quantize_inputs(
         T.AutoModelForCausalLM.from_pretrained(dense, dtype=torch.float64).eval(), scheme)
     model = greedy_parity(q, whole, jnp.float32, 3e-2)
@@ -311,7 +319,7 @@ def test_quantized_moe_experts_match_transformers(scheme, tmp_path):
         assert np.array_equal(g, np.asarray(model.params["layers"]["full"]["experts_up"].gscale))
 
 
-@pytest.mark.parametrize("scheme", ["MXFP6A8", "W3A16", "W4A8"])
+@pytest.mark.parametrize("scheme", ["MXFP6A8", "W3A16", "W4A8", "NVFP4"])
 def test_library_quantized_moe_experts_match_transformers(scheme, tmp_path):
     """Qwen3-MoE quantized by the library itself (its per-expert Linears: ct_oracle's model-free path) to
     MXFP6A8, served as fp8 values with E8M0 scales, each expert's input rows quantize-dequantized to MX e4m3
@@ -328,19 +336,25 @@ def test_library_quantized_moe_experts_match_transformers(scheme, tmp_path):
     T.Qwen3MoeForCausalLM(T.Qwen3MoeConfig(**COMMON, moe_intermediate_size=128, num_experts=8, num_experts_per_tok=2,
                                            norm_topk_prob=True)).save_pretrained(tmp_path / "moe")
     q = library_quantize_checkpoint(tmp_path / "moe", tmp_path / "q", scheme)
-    act = {"W4A8": "int8", "MXFP6A8": "mxfp8"}.get(scheme, "")
-    int8 = act == "int8"
-    dense = library_convert_dequantize(with_float32_scales(q, tmp_path / "q32") if int8 else q, tmp_path / "dense",
-                                       dtype=torch.float32)
+    act = {"W4A8": "int8", "MXFP6A8": "mxfp8", "NVFP4": "nvfp4"}.get(scheme, "")
+    int8, nv = act == "int8", act == "nvfp4"
+    exact = with_float32_scales(q, tmp_path / "q32") if int8 else without_input_global_scales(q, tmp_path / "q-") \
+        if nv else q
+    dense = library_convert_dequantize(exact, tmp_path / "dense", dtype=torch.bfloat16 if nv else torch.float32)
+    gs = input_global_scales(q) if nv else None
     # eager experts: one F.linear per expert, whose input the library's activation quantization is hooked on
     ref = T.AutoModelForCausalLM.from_pretrained(dense, dtype=torch.float32, experts_implementation="eager").eval()
     # the router (`gate`, a Linear) is not quantized: its input stays as it is
-    model = greedy_parity(q, fake_quantize_inputs(ref, scheme, skip=("lm_head", "gate")) if act else ref, jnp.float32,
-                          3e-2 if int8 else 1e-2)
+    model = greedy_parity(q, fake_quantize_inputs(ref, scheme, skip=("lm_head", "gate"), global_scales=gs) if act
+                          else ref, jnp.float32, 3e-2 if int8 else 1e-2)
     experts = model.params["layers"]["full"]["experts_gate"]
     assert experts.values.shape[0] == 3 * 8 and experts.act == act
     assert (experts.qtype, experts.group) == {"MXFP6A8": ("mxfp8", 32), "W3A16": ("int4", 128),
-                                              "W4A8": ("int4", 128)}[scheme]
+                                              "W4A8": ("int4", 128), "NVFP4": ("nvfp4", 16)}[scheme]
+    if nv:  # each expert's own input global scale, gate's equal to up's (one input)
+        g = np.asarray(experts.act_gscale)
+        assert g.shape == (24,) and len(set(g.tolist())) == 24
+        assert np.array_equal(g, np.asarray(model.params["layers"]["full"]["experts_up"].act_gscale))
     if act:  # one expert's down projection alone on the same rows (an outlier, a zero row): 1e-5
         from quantkit.runtime.ops import qmatmul
 
@@ -349,7 +363,8 @@ def test_library_quantized_moe_experts_match_transformers(scheme, tmp_path):
         lin = torch.nn.Linear(128, 128, bias=False)
         lin.weight.data = ref.model.layers[1].mlp.experts.down_proj.data[5]  # [hidden, intermediate]
         with torch.no_grad():
-            theirs = fake_quantize_inputs(torch.nn.Sequential(lin), scheme)(torch.from_numpy(x[None]))[0].numpy()
+            theirs = fake_quantize_inputs(torch.nn.Sequential(lin), scheme, global_scales=gs and {
+                "0": gs["model.layers.1.mlp.experts.5.down_proj"]})(torch.from_numpy(x[None]))[0].numpy()
         ours = np.asarray(qmatmul(jnp.asarray(x), model.params["layers"]["full"]["experts_down"], 8 + 5))
         assert rel_err(ours, theirs) < 1e-5
 

@@ -342,11 +342,18 @@ def activation_qtype(scheme: Scheme | None) -> str:
     and what is not honoured: static fp8 activations, computed in bf16 with a warning). Dynamic and symmetric:
     - "int8" / "fp8": per token, int8 (W8A8, W4A8: each row's absmax / 127.5) or fp8 e4m3 (FP8_DYNAMIC,
       W4AFP8: absmax / 448), as compressed-tensors computes them; the codes go to the MXU (runtime/ops.quantize_rows);
-    - "mxfp4" / "mxfp8": e2m1 / e4m3 per group of 32 inputs with an E8M0 scale (MXFP4, MXFP8, MXFP6A8), and
-      "fp8_g<N>": e4m3 per group of N with a float scale (FP8_BLOCK, MXFP4XFP8): quantize-dequantized exactly
-      as the library does (runtime/ops.fake_quantize_groups), then the weights' bf16 path."""
+    - "mxfp4" / "mxfp8": e2m1 / e4m3 per group of 32 inputs with an E8M0 scale (MXFP4, MXFP8, MXFP6A8),
+      "fp8_g<N>": e4m3 per group of N with a float scale (FP8_BLOCK, MXFP4XFP8), and "nvfp4": e2m1 per group
+      of 16 with an fp8 scale relative to the module's static `input_global_scale` (NVFP4, `dynamic: local`):
+      quantize-dequantized exactly as the library does (runtime/ops.fake_quantize_groups), then the weights'
+      bf16 path."""
     a = None if scheme is None else scheme.input_activations
-    if a is None or a.dynamic is not True or not a.symmetric:
+    if a is None or not a.symmetric:
+        return ""
+    if a.dynamic == "local" and a.type == "float" and a.num_bits == 4 and a.strategy == "tensor_group" \
+            and a.group_size == 16:
+        return "nvfp4"
+    if a.dynamic is not True:
         return ""
     if a.num_bits == 8 and a.strategy == "token":
         return {"int": "int8", "float": "fp8"}.get(a.type, "")
@@ -356,6 +363,12 @@ def activation_qtype(scheme: Scheme | None) -> str:
         if a.scale_dtype is None and a.num_bits == 8:
             return f"fp8_g{a.group_size}"
     return ""
+
+
+def activation_group(act: str) -> int:
+    """The inputs per activation scale of an `activation_qtype` code: 32 for MX, 16 for nvfp4, N for
+    "fp8_g<N>", 0 for the per-token row codes and ""."""
+    return 32 if act.startswith("mx") else 16 if act == "nvfp4" else int(act.split("_g")[1]) if "_g" in act else 0
 
 
 def quantization_config_of(config: dict | None, where: str) -> tuple[dict | None, QuantConfig | None]:

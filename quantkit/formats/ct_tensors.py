@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from quantkit.errors import InvalidInput
-from quantkit.formats.compressed_tensors import QuantArgs, Scheme, weight_qtype
+from quantkit.formats.compressed_tensors import QuantArgs, Scheme, activation_qtype, weight_qtype
 
 # ---- KV cache scales (kv_cache_scheme) ------------------------------------------------------------------
 
@@ -216,6 +216,8 @@ def check_module_tensors(module: str, scheme: Scheme | None, params: dict) -> tu
         shape = None
         if not (params.get(stored_weight_name(scheme)) or params.get("weight") or params.get("weight_packed")):
             t.errors.append(f"{module}: no weight tensor found for format {fmt}")
+    if activation_qtype(scheme) == "nvfp4" and shape is not None:  # the activations' static global scale
+        t.need("input_global_scale", {"F32"}, (*shape[:-2], 1))
     if w is not None:  # tensors the scheme says nothing of would be ignored: the served weight would be wrong
         if w.symmetric and "weight_zero_point" in params:
             t.errors.append(f"{module}.weight_zero_point: present, but the scheme is symmetric; set symmetric: "
@@ -468,6 +470,7 @@ class KernelLayout(NamedTuple):
     gscale: float | None = None  # nvfp4's global scale
     perm: object = None  # [in] int32 input feature of each row (activation-ordered groups), or None
     act: str = ""  # the activations' quantization (compressed_tensors.activation_qtype)
+    act_gscale: float | None = None  # nvfp4 activations: the module's input_global_scale
 
 
 def _has_zeros(w: QuantArgs) -> bool:
@@ -500,7 +503,8 @@ def kernel_shapes(scheme: Scheme, shape: tuple[int, int], scale_dtype: str = "bf
 
 
 def kernel_layout(scheme: Scheme, arrays: dict, shape: tuple[int, int], where: str = "weight") -> KernelLayout:
-    """A served weight in the runtime's layout (see quant/qtensor.py), in numpy.
+    """A served weight in the runtime's layout (see quant/qtensor.py), in numpy, with how its activations are
+    quantized (and nvfp4 activations' input_global_scale).
 
     Args:
         scheme: the module's scheme (int4 / int8 pack- or int-quantized, fp8 float-quantized, mxfp4).
@@ -508,6 +512,14 @@ def kernel_layout(scheme: Scheme, arrays: dict, shape: tuple[int, int], where: s
         shape: logical [out, in].
         where: the module, for messages.
     """
+    import numpy as np
+
+    act = activation_qtype(scheme)
+    gscale = float(np.asarray(arrays["input_global_scale"], np.float32).reshape(())) if act == "nvfp4" else None
+    return _weight_layout(scheme, arrays, shape, where)._replace(act=act, act_gscale=gscale)
+
+
+def _weight_layout(scheme: Scheme, arrays: dict, shape: tuple[int, int], where: str) -> KernelLayout:
     import ml_dtypes
     import numpy as np
 

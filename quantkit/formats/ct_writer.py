@@ -10,8 +10,8 @@ from quantkit.formats.ct_tensors import ceil_div, expected_scale_shape
 
 # --scheme (DENSE: bf16); W8A16_ASYM is the one the library has no preset of: W8A16 with zero points. W8A8 and
 # W4A8: dynamic per-token int8 activations (config only: nothing to calibrate)
-SCHEMES = ("W4A16", "W4A16_ASYM", "W8A16", "W8A16_ASYM", "W8A8", "W4A8", "W4AFP8", "FP8", "FP8_DYNAMIC", "FP8_BLOCK", "MXFP4A16",
-           "MXFP8A16", "NVFP4A16", "DENSE")
+SCHEMES = ("W4A16", "W4A16_ASYM", "W8A16", "W8A16_ASYM", "W8A8", "W4A8", "W4AFP8", "FP8", "FP8_DYNAMIC", "FP8_BLOCK",
+           "MXFP4A16", "MXFP8A16", "NVFP4A16", "NVFP4", "DENSE")  # FP8 and NVFP4: planned, not written (calibration)
 GROUPED = ("W4A16", "W4A16_ASYM", "W8A16", "W8A16_ASYM", "W4A8", "W4AFP8")  # the schemes --group-size sets (-1: channel)
 
 

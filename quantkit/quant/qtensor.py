@@ -23,7 +23,10 @@ Invariants:
 - `act` (static): how the matmul's callers quantize the activations before multiplying ("" none: bf16 or
   float32 as the model runs; "int8" / "fp8": dynamic symmetric per token, each row's absmax / 127.5 / 448,
   as compressed-tensors defines W8A8 and W4A8 / FP8_DYNAMIC and W4AFP8; runtime/ops.py). The kernels then
-  take 8-bit rows and their scales.
+  take 8-bit rows and their scales. Per-group kinds (formats/compressed_tensors.activation_qtype) are
+  quantize-dequantized before the weights' own path.
+- `act_gscale` (nvfp4 activations only, else None) [g] float32: each group's (expert's) static
+  `input_global_scale`, which the activations' fp8 local scales are taken relative to.
 - `qtype` and `group` are static (pytree metadata), so jit specializes on them.
 - Tensor parallelism (runtime/sharding.py): `mesh` is the Mesh the arrays are placed on and `split` which
   dimension is divided over its "model" axis ("n" output columns, "k" input rows, "" replicated); both
@@ -52,7 +55,8 @@ BITS = {"int4": 4, "int8": 8, "fp8": 8, "mxfp4": 4, "mxfp8": 8, "nvfp4": 4}  # b
 FP4 = ("mxfp4", "nvfp4")  # e2m1 codes
 
 
-@partial(jax.tree_util.register_dataclass, data_fields=["values", "scales", "zeros", "gscale", "perm"],
+@partial(jax.tree_util.register_dataclass, data_fields=["values", "scales", "zeros", "gscale", "perm",
+                                                      "act_gscale"],
          meta_fields=["qtype", "group", "mesh", "split", "act"])
 @dataclass(frozen=True)
 class QTensor:
@@ -65,24 +69,29 @@ class QTensor:
     zeros: jax.Array | None = None  # [g, k // group, n] int8 zero points of an asymmetric int weight
     gscale: jax.Array | None = None  # [g] float32 global scales (nvfp4)
     perm: jax.Array | None = None  # [g, k] int32 input feature of each stored row (activation order)
-    act: str = ""  # static: "" | "int8" | "fp8" (see above)
+    act: str = ""  # static: "" | "int8" | "fp8" | a per-group kind (see above)
+    act_gscale: jax.Array | None = None  # [g] float32 input global scales (nvfp4 activations)
 
     @property
     def arrays(self) -> dict:
-        """The data arrays present, by field name ("values", "scales", then "zeros", "gscale", "perm" when set);
-        `with_arrays` takes such a mapping back. Every array's first axis is the group axis."""
-        return {f: a for f in ("values", "scales", "zeros", "gscale", "perm") if (a := getattr(self, f)) is not None}
+        """The data arrays present, by field name ("values", "scales", then "zeros", "gscale", "perm",
+        "act_gscale" when set); `with_arrays` takes such a mapping back. Every array's first axis is the group
+        axis."""
+        return {f: a for f in ("values", "scales", "zeros", "gscale", "perm", "act_gscale")
+                if (a := getattr(self, f)) is not None}
 
     def per_array(self, values, scales, groups) -> dict:
         """For each array of `arrays`, the one of three things (a sharding, a BlockSpec...) for its kind: the
         values, a per-scale array (scales and zero points share a shape, and so a slicing or a placement),
-        or a per-group one (gscale, perm: split only with the groups)."""
-        kind = {"values": values, "scales": scales, "zeros": scales, "gscale": groups, "perm": groups}
+        or a per-group one (gscale, perm, act_gscale: split only with the groups)."""
+        kind = {"values": values, "scales": scales, "zeros": scales, "gscale": groups, "perm": groups,
+                "act_gscale": groups}
         return {f: kind[f] for f in self.arrays}
 
     def with_arrays(self, arrays: dict, **meta) -> "QTensor":
         """This QTensor's static fields (or those in `meta`) over other data arrays (a mapping as `arrays`)."""
-        return dataclasses.replace(self, **{"zeros": None, "gscale": None, "perm": None, **arrays}, **meta)
+        return dataclasses.replace(self, **{"zeros": None, "gscale": None, "perm": None, "act_gscale": None, **arrays},
+                                   **meta)
 
     @property
     def shape(self) -> tuple[int, int, int]:

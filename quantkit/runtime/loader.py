@@ -42,13 +42,14 @@ def abstract(cfg: ModelConfig, qc: QuantConfig | None, dtype=jnp.bfloat16) -> di
         if not quantized:
             return jax.ShapeDtypeStruct(s.shape, jnp.float32 if s.kind in ("norm", "router", "tensor", "conv") else dtype)
         *g, k, n = s.shape
-        ks = kernel_shapes(scheme, (n, k))
+        ks, act = kernel_shapes(scheme, (n, k)), activation_qtype(scheme)
         g = g[0] if g else 1
         return QTensor(jax.ShapeDtypeStruct((g, k, n), STORAGE[ks.qtype]),
                        jax.ShapeDtypeStruct((g, *ks.scales), jnp.dtype(ks.scale_dtype)), ks.qtype, ks.group,
                        zeros=jax.ShapeDtypeStruct((g, *ks.scales), jnp.int8) if ks.zeros else None,
                        gscale=jax.ShapeDtypeStruct((g,), jnp.float32) if ks.qtype == "nvfp4" else None,
-                       perm=jax.ShapeDtypeStruct((g, k), jnp.int32) if ks.perm else None, act=activation_qtype(scheme))
+                       perm=jax.ShapeDtypeStruct((g, k), jnp.int32) if ks.perm else None, act=act,
+                       act_gscale=jax.ShapeDtypeStruct((g,), jnp.float32) if act == "nvfp4" else None)
 
     return jax.tree_util.tree_map(leaf, skeleton(cfg, lane_widths(cfg, qc)),
                                   is_leaf=lambda x: isinstance(x, Slot))
@@ -102,7 +103,7 @@ class _Reader:
             return None
         arrays = {p: np.asarray(self.ckpt.read(n)) for p, n in pnames.items()}
         shape = logical_shape({p: a.shape for p, a in arrays.items()}, arrays.get("weight_shape"), scheme.format)
-        layout = kernel_layout(scheme, arrays, shape, module)._replace(act=activation_qtype(scheme))
+        layout = kernel_layout(scheme, arrays, shape, module)
         if layout.scales.dtype == np.float16:
             layout = layout._replace(scales=layout.scales.astype(np.float32))
         return layout
@@ -165,12 +166,14 @@ def _padded_qtensor(layouts: list, shape: tuple[int, int]) -> QTensor:
     scales = _pad(np.stack([la.scales for la in layouts]), (k // group, n), one)
     zeros = None if first.zeros is None else _pad(np.stack([la.zeros for la in layouts]), (k // group, n))
     gscale = None if first.gscale is None else np.array([la.gscale for la in layouts], np.float32)
+    act_gscale = None if first.act_gscale is None else np.array([la.act_gscale for la in layouts], np.float32)
     perm = None  # padded rows (zero values) keep their place
     if first.perm is not None:
         perm = np.stack([np.concatenate([la.perm, np.arange(len(la.perm), k, dtype=np.int32)]) for la in layouts])
     check_qtensor(values.shape, scales.shape, first.qtype, group, None if zeros is None else zeros.shape,
                   None if gscale is None else gscale.shape, None if perm is None else perm.shape)
-    return QTensor(values, scales, first.qtype, group, zeros=zeros, gscale=gscale, perm=perm, act=first.act)
+    return QTensor(values, scales, first.qtype, group, zeros=zeros, gscale=gscale, perm=perm, act=first.act,
+                   act_gscale=act_gscale)
 
 
 @partial(jax.jit, donate_argnums=0)

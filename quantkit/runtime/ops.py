@@ -9,6 +9,7 @@ import warnings
 import jax
 import jax.numpy as jnp
 
+from quantkit.formats.compressed_tensors import activation_group
 from quantkit.kernels.tiling import CHIPS
 from quantkit.kernels.xla import gmm_xla
 from quantkit.quant.qtensor import QTensor
@@ -75,13 +76,20 @@ def _in_stored_order(x: jax.Array, w: QTensor, group_sizes: jax.Array, group_off
     the [m, k] activations per call, by the one order of a dense layer or by each row's group's (experts); no
     weight-sized temporary. Under tensor parallelism it runs on the global x, before the per-shard matmul
     (a row-parallel layer's order crosses shards)."""
+    perm = _per_row(w.perm, group_sizes, group_offset, x.shape[0])
+    return jnp.take(x, perm[0], axis=1) if perm.shape[0] == 1 else jnp.take_along_axis(x, perm, axis=1)
+
+
+def _per_row(a: jax.Array, group_sizes: jax.Array, group_offset, m: int) -> jax.Array:
+    """A per-group array a [G, ...] of a QTensor, as this call's groups give it to its m rows sorted by group:
+    [1, ...] when the call has one group, else [m, ...] (row i: its group's)."""
     g = group_sizes.shape[0]
     off = jnp.zeros((), jnp.int32) if group_offset is None else jnp.asarray(group_offset, jnp.int32)
-    perm = jax.lax.dynamic_slice_in_dim(w.perm, off, g)  # [g, k]: this call's groups
+    a = jax.lax.dynamic_slice_in_dim(a, off, g)  # this call's groups
     if g == 1:
-        return jnp.take(x, perm[0], axis=1)
-    row_group = jnp.searchsorted(jnp.cumsum(group_sizes), jnp.arange(x.shape[0]), side="right")
-    return jnp.take_along_axis(x, perm[jnp.minimum(row_group, g - 1)], axis=1)
+        return a
+    row_group = jnp.searchsorted(jnp.cumsum(group_sizes), jnp.arange(m), side="right")
+    return a[jnp.minimum(row_group, g - 1)]
 
 
 def quantize_rows(x: jax.Array, act: str = "int8") -> tuple[jax.Array, jax.Array]:
@@ -98,19 +106,28 @@ def quantize_rows(x: jax.Array, act: str = "int8") -> tuple[jax.Array, jax.Array
     return (jnp.round(y).astype(jnp.int8) if act == "int8" else y.astype(jnp.float8_e4m3fn)), scale
 
 
-def fake_quantize_groups(x: jax.Array, act: str) -> jax.Array:
+def fake_quantize_groups(x: jax.Array, act: str, gscale: jax.Array | None = None) -> jax.Array:
     """Dynamic symmetric per-group quantize-dequantize of x [m, k] along its rows (QTensor.act "mxfp4",
-    "mxfp8": groups of 32 with an E8M0 scale; "fp8_g<N>": groups of N with a float scale), in x's dtype as
-    compressed-tensors computes it: the group's absmax -> scale (MX: the absmax rounded to a power of two, up
-    only from mantissa 1.75, over the element type's largest power, 2 for e2m1 and 256 for e4m3; fp8: absmax /
-    448, 0 -> the dtype's eps), x / scale clipped to the type's range and rounded to it (e4m3: the cast;
-    e2m1: nearest, ties to even), times the scale. No MXU multiplies these types: the result is multiplied in
-    the activations' dtype by the weights' own path."""
+    "mxfp8": groups of 32 with an E8M0 scale; "fp8_g<N>": groups of N with a float scale; "nvfp4": groups of
+    16 with an fp8 scale relative to `gscale`, the input global scale of each row's module [1 or m, 1]), in
+    x's dtype as compressed-tensors computes it: the group's absmax -> scale (MX: the absmax rounded to a power
+    of two, up only from mantissa 1.75, over the element type's largest power, 2 for e2m1 and 256 for e4m3;
+    fp8: absmax / 448, 0 -> the dtype's eps; nvfp4: float32(absmax / 6) * gscale rounded to e4m3, 0 -> 0.125,
+    then / gscale, all in float32), x / scale clipped to the type's range and rounded to it (e4m3: the cast;
+    e2m1: nearest, ties to even), times the scale (nvfp4: in float32, rounded to x's dtype at the end). No
+    MXU multiplies these types: the result is multiplied in the activations' dtype by the weights' own path."""
     m, k = x.shape
-    group = 32 if act.startswith("mx") else int(act.split("_g")[1])
+    group = activation_group(act)
     g = x.reshape(m, k // group, group)
     absmax = jnp.max(jnp.abs(g), axis=2, keepdims=True)
-    fp4 = act == "mxfp4"
+    fp4 = act in ("mxfp4", "nvfp4")
+    if act == "nvfp4":
+        gscale = gscale.astype(jnp.float32)[..., None]  # [rows, 1, 1]
+        scale = _divide(absmax, jnp.asarray(6.0, x.dtype)).astype(jnp.float32) * gscale
+        scale = jnp.clip(scale, -FP8_MAX, FP8_MAX).astype(jnp.float8_e4m3fn).astype(jnp.float32)
+        scale = _divide(jnp.where(scale == 0, 0.125, scale), gscale)
+        y = _round_e2m1(jnp.clip(_divide(g.astype(jnp.float32), scale), -6.0, 6.0))
+        return (y * scale).astype(x.dtype).reshape(m, k)
     if act.startswith("mx"):  # the library's generate_mx_scales, on the bits of x's dtype
         bits = jnp.dtype(x.dtype).itemsize * 8
         mant = jnp.finfo(x.dtype).nmant
@@ -161,7 +178,9 @@ def grouped_matmul(x: jax.Array, w: QTensor, group_sizes: jax.Array, group_offse
     if w.act in ("int8", "fp8"):  # codes and row scales for the MXU
         x = quantize_rows(x, w.act)
     elif w.act:  # group-quantized activations: exact values, then the weights' own path
-        x, w = fake_quantize_groups(x, w.act), w.with_arrays(w.arrays, act="")
+        gscale = None if w.act_gscale is None else _per_row(w.act_gscale, group_sizes, group_offset, x.shape[0])
+        x = fake_quantize_groups(x, w.act, None if gscale is None else gscale[:, None])
+        w = w.with_arrays({f: a for f, a in w.arrays.items() if f != "act_gscale"}, act="")
     if w.mesh is not None:
         return _per_shard(x, w, group_sizes, group_offset)
     return _local(x, w, group_sizes, group_offset)

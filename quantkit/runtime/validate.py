@@ -12,8 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from quantkit.errors import InvalidInput, Unsupported
-from quantkit.formats.compressed_tensors import (SPARSE_FORMATS, QuantArgs, QuantConfig, Scheme, activation_qtype,
-                                                 quantization_config_of, weight_qtype)
+from quantkit.formats.compressed_tensors import (SPARSE_FORMATS, QuantArgs, QuantConfig, Scheme, activation_group,
+                                                 activation_qtype, quantization_config_of, weight_qtype)
 from quantkit.formats.ct_tensors import KV_SCALES, check_global_scales, check_module_tensors, kernel_shapes, kv_head_scales
 from quantkit.formats.hf import Checkpoint, classify_module, group_modules
 from quantkit.kernels.dispatch import Verdict, kernel_path
@@ -49,9 +49,9 @@ def _act_reason(name: str, a: QuantArgs | None) -> str | None:
         return None  # fp8 activations: the runtime keeps activations in bf16 (reported as a warning)
     how = "static scales (they need calibration)" if not a.dynamic else "" if a.symmetric else "zero points"
     return (f"{a.type}{a.num_bits} {a.strategy} input activation quantization{' with ' + how if how else ''} is "
-            "not implemented by the runtime (it serves dynamic symmetric int8 and fp8 per token, fp8 per group and "
-            "MX fp4 / fp8 per 32, and computes static fp8 ones in bf16); convert to W8A8, W4A16 or FP8_DYNAMIC with "
-            "`quantkit convert`")
+            "not implemented by the runtime (it serves dynamic symmetric int8 and fp8 per token, fp8 per group, "
+            "MX fp4 / fp8 per 32 and NVFP4's fp4 per 16, and computes static fp8 ones in bf16); convert to W8A8, "
+            "W4A16 or FP8_DYNAMIC with `quantkit convert`")
 
 
 def _int_reason(w: QuantArgs, fmt: str) -> str | None:
@@ -159,9 +159,13 @@ def weight_path(scheme: Scheme | None, shape: tuple[int, ...] | None, chip: Chip
     if shape is None or len(shape) < 2:
         return Verdict(None, "weight shape unknown")
     out, inp = shape[-2:]
+    act = activation_qtype(scheme)
+    if inp % max(activation_group(act), 1):
+        return Verdict(None, f"input activations quantized in groups of {activation_group(act)}, which do not "
+                       f"divide the {inp} inputs")
     k = kernel_shapes(scheme, (out, inp))
     return kernel_path(k.qtype, inp, out, k.group, chip, scale_bytes=min(k.scale_bytes, 2), zero_bytes=int(k.zeros),
-                       act=activation_qtype(scheme))
+                       act=act)
 
 
 def problem(severity: str, where: str, message: str) -> dict:
