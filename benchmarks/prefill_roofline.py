@@ -31,7 +31,7 @@ from quantkit.plan import plan  # noqa: E402
 # (target, scheme, group size, the row it is compared with: the same weights' bf16-activation scheme)
 ROWS = [("v6e", "W4A16", 128, None), ("v6e", "W4A8", 128, "W4A16"), ("v6e", "W8A8", 0, "W4A16"),
         ("v7x", "DENSE", 0, None), ("v7x", "FP8_DYNAMIC", 0, "DENSE"), ("v7x", "W4A16", 128, None),
-        ("v7x", "W4AFP8", 128, "W4A16")]
+        ("v7x", "W4AFP8", 128, "W4A16"), ("v7x", "FP8_BLOCK", 0, "DENSE")]
 
 
 def main() -> None:

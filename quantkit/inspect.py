@@ -62,7 +62,7 @@ def _inspect_module(ckpt: Checkpoint, m: ModuleCheck, chip: Chip, deep: bool, se
         path, reason = None, m.reason or ""
     else:
         v = weight_path(m.scheme, served.get(m.name, shape), chip)
-        path, reason = v.path, v.reason
+        path, reason = v.path, "; ".join(filter(None, (v.reason, m.rotation if v.path else "")))
     if path is None and reason:
         probs.append(problem("unsupported", m.name, reason))
     quantized = m.scheme is not None and m.scheme.weights is not None

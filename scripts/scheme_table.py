@@ -17,7 +17,7 @@ from compressed_tensors.quantization.quant_scheme import PRESET_SCHEMES, preset_
 
 from quantkit.formats.compressed_tensors import (activation_group, activation_qtype, parse_quantization_config,
                                                  weight_qtype)
-from quantkit.kernels.dispatch import ROW_CODES, mxu_type
+from quantkit.kernels.dispatch import mxu_type, row_codes, row_group
 from quantkit.kernels.tiling import CHIPS
 from quantkit.formats.ct_tensors import kernel_shapes
 from quantkit.runtime.validate import weight_path
@@ -41,17 +41,19 @@ def activations(scheme, cells: list[str]) -> str:
     a = scheme.input_activations if scheme is not None else None
     if cells[0].startswith("refused") or a is None:
         return "" if cells[0].startswith("refused") else "bf16"
-    if (act := activation_qtype(scheme)) and act not in ROW_CODES:
+    qtype = kernel_shapes(scheme, SHAPE).qtype if scheme is not None and scheme.weights is not None else ""
+    if (act := activation_qtype(scheme)) and not row_codes(act, qtype):
         kind = act.split("_g")[0]
         scale = " (fp8 scales under input_global_scale)" if act == "nvfp4" else ""
         return (f"{kind} per group of {activation_group(act)}{scale}: quantize-dequantized exactly, then the weights' "
                 "bf16 path")
     if act:
-        qtype = kernel_shapes(scheme, SHAPE).qtype
-        native = [c for c in CHIP_COLUMNS[:3] if mxu_type(qtype, act, CHIPS[c]) == act]
+        rows = row_codes(act, qtype)
+        native = [c for c in CHIP_COLUMNS[:3] if mxu_type(qtype, act, CHIPS[c]) == rows]
         exact = [c for c in CHIP_COLUMNS[:3] if c not in native]
-        how = [f"{act} MXU on {', '.join(native)}"] * bool(native) + [f"exact in bf16 on {', '.join(exact)}"] * bool(exact)
-        return f"{act} per token: {'; '.join(how)}; fake-quantized on cpu"
+        how = [f"{rows} MXU on {', '.join(native)}"] * bool(native) + [f"exact in bf16 on {', '.join(exact)}"] * bool(exact)
+        per = f"per group of {row_group(act)}" if row_group(act) else "per token"
+        return f"{rows} {per}: {'; '.join(how)}; fake-quantized on cpu"
     return f"{a.type}{a.num_bits} {a.strategy}: computed in bf16 (a warning)"
 
 

@@ -813,6 +813,39 @@ def fake_quantize_inputs(model: torch.nn.Module, scheme: str, skip: Iterable[str
     return model
 
 
+def online_input_transforms(model: torch.nn.Module, path) -> torch.nn.Module:
+    """Hooks, first, onto the input of every Linear of ``model`` that checkpoint ``path``'s transform_config
+    gives an online input transform, the library's own ``HadamardTransform`` over the matrix (and perm) the
+    checkpoint stores for that group and size (the library stores a matrix shared by modules once): the
+    reference forward of a QuIP / SpinQuant-style checkpoint on its dequantized weights."""
+    from compressed_tensors.transform import TransformConfig
+    from compressed_tensors.transform.factory.hadamard import HadamardTransform
+    from compressed_tensors.utils import match_named_modules
+
+    config = TransformConfig.model_validate(read_quantization_config(path)["transform_config"])
+    tensors = read_tensors(path)
+    for group, scheme in config.config_groups.items():
+        for args in scheme.apply:
+            if args.location != "input":
+                continue
+            for name, module in match_named_modules(model, args.targets, args.ignore):
+                size = scheme.head_dim or module.in_features
+                key = next(k for k, v in tensors.items() if k.endswith(f".{group}_input.weight") and v.shape[0] == size)
+                perm = tensors.get(key.removesuffix("weight") + "perm")
+                transform = HadamardTransform(torch.nn.Parameter(tensors[key], requires_grad=False),
+                                              None if perm is None else torch.nn.Parameter(perm, requires_grad=False),
+                                              scheme, args, torch.nn.Linear)
+                module.register_forward_pre_hook(lambda m, a, t=transform: (t(a[0]), *a[1:]), prepend=True)
+    return model
+
+
+def without_transform_matrices(src, dst) -> pathlib.Path:
+    """A copy of checkpoint ``src`` without its online transforms' matrices (``*_input.weight`` / ``.perm``),
+    which the library's dequantizer refuses as orphan parameters."""
+    tensors = {k: v for k, v in read_tensors(src).items() if not k.endswith(("_input.weight", "_input.perm"))}
+    return _copy_checkpoint(src, dst, tensors)
+
+
 def input_global_scales(path) -> dict:
     """Module name -> its ``input_global_scale`` in checkpoint ``path`` (NVFP4 activations)."""
     suffix = ".input_global_scale"

@@ -77,12 +77,16 @@ INT8_ROWS = (("v5e", "int8 x int8 on the MXU"), ("v6e", "int8 x int8 on the MXU"
 FP8_ROWS = (("v5e", "fp8 activations multiplied exactly in bf16 (v5e multiplies fp8 at the bf16 rate)"),
             ("v6e", "fp8 activations multiplied exactly in bf16 (v6e multiplies fp8 at the bf16 rate)"),
             ("v7x", "fp8 x fp8 on the MXU"))
+BLOCK_ROWS = tuple((c, why.replace("fp8 activations", "fp8 activations (a scale per 128 inputs)") if c != "v7x" else
+                    why + " (a scale per 128 inputs)") for c, why in FP8_ROWS)
 
 
 def test_8bit_activation_schemes_say_how_each_chip_multiplies(ckpts):
     """W8A8 and W4A8 are served on gmm_v2 with int8 rows: on the int8 MXU of a v5e/v6e, emulated on a v7x;
-    FP8_DYNAMIC and W4AFP8 with fp8 rows: on the fp8 MXU of a v7x, exactly in bf16 elsewhere."""
-    for scheme, rows in (("W8A8", INT8_ROWS), ("W4A8", INT8_ROWS), ("FP8_DYNAMIC", FP8_ROWS), ("W4AFP8", FP8_ROWS)):
+    FP8_DYNAMIC and W4AFP8 with fp8 rows: on the fp8 MXU of a v7x, exactly in bf16 elsewhere; FP8_BLOCK's fp8
+    rows with a scale per 128 inputs likewise."""
+    for scheme, rows in (("W8A8", INT8_ROWS), ("W4A8", INT8_ROWS), ("FP8_DYNAMIC", FP8_ROWS), ("W4AFP8", FP8_ROWS),
+                         ("FP8_BLOCK", BLOCK_ROWS)):
         for target, says in rows:
             q = [la for la in inspect_checkpoint(ckpts[scheme], target)["layers"] if la["scheme"]]
             assert len(q) == 14 and {la["path"] for la in q} == {"gmm_v2"}, (scheme, target)
@@ -219,7 +223,10 @@ def test_actorder_group_is_served_and_a_bad_g_idx_refused_naming_it(tmp_path):
     (lambda qc: qc.update(sparsity_config={"format": "sparse-24-bitmask"}), "sparse"),
     (lambda qc: (qc.update(format="sparse-bitmask"), qc["config_groups"]["group_0"].update(format="sparse-bitmask")),
      "sparse format"),
-    (lambda qc: qc.update(transform_config={"config_groups": {"u": {"type": "hadamard"}}}), "transform"),
+    (lambda qc: qc.update(transform_config={"config_groups": {"u": {"type": "hadamard", "apply": [
+        {"targets": ["Linear"], "location": "output"}]}}}), "hadamard transform at location 'output' is not supported"),
+    (lambda qc: qc.update(transform_config={"config_groups": {"r": {"type": "random-matrix", "apply": [
+        {"targets": ["Linear"], "location": "input"}]}}}), "online input transforms must be hadamard or random-hadamard"),
     (lambda qc: qc.update(quant_method="gptq"), "not compressed-tensors"),
 ])
 def test_config_level_unsupported(ckpts, tmp_path, edit, expect):
@@ -228,6 +235,40 @@ def test_config_level_unsupported(ckpts, tmp_path, edit, expect):
     r = inspect_checkpoint(path)
     assert r["exit_code"] == 3
     assert any(expect in p["message"] for p in r["problems"] if p["severity"] == "unsupported")
+
+
+def test_online_input_transforms_are_servable_and_their_matrices_checked(tmp_path):
+    """A checkpoint rotated by the library (an online hadamard at every Linear's input, its inverse in the
+    weights) is served on gmm_v2, the matrices' own modules not taken for layers; without the stored matrix of
+    a size, each layer that needs it is an error by name; a matrix that is not +-1 is refused at load."""
+    from compressed_tensors.transform import TransformArgs, TransformConfig, TransformScheme, apply_transform_config
+
+    from ct_oracle import tiny_llama
+    from quantkit.errors import InvalidInput
+    from quantkit.runtime.loader import load
+
+    rotated = tiny_llama(0)
+    apply_transform_config(rotated, TransformConfig(config_groups={"v": TransformScheme(type="hadamard", apply=[
+        TransformArgs(targets=["Linear"], location="input", ignore=["lm_head"]),
+        TransformArgs(targets=["Linear"], location="weight_input", inverse=True, ignore=["lm_head"])])}))
+    path = make_checkpoint(tmp_path / "q", "W4A16", model=rotated)
+    r = inspect_checkpoint(path, "v6e")
+    assert r["exit_code"] == 0 and r["servable"], r["problems"]
+    q = [la for la in r["layers"] if la["scheme"] is not None]
+    assert len(q) == 14 and {la["path"] for la in q} == {"gmm_v2"} and len(r["layers"]) == 14 + 1 + 1 + 5
+    assert {la["name"]: la["reason"] for la in q}["model.layers.1.mlp.down_proj"] == \
+        "inputs rotated online by hadamard 'v' of size 512"
+    matrix = "model.layers.0.mlp.down_proj.v_input.weight"  # the one 512 x 512 matrix, shared by both down_proj
+    missing = _copy(path, tmp_path / "missing")
+    _edit_tensors(missing, lambda t: t.pop(matrix))
+    r = inspect_checkpoint(missing, "v6e")
+    assert r["exit_code"] == 1
+    assert {p["where"] for p in r["problems"] if "no v_input transform matrix of size 512" in p["message"]} == {
+        f"model.layers.{i}.mlp.down_proj" for i in (0, 1)}
+    odd = _copy(path, tmp_path / "odd")
+    _edit_tensors(odd, lambda t: t[matrix].__setitem__((3, 4), 0.5))
+    with pytest.raises(InvalidInput, match=re.escape(matrix) + ": a hadamard transform matrix must hold only"):
+        load(odd)
 
 
 def test_odd_bit_ints_of_the_old_packing_are_refused(ckpts, tmp_path):

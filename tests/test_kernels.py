@@ -418,13 +418,15 @@ def test_fake_quantize_groups_is_the_librarys_dynamic_group_quantization(preset,
 @pytest.mark.parametrize("chip,act,qtype,group,tk,zeros", [  # v6e: the int8 MXU; v7x: its exact bf16 emulation
     ("v6e", "int8", "int8", None, 256, False), ("v7x", "int8", "int4", 128, 128, False),
     ("v6e", "int8", "int4", 256, 128, True), ("v7x", "int8", "int8", None, 512, True),
-    ("v6e", "fp8", "fp8", None, 256, False), ("v7x", "fp8", "int4", 128, 128, False)])
+    ("v6e", "fp8", "fp8", None, 256, False), ("v7x", "fp8", "int4", 128, 128, False),
+    # FP8_BLOCK's fp8 rows with a scale per 128 inputs (fp8 MXU on v7x), also over channel-scaled int4
+    ("v7x", "fp8_g128", "fp8", 128, 128, False), ("v6e", "fp8_g128", "int4", None, 128, False)])
 @pytest.mark.parametrize("g,m", [(1, 37), (8, 61)])
 def test_quantized_activations_match_reference(chip, act, qtype, group, tk, zeros, g, m, seed):
-    """gmm_v2 on int8 / fp8 rows and their scales against the reference on the same codes times the row
-    scales: products are exact on every path (integers; fp8 times int4 or fp8 values in bf16, float32 sums),
-    the float32 weight scales apply to partial sums, so only the bf16 output rounds (4e-3, as the kernel's
-    other post-dot cases)."""
+    """gmm_v2 on int8 / fp8 rows and their scales (per row, or per row and group of 128 inputs) against the
+    reference on the same codes times their scales: products are exact on every path (integers; fp8 times
+    int4 or fp8 values in bf16, float32 sums), the float32 weight and group row scales apply to partial sums,
+    so only the bf16 output rounds (4e-3, as the kernel's other post-dot cases)."""
     from quantkit.runtime.ops import quantize_rows
 
     rng = np.random.default_rng(seed)
@@ -434,8 +436,10 @@ def test_quantized_activations_match_reference(chip, act, qtype, group, tk, zero
     codes, rows = quantize_rows(_activations(rng, m, k), act)
     sizes = jnp.asarray(_sizes(rng, g, m))
     tiles = Tiles(tm=32, tk=tk, tn=128, predot=False, lhs_resident=bool(m % 2), vmem_bytes=0, vmem_limit=32 << 20)
+    assert rows.shape == (m, k // 128 if act == "fp8_g128" else 1)
     out = gmm_v2(codes, rhs, sizes, row_scales=rows, chip=chip, tiles=tiles, interpret=INTERPRET)
-    ref = gmm_reference(codes, rhs, sizes) * rows.astype(jnp.float32)
+    rows32 = jnp.repeat(rows.astype(jnp.float32), k // rows.shape[1], axis=1)
+    ref = gmm_reference(codes.astype(jnp.float32) * rows32, rhs, sizes)
     total = int(sizes.sum())
     assert out.shape == (m, n) and out.dtype == jnp.bfloat16
     assert bool(jnp.isfinite(out).all()), f"unwritten (NaN) output, seed {seed}"
@@ -460,7 +464,7 @@ def _dots(jaxpr) -> list[tuple]:
 
 @pytest.mark.parametrize("act,qtype,group,resident,sizes", [
     ("int8", "int8", 512, True, [40, 30, 26]), ("int8", "int4", 128, False, [96]), ("", "int8", 128, False, [40, 30, 26]),
-    ("fp8", "fp8", 512, True, [96]), ("", "int4", 32, True, [40, 30, 26])])
+    ("fp8", "fp8", 512, True, [96]), ("", "int4", 32, True, [40, 30, 26]), ("fp8_g128", "fp8", 128, False, [96])])
 def test_declared_cost_equals_the_blocks_the_grid_copies(act, qtype, group, resident, sizes):
     """gmm_v2's CostEstimate (tiling.traffic) against the bytes its pipeline copies for one call, counted by
     walking the grid with the call's own visit metadata (`visits`) through the kernel's own index maps
@@ -478,7 +482,8 @@ def test_declared_cost_equals_the_blocks_the_grid_copies(act, qtype, group, resi
     meta = visits(jnp.asarray(sizes, jnp.int32), m, tm) + (jnp.zeros(1, jnp.int32),)  # + the group offset
     lhs_map, rows_map, q_map, s_map, out_map = index_maps(tiles, g, nk)
     vbits = 8 if qtype in ("int8", "fp8") else 4
-    blocks = [(lhs_map, tm * (k if resident else tk) * (1 if act else 2)), (rows_map, tm * 4 if act else 0),
+    row_scales = k // 128 if act == "fp8_g128" else 1  # float32 scales a row
+    blocks = [(lhs_map, tm * (k if resident else tk) * (1 if act else 2)), (rows_map, tm * 4 * row_scales if act else 0),
               (q_map, tk * tn * vbits // 8), (s_map, (tk // group if group < tk else k // group) * tn * 2)]
     copied, last, out_last, written = 0, {}, None, 0
     for ni in range(n // tn):
@@ -496,7 +501,8 @@ def test_declared_cost_equals_the_blocks_the_grid_copies(act, qtype, group, resi
 @pytest.mark.parametrize("chip", ["v6e", "v7x"])  # v5e: the same MXU types as v6e
 def test_8bit_activations_compile_to_the_chips_mxu_type(chip):
     """Deviceless compiles of W8A8 (int8 channel, Llama-3-8B down_proj [14336, 4096]), W4A8 experts (int4
-    g128, Qwen3-30B-A3B down [768, 2048] x 128) and FP8_DYNAMIC (fp8 channel, the down_proj) at 2048 rows:
+    g128, Qwen3-30B-A3B down [768, 2048] x 128), FP8_DYNAMIC (fp8 channel, the down_proj) and FP8_BLOCK (fp8
+    128 x 128 blocks, rows with a scale per 128 inputs) at 2048 rows:
     the kernel's dot is int8 x int8 -> int32 on v6e and bf16 x bf16 -> float32 on v7x (no int8 MXU); fp8 x
     fp8 -> float32 on v7x and bf16 on v6e (fp8 at the bf16 rate); Mosaic accepts it, the compiled program
     declares the call's FLOPs under that MXU type (what `plan` counts), and nothing weight-sized is a
@@ -505,13 +511,14 @@ def test_8bit_activations_compile_to_the_chips_mxu_type(chip):
     from quantkit.runtime.aot import compile_for
 
     for act, qtype, k, n, g, group in [("int8", "int8", 14336, 4096, 1, 14336), ("int8", "int4", 768, 2048, 128, 128),
-                                       ("fp8", "fp8", 14336, 4096, 1, 14336)]:
+                                       ("fp8", "fp8", 14336, 4096, 1, 14336), ("fp8_g128", "fp8", 14336, 4096, 1, 128)]:
         _, rhs, gs = _abstract(qtype, g, k, n, group, 2048)
         rhs = dataclasses.replace(rhs, act=act)
-        codes = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn}[act]
-        lhs, rows = jax.ShapeDtypeStruct((2048, k), codes), jax.ShapeDtypeStruct((2048, 1), jnp.bfloat16)
+        codes = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn}[act.split("_g")[0]]
+        lhs = jax.ShapeDtypeStruct((2048, k), codes)
+        rows = jax.ShapeDtypeStruct((2048, k // 128 if act == "fp8_g128" else 1), jnp.bfloat16)
         call = lambda a, b, c, r: gmm_v2(a, b, c, row_scales=r, chip=chip)  # noqa: E731
-        mxu = {("v6e", "int8"): "int8", ("v7x", "fp8"): "fp8"}.get((chip, act), "bf16")
+        mxu = {("v6e", "int8"): "int8", ("v7x", "fp8"): "fp8"}.get((chip, act.split("_g")[0]), "bf16")
         expected = {"int8": ("int8", "int8", "int32"), "fp8": ("float8_e4m3fn", "float8_e4m3fn", "float32"),
                     "bf16": ("bfloat16", "bfloat16", "float32")}[mxu]
         assert set(_dots(jax.make_jaxpr(call)(lhs, rhs, gs, rows).jaxpr)) == {expected}, (chip, qtype)

@@ -25,8 +25,9 @@ import torch
 import transformers as T
 
 from ct_oracle import (fake_quantize_inputs, input_global_scales, library_convert_dequantize, library_quantize_checkpoint,
-                       make_actorder_checkpoint, make_checkpoint, to_activation_order, with_float32_scales,
-                       without_input_global_scales)
+                       make_actorder_checkpoint, make_checkpoint, online_input_transforms, tiny_llama,
+                       to_activation_order, with_float32_scales, without_input_global_scales,
+                       without_transform_matrices)
 from helpers import (COMMON, activation_order_moe, family, gemma4_config, greedy_parity, perturbed, rel_err,
                      with_tokenizer)
 from quantkit.errors import InvalidInput, Unsupported
@@ -136,6 +137,42 @@ def test_quantized_activation_checkpoints_match_transformers_with_the_librarys_a
             theirs = lin(torch.from_numpy(x[None, :, :k]))[0].numpy()  # [batch, tokens, k]: per token
         ours = np.asarray(qmatmul(jnp.asarray(x[:, :k]), w, 1))[:, :n]
         assert rel_err(ours, theirs) < 1e-5, key
+
+
+# online input transforms as the library applies them (transform_config), their inverse fused into the weights:
+# QuIP's input half (one hadamard of each Linear's input width), W4A16; SpinQuant-like random hadamard blocks of
+# 128 with random signs and a permutation, transposed online, ahead of W8A8's int8 rows
+TRANSFORMS = {"W4A16": dict(type="hadamard", inverse=False, head_dim=None, randomize=False),
+              "W8A8": dict(type="random-hadamard", inverse=True, head_dim=128, randomize=True)}
+
+
+@pytest.mark.parametrize("scheme", list(TRANSFORMS))
+def test_online_hadamard_transforms_match_transformers_with_the_librarys_transforms(scheme, tmp_path):
+    """A tiny Llama rotated by the library (apply_transform_config: the online transform at every Linear's
+    input but lm_head, its inverse fused into the weights), then quantized and saved by it: the runtime
+    rotates each matmul's rows by the stored matrix (QTensor.rot: int8 +-1, permuted, transposed when
+    inverse, / sqrt(size) in float32) before quantizing them, against transformers on the library's float32
+    dequantized weights with the library's own HadamardTransform on each Linear's input (and, W8A8, its int8
+    activation quantization after it). Tolerances as for the same schemes without transforms."""
+    from compressed_tensors.transform import TransformArgs, TransformConfig, TransformScheme, apply_transform_config
+
+    t = TRANSFORMS[scheme]
+    rotated = tiny_llama(0)
+    apply_transform_config(rotated, TransformConfig(config_groups={"v": TransformScheme(
+        type=t["type"], randomize=t["randomize"], head_dim=t["head_dim"], apply=[
+            TransformArgs(targets=["Linear"], location="input", inverse=t["inverse"], ignore=["lm_head"]),
+            TransformArgs(targets=["Linear"], location="weight_input", inverse=not t["inverse"], ignore=["lm_head"])])}))
+    q = make_checkpoint(tmp_path / "q", scheme, model=rotated)
+    exact = with_float32_scales(without_transform_matrices(q, tmp_path / "q-"), tmp_path / "q32")
+    ref = T.AutoModelForCausalLM.from_pretrained(library_convert_dequantize(exact, tmp_path / "dense", dtype=torch.float32),
+                                                 dtype=torch.float32).eval()
+    int8 = scheme == "W8A8"
+    ref = online_input_transforms(fake_quantize_inputs(ref, scheme) if int8 else ref, q)
+    model = greedy_parity(q, ref, jnp.float32, 3e-2 if int8 else 1e-2)
+    layer = model.params["layers"]["full"]
+    for key, inputs in (("q", 256), ("down", 512)):
+        size = t["head_dim"] or inputs
+        assert layer[key].rot.shape == (2, size, size) and set(np.unique(np.asarray(layer[key].rot))) == {-1, 1}
 
 
 @pytest.mark.parametrize("scheme", ["W4A16_ASYM"])

@@ -164,6 +164,69 @@ class Scheme:
     output_activations: QuantArgs | None = None
 
 
+TRANSFORM_LOCATIONS = ("input", "weight_input", "weight_output", "output", "k_cache", "q_attn")
+
+
+@dataclass(frozen=True)
+class Transform:
+    """One `apply` entry of a transform_config group `group`: a matrix of `type` applied at `location` of the
+    modules `targets` match and `ignore` does not (names, regexes or class names, as quantization targets),
+    transposed when `inverse`, block-diagonal in blocks of `head_dim` when set. The library names the module
+    holding an online one's matrix `<module>.<group>_<location>` (its tensor `weight`, and `perm` when
+    `randomize`); modules of one group and size share one matrix, stored once."""
+
+    group: str
+    type: str
+    location: str
+    inverse: bool
+    targets: tuple[str, ...]
+    ignore: tuple[str, ...]
+    head_dim: int | None
+    randomize: bool
+    precision: str
+
+    def applies_to(self, name: str, class_name: str | None) -> bool:
+        return (any(_matches(name, class_name, t) for t in self.targets)
+                and not any(_matches(name, class_name, t) for t in self.ignore))
+
+
+def _parse_transforms(tc: dict | None, where: str) -> tuple[Transform, ...]:
+    """transform_config's `config_groups`, one Transform per `apply` entry (fields checked as the library's
+    TransformScheme / TransformArgs: unknown keys refused)."""
+    if not tc:
+        return ()
+    groups = _field(tc, "config_groups", where, dict, "an object mapping names to transform schemes", {})
+    out = []
+    for name, g in groups.items():
+        w = f"{where}.config_groups.{name}"
+        if not isinstance(g, dict):
+            raise InvalidInput(f"{w}: expected a transform scheme object, got {_describe(g)}")
+        unknown = set(g) - {"type", "apply", "randomize", "requires_grad", "head_dim", "precision"}
+        if unknown:
+            raise InvalidInput(f"{w}: unknown key(s) {sorted(unknown)}")
+        head_dim = _field(g, "head_dim", w, int, "a positive integer or null", None, nullable=True)
+        if head_dim is not None and head_dim <= 0:
+            raise InvalidInput(f"{w}.head_dim: expected a positive integer or null, got {head_dim}")
+        common = dict(group=str(name), type=_field(g, "type", w, str, "a transform type"), head_dim=head_dim,
+                      randomize=_field(g, "randomize", w, bool, "true or false", False),
+                      precision=_field(g, "precision", w, str, "a dtype name", "torch.float32"))
+        for i, a in enumerate(_field(g, "apply", w, list, "a list of transform args", [])):
+            wa = f"{w}.apply[{i}]"
+            if not isinstance(a, dict):
+                raise InvalidInput(f"{wa}: expected an object, got {_describe(a)}")
+            if set(a) - {"targets", "location", "inverse", "ignore"}:
+                raise InvalidInput(f"{wa}: unknown key(s) {sorted(set(a) - {'targets', 'location', 'inverse', 'ignore'})}")
+            location = _field(a, "location", wa, str, "a location")
+            if location not in TRANSFORM_LOCATIONS:
+                raise InvalidInput(f"{wa}.location: {location!r} is not one of {', '.join(TRANSFORM_LOCATIONS)}")
+            targets, ignore = (a.get(k, []) for k in ("targets", "ignore"))
+            out.append(Transform(location=location, inverse=_field(a, "inverse", wa, bool, "true or false", False),
+                                 targets=_strings([targets] if isinstance(targets, str) else targets, f"{wa}.targets"),
+                                 ignore=_strings([ignore] if isinstance(ignore, str) else ignore, f"{wa}.ignore"),
+                                 **common))
+    return tuple(out)
+
+
 @dataclass(frozen=True)
 class QuantConfig:
     """A parsed `quantization_config` (compressed-tensors)."""
@@ -175,7 +238,16 @@ class QuantConfig:
     ignore: tuple[str, ...]
     kv_cache_scheme: QuantArgs | None
     sparsity: bool  # a non-empty sparsity_config
-    transform: bool  # a non-empty transform_config
+    transforms: tuple[Transform, ...] = ()  # transform_config's, one per apply entry
+
+    def input_transforms(self, name: str, class_name: str | None) -> list[Transform]:
+        """The online transforms of module `name`'s input (location "input")."""
+        return [t for t in self.transforms if t.location == "input" and t.applies_to(name, class_name)]
+
+    def transform_module(self, module: str) -> Transform | None:
+        """The transform whose matrix module `module` (`<module>.<group>_<location>`) holds, or None."""
+        last = module.rpartition(".")[2]
+        return next((t for t in self.transforms if last == f"{t.group}_{t.location}"), None)
 
     def scheme_for(self, name: str, class_name: str | None) -> Scheme | None:
         """The scheme that applies to module `name` of class `class_name` (e.g. "Linear"), or None."""
@@ -319,7 +391,7 @@ def parse_quantization_config(qc: object, where: str = "quantization_config") ->
         ignore=_strings(ignore or [], f"{where}.ignore"),
         kv_cache_scheme=QuantArgs.parse(kv, f"{where}.kv_cache_scheme") if kv is not None else None,
         sparsity=bool(sparsity),
-        transform=bool(transform),
+        transforms=_parse_transforms(transform, f"{where}.transform_config"),
     )
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from quantkit.errors import InvalidInput
-from quantkit.formats.compressed_tensors import QuantArgs, Scheme, activation_qtype, weight_qtype
+from quantkit.formats.compressed_tensors import QuantArgs, QuantConfig, Scheme, Transform, activation_qtype, weight_qtype
 
 # ---- KV cache scales (kv_cache_scheme) ------------------------------------------------------------------
 
@@ -394,6 +394,42 @@ def kernel_group(w: QuantArgs, inp: int) -> int:
     return {"group": w.group_size, "block": w.block_structure[1] if w.block_structure else inp}.get(w.strategy, inp)
 
 
+def stored_transforms(qc: QuantConfig, tensors: dict) -> dict[tuple[str, str, int], tuple[str, str | None]]:
+    """The online transform matrices a checkpoint holds: (group, location, size) -> the name of the `weight`
+    tensor of a `<module>.<group>_<location>` and of its `perm` (randomize) or None. The library stores the
+    matrix shared by a group's modules of one size once, under the first such module (tied weights)."""
+    out = {}
+    for name, info in tensors.items():
+        module, _, param = name.rpartition(".")
+        t = qc.transform_module(module) if param == "weight" else None
+        if t is not None and len(info.shape) == 2 and info.shape[0] == info.shape[1]:
+            perm = f"{module}.perm"
+            out.setdefault((t.group, t.location, info.shape[0]), (name, perm if perm in tensors else None))
+    return out
+
+
+def transform_size(t: Transform, inputs: int) -> int:
+    """The side of transform t's matrix on a Linear of `inputs` input features: its head_dim blocks, else all."""
+    return t.head_dim or inputs
+
+
+def input_rotation(t: Transform, matrix, perm, where: str):
+    """The int8 matrix an online input transform multiplies each row by, before dividing by sqrt(its size)
+    (compressed-tensors' HadamardTransform): the stored Hadamard matrix (entries +-1), rows and columns
+    permuted by `perm` when stored (randomize), transposed when `inverse`. InvalidInput when it is not +-1."""
+    import numpy as np
+
+    m = np.asarray(matrix, np.float32)
+    if not np.isin(m, (-1.0, 1.0)).all():
+        raise InvalidInput(f"{where}: a {t.type} transform matrix must hold only +1 and -1")
+    if perm is not None:
+        p = np.asarray(perm).astype(np.int64)
+        if sorted(p.tolist()) != list(range(len(m))):
+            raise InvalidInput(f"{where}: the transform's perm is not a permutation of 0..{len(m) - 1}")
+        m = m[p][:, p]
+    return (m.T if t.inverse else m).astype(np.int8)
+
+
 def stored_global_scale(arrays: dict):
     """An nvfp4 weight's `weight_global_scale` as float32 [..., 1] ([1] stored per weight, [experts, 1] for
     stacked experts)."""
@@ -471,6 +507,7 @@ class KernelLayout(NamedTuple):
     perm: object = None  # [in] int32 input feature of each row (activation-ordered groups), or None
     act: str = ""  # the activations' quantization (compressed_tensors.activation_qtype)
     act_gscale: float | None = None  # nvfp4 activations: the module's input_global_scale
+    rot: object = None  # [size, size] int8 ±1: the online Hadamard transform of the inputs (input_rotation), or None
 
 
 def _has_zeros(w: QuantArgs) -> bool:

@@ -14,9 +14,29 @@ from quantkit.kernels.tiling import LANES, Chip, Tiles, choose_tiles
 # Weight types the runtime keeps quantized on device (int4 and int8 with or without zero points, fp8 e4m3, mxfp4,
 # mxfp8, nvfp4).
 SERVED_QTYPES = ("int4", "int8", "fp8", "mxfp4", "mxfp8", "nvfp4")
-# Activation quantizations (QTensor.act) whose 8-bit codes gmm_v2 multiplies; the others (mxfp4, mxfp8,
-# fp8_g<N>: per group) are quantize-dequantized before the call and take the bf16 path.
+# Activation quantizations (QTensor.act) whose 8-bit codes gmm_v2 multiplies per token; fp8 per group of a
+# multiple of 128 inputs ("fp8_g<N>") too, with weights exact in fp8 (row_codes); the others (mxfp4, mxfp8,
+# nvfp4) are quantize-dequantized before the call and take the bf16 path.
 ROW_CODES = ("int8", "fp8")
+# the weight types each 8-bit row type multiplies in gmm_v2 (int8 rows: integer weights only)
+ROW_WEIGHTS = {"int8": ("int4", "int8"), "fp8": ("int4", "int8", "fp8")}
+
+
+def row_codes(act: str, qtype: str) -> str:
+    """The 8-bit type whose codes (with a scale per row, or per row and group of inputs) gmm_v2 takes for `act`
+    rows and `qtype` weights, or "" when the rows reach it dequantized: per token always ("int8", "fp8"; the
+    weight type is then checked by can_use_gmm_v2); per group ("fp8_g<N>") when N is a multiple of 128 (a k
+    tile never spans two row scales) and the weights are of ROW_WEIGHTS["fp8"]."""
+    if act in ROW_CODES:
+        return act
+    if act.startswith("fp8_g") and int(act.split("_g")[1]) % LANES == 0 and qtype in ROW_WEIGHTS["fp8"]:
+        return "fp8"
+    return ""
+
+
+def row_group(act: str) -> int:
+    """Inputs per row scale of per-group 8-bit rows ("fp8_g<N>": N), 0 for one scale a row."""
+    return int(act.split("_g")[1]) if "_g" in act else 0
 
 
 @dataclass(frozen=True)
@@ -43,10 +63,11 @@ def can_use_gmm_v2(qtype: str, k: int, n: int, group_size: int | None, chip: Chi
         scale_bytes: bytes per stored scale.
         zero_bytes: bytes per stored zero point (0: none, symmetric).
         act: the activations' quantization (QTensor.act): "int8" multiplies int8 rows by integer weights,
-            "fp8" fp8 rows by integer or fp8 weights (8-bit rows, their scales after the dot); any other
-            reaches the kernel already dequantized (bf16 rows).
+            "fp8" fp8 rows by integer or fp8 weights, "fp8_g<N>" fp8 rows with a scale per group of N inputs
+            (8-bit rows, their scales after the dot: row_codes); any other reaches the kernel already
+            dequantized (bf16 rows).
     """
-    act = act if act in ROW_CODES else ""
+    rows = row_codes(act, qtype)
     if not chip.tpu:
         return None, f"{chip.name}: Pallas TPU kernels need a TPU target"
     if qtype not in SERVED_QTYPES:
@@ -56,10 +77,11 @@ def can_use_gmm_v2(qtype: str, k: int, n: int, group_size: int | None, chip: Chi
     group = k if not group_size or group_size < 0 else group_size
     if k % group:
         return None, f"group size {group} does not divide in_features {k}"
-    if act and qtype not in (("int4", "int8") if act == "int8" else ("int4", "int8", "fp8")):
+    if rows and qtype not in ROW_WEIGHTS[rows]:
         return None, f"{act} activations with {qtype} weights"
-    tiles = choose_tiles(m, k, n, g, qtype, group, scale_bytes, chip, zero_bytes, int8_lhs=bool(act))
-    if tiles is None and act and group < LANES:
+    tiles = choose_tiles(m, k, n, g, qtype, group, scale_bytes, chip, zero_bytes, int8_lhs=bool(rows),
+                         row_group=row_group(act) if rows else 0)
+    if tiles is None and rows and group < LANES:
         return None, f"{act} activations need scale groups of at least {LANES} inputs, not {group}"
     if tiles is None:
         return None, f"no tiling of [{k}, {n}] with group {group} fits {chip.name} VMEM"
@@ -72,9 +94,10 @@ EXACT_IN = {"int8": ("int4", "int8"), "fp8": ("int4", "fp8")}
 
 def mxu_type(qtype: str, act: str, chip: Chip) -> str:
     """The operand type gmm_v2 feeds the MXU for `qtype` weights and `act` rows (QTensor.act): the rows'
-    8-bit type where the chip multiplies it at twice the bf16 rate and the weight values are exact in it,
-    else bf16 (the same products, exact in float32 accumulation)."""
-    return act if act in chip.mxu_8bit and qtype in EXACT_IN.get(act, ()) else "bf16"
+    8-bit type (row_codes) where the chip multiplies it at twice the bf16 rate and the weight values are
+    exact in it, else bf16 (the same products, exact in float32 accumulation)."""
+    rows = row_codes(act, qtype)
+    return rows if rows and rows in chip.mxu_8bit and qtype in EXACT_IN[rows] else "bf16"
 
 
 def kernel_path(qtype: str, k: int, n: int, group: int, chip: Chip, scale_bytes: int = 2,
@@ -84,15 +107,17 @@ def kernel_path(qtype: str, k: int, n: int, group: int, chip: Chip, scale_bytes:
     tiles, why = can_use_gmm_v2(qtype, k, n, group, chip, scale_bytes=scale_bytes, zero_bytes=zero_bytes, act=act)
     if not tiles:
         return Verdict("xla", f"XLA fallback: {why}")
-    if act and act not in ROW_CODES:
+    rows = row_codes(act, qtype)
+    if act and not rows:
         return Verdict("gmm_v2", f"{act} activations quantize-dequantized exactly per group, then multiplied in "
                        "bf16 (per-group activation scales are not fed to the MXU)")
+    per = f" (a scale per {row_group(act)} inputs)" if row_group(act) else ""
     if act and (t := mxu_type(qtype, act, chip)) != "bf16":
-        return Verdict("gmm_v2", f"{t} x {t} on the MXU")
+        return Verdict("gmm_v2", f"{t} x {t} on the MXU{per}")
     if act == "int8":
         return Verdict("gmm_v2", f"int8 activations emulated exactly in bf16 ({chip.name} has no int8 MXU)")
-    if act == "fp8":
+    if rows == "fp8":
         why = f"{chip.name} multiplies fp8 at the bf16 rate" if "fp8" not in chip.mxu_8bit else \
             f"{qtype} weights are not exact in fp8"
-        return Verdict("gmm_v2", f"fp8 activations multiplied exactly in bf16 ({why})")
+        return Verdict("gmm_v2", f"fp8 activations{per} multiplied exactly in bf16 ({why})")
     return Verdict("gmm_v2", "")

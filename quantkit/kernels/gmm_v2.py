@@ -19,7 +19,8 @@ as int8 x int8 -> int32 on v5e/v6e, and as the same small integers in bf16 with 
 MXU there; exact: |products| < 2^14, partial sums < 2^24). fp8: codes × int4 or fp8 weight values as fp8 x fp8
 -> float32 on v7x's fp8 MXU (int4 values are exact in e4m3), else (v5e/v6e: fp8 at the bf16 rate; int8 weights)
 both as bf16 with float32 sums, every product exact. `dispatch.mxu_type` picks the MXU type. Scales apply after the dot (tiles never span a
-scale group), zero points by the row-sum identity, the row scales once at the end.
+scale group), zero points by the row-sum identity, the row scales once at the end; fp8 rows with a scale per
+group of N inputs ("fp8_g<N>", FP8_BLOCK; N a multiple of tk) take their k tile's scale column per partial sum.
 A "visit" is one (group, m tile) pair: an m tile that straddles a group boundary is visited once per
 group, and each visit writes only its group's rows (megablox's scheme, reimplemented here).
 
@@ -36,7 +37,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from quantkit.kernels.dispatch import can_use_gmm_v2, mxu_type
+from quantkit.kernels.dispatch import can_use_gmm_v2, mxu_type, row_codes, row_group
 from quantkit.kernels.tiling import CHIPS, Chip, Tiles, traffic
 from quantkit.quant.qtensor import QTensor, decode_scales, decode_values
 
@@ -102,10 +103,11 @@ def visits(group_sizes: jax.Array, m: int, tm: int) -> tuple[jax.Array, jax.Arra
 # ---- the kernel ------------------------------------------------------------------------------------
 
 def _kernel(vg_ref, vt_ref, nv_ref, bounds_ref, off_ref, *refs, qtype: str, group: int, tiles: Tiles,
-            num_groups: int, nk: int, zeros: bool, gscale: bool, int8_lhs: bool, mxu: str):
+            num_groups: int, nk: int, zeros: bool, gscale: bool, int8_lhs: bool, mxu: str, row_group: int):
     gs_ref, refs = (refs[0], refs[1:]) if gscale else (None, refs)  # global scales [num_groups] (nvfp4)
     lhs_ref, *refs = refs
-    rs_ref, refs = (refs[0], refs[1:]) if int8_lhs else (None, refs)  # row scales [tm, 1] of int8 codes
+    # row scales of 8-bit codes: [tm, 1], or [tm, k / row_group] per group of inputs
+    rs_ref, refs = (refs[0], refs[1:]) if int8_lhs else (None, refs)
     q_ref, s_ref, *refs = refs
     z_ref, out_ref, acc_ref = refs if zeros else (None, *refs)  # zero points: asymmetric ints
     v, ki = pl.program_id(1), pl.program_id(2)
@@ -136,7 +138,12 @@ def _kernel(vg_ref, vt_ref, nv_ref, bounds_ref, off_ref, *refs, qtype: str, grou
             if z_ref is not None:
                 part -= jnp.sum(x.astype(jnp.float32), axis=1, keepdims=True) * _tile_row(
                     z_ref[...].astype(jnp.float32), ki, tk, group)
-            acc_ref[...] += part * _tile_row(scales(), ki, tk, group)
+            part *= _tile_row(scales(), ki, tk, group)
+            if row_group:  # the k tile's own column of row scales (a tile never spans two), by a mask
+                rs = rs_ref[...]
+                hit = jax.lax.broadcasted_iota(jnp.int32, rs.shape, 1) == (ki * tk) // row_group
+                part *= jnp.sum(jnp.where(hit, rs, 0.0), axis=1, keepdims=True)
+            acc_ref[...] += part
             return
         q = decode_values(q_ref[...], qtype)  # [tk, tn] f32
         if tiles.predot:
@@ -161,7 +168,7 @@ def _kernel(vg_ref, vt_ref, nv_ref, bounds_ref, off_ref, *refs, qtype: str, grou
         rows = t * tm + jax.lax.broadcasted_iota(jnp.int32, (tm, tn), 0)
         mine = (rows >= bounds_ref[g, 0]) & (rows < bounds_ref[g, 1])
         prev = jnp.where(first, 0.0, out_ref[...].astype(jnp.float32))
-        acc = acc_ref[...] if rs_ref is None else acc_ref[...] * rs_ref[...]
+        acc = acc_ref[...] if rs_ref is None or row_group else acc_ref[...] * rs_ref[...]
         out_ref[...] = jnp.where(mine, acc, prev).astype(out_ref.dtype)
 
 
@@ -180,7 +187,8 @@ def _tile_row(all_rows: jax.Array, ki, tk: int, group: int) -> jax.Array:
 def cost(m: int, k: int, n: int, g: int, rhs: QTensor, tiles: Tiles, out_bytes: int = 2) -> pl.CostEstimate:
     """The static bound of tiling.traffic: bytes the call moves and FLOPs the MXU executes."""
     moved, flops = traffic(m, k, n, g, rhs.qtype, rhs.group, rhs.scales.dtype.itemsize, tiles, out_bytes,
-                           _zero_bytes(rhs), lhs_bytes=1 if rhs.act else 2)
+                           _zero_bytes(rhs), lhs_bytes=1 if row_codes(rhs.act, rhs.qtype) else 2,
+                           row_scales=k // row_group(rhs.act) if row_group(rhs.act) else 1)
     moved += 0 if rhs.gscale is None else 4 * g  # the call's global scales, into SMEM once
     return pl.CostEstimate(flops=flops, transcendentals=0, bytes_accessed=moved)
 
@@ -227,7 +235,8 @@ def _call(lhs: jax.Array, rhs: QTensor, group_sizes: jax.Array, group_offset: ja
     grid = (n // tn, vg.shape[0], nk)
     kernel = functools.partial(_kernel, qtype=rhs.qtype, group=rhs.group, tiles=tiles, num_groups=g, nk=nk,
                                zeros=rhs.zeros is not None, gscale=rhs.gscale is not None,
-                               int8_lhs=row_scales is not None, mxu=mxu)
+                               int8_lhs=row_scales is not None, mxu=mxu,
+                               row_group=row_group(rhs.act) if row_scales is not None else 0)
     lhs_map, rows_map, q_map, s_map, out_map = index_maps(tiles, g, nk)
     s_spec = pl.BlockSpec((None, tk // rhs.group if tiles.predot else srows, tn), s_map)  # zero points too
 
@@ -240,8 +249,8 @@ def _call(lhs: jax.Array, rhs: QTensor, group_sizes: jax.Array, group_offset: ja
     blocks = [pltpu.with_memory_space_constraint(a, pltpu.HBM) for f, a in rhs.arrays.items() if f != "gscale"]
     lhs_specs = [pl.BlockSpec((tm, k if tiles.lhs_resident else tk), lhs_map)]
     lhs_args = [lhs]
-    if row_scales is not None:  # [m, 1] float32, a block per m tile like the output's
-        lhs_specs.append(pl.BlockSpec((tm, 1), rows_map))
+    if row_scales is not None:  # [m, 1] or [m, k / N] float32, a block per m tile like the output's
+        lhs_specs.append(pl.BlockSpec((tm, row_scales.shape[1]), rows_map))
         lhs_args.append(row_scales.astype(jnp.float32))
 
     return pl.pallas_call(
@@ -280,7 +289,8 @@ def gmm_v2(lhs: jax.Array, rhs: QTensor, group_sizes: jax.Array, group_offset: j
         rhs: QTensor [g, k, n] (int4, int8 with or without zero points, fp8, mxfp4, mxfp8 or nvfp4; group or
             channel scales).
         group_sizes: int32 [g], rows per group, sum <= m; rows past the sum come out zero.
-        row_scales: [m, 1] the quantized rows' scales (with rhs.act only), in the output's dtype.
+        row_scales: [m, 1] the quantized rows' scales (with rhs.act only; [m, k / N] per group of N inputs,
+            "fp8_g<N>"), in the output's dtype.
         group_offset: int32 scalar: the groups are rhs's groups offset .. offset + g - 1 (default 0). A
             layer of a stacked weight [layers, k, n] (scanned layers) is offset = layer, g = 1: the kernel
             DMAs that layer's tiles straight from the stack, never a sliced copy.
@@ -290,7 +300,7 @@ def gmm_v2(lhs: jax.Array, rhs: QTensor, group_sizes: jax.Array, group_offset: j
     Returns:
         [m, n] in lhs.dtype (row_scales.dtype with int8 rows).
     """
-    codes = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn}.get(rhs.act)
+    codes = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn}.get(row_codes(rhs.act, rhs.qtype))
     if (codes is None) != (row_scales is None) or (codes is not None and lhs.dtype != codes):
         raise ValueError(f"act {rhs.act!r}: {rhs.act} lhs rows and row_scales go together (got {lhs.dtype} rows)")
     if row_scales is not None and tiles is not None and tiles.predot:

@@ -107,7 +107,7 @@ def vmem_estimate(tm: int, tk: int, tn: int, k: int, group: int, qtype: str, sca
 
 
 def traffic(m: int, k: int, n: int, g: int, qtype: str, group: int, scale_bytes: int, tiles: Tiles,
-            out_bytes: int = 2, zero_bytes: int = 0, lhs_bytes: int = 2) -> tuple[int, int]:
+            out_bytes: int = 2, zero_bytes: int = 0, lhs_bytes: int = 2, row_scales: int = 1) -> tuple[int, int]:
     """(bytes moved, FLOPs executed) by one gmm_v2 call, bounded statically.
 
     Each visit reads its group's packed weight tile by tile; at most min(g, m) groups hold rows, so there are
@@ -118,8 +118,8 @@ def traffic(m: int, k: int, n: int, g: int, qtype: str, group: int, scale_bytes:
     changes (once per call with one m tile, else once per m tile and n tile); otherwise by k tiles, each
     visit its rows (an m tile shared by two groups twice), for each n tile. The output is written once. FLOPs
     are what the MXU executes: whole m tiles per visit, masked rows included. Quantized activations
-    (lhs_bytes 1): 8-bit rows and a float32 scale each. (test_declared_cost_equals_the_blocks_the_grid_copies
-    walks the grid through the kernel's index maps.)
+    (lhs_bytes 1): 8-bit rows and `row_scales` float32 scales each (one, or one per group of inputs).
+    (test_declared_cost_equals_the_blocks_the_grid_copies walks the grid through the kernel's index maps.)
     """
     tiles_m = -(-m // tiles.tm)
     visits = min(tiles_m + min(g, m) - 1, tiles_m * g)
@@ -129,13 +129,13 @@ def traffic(m: int, k: int, n: int, g: int, qtype: str, group: int, scale_bytes:
     scales = (visits if ktiles and tiles.predot else runs) * max(1, k // group) * n * (scale_bytes + zero_bytes)
     lhs_reads = 1 if (tiles.lhs_resident and tiles_m == 1) else n // tiles.tn
     lhs_rows = visits * min(tiles.tm, m) if ktiles and not tiles.lhs_resident else m  # k tiles: a visit reads its rows
-    rows = m * 4 if lhs_bytes == 1 else 0  # 8-bit rows' float32 scales, a block per m tile
+    rows = m * 4 * row_scales if lhs_bytes == 1 else 0  # 8-bit rows' float32 scales, a block per m tile
     moved = values + scales + lhs_reads * (lhs_rows * k * lhs_bytes + rows) + m * n * out_bytes
     return moved, 2 * visits * min(tiles.tm, m) * k * n
 
 
 def choose_tiles(m: int, k: int, n: int, g: int, qtype: str, group: int, scale_bytes: int,
-                 chip: Chip, zero_bytes: int = 0, int8_lhs: bool = False) -> Tiles | None:
+                 chip: Chip, zero_bytes: int = 0, int8_lhs: bool = False, row_group: int = 0) -> Tiles | None:
     """Picks gmm_v2 blocks for lhs [m, k] x weights [g, k, n] on `chip`, or None if nothing fits.
 
     Rules: blocks obey the (8, 128) rule (tk, tn multiples of 128 dividing k and n; tm a multiple of 8
@@ -145,11 +145,13 @@ def choose_tiles(m: int, k: int, n: int, g: int, qtype: str, group: int, scale_b
     wider groups and channel scales multiply partial sums (tk divides the group); the estimated VMEM
     stays under 75% of the limit; a weight of 8 MiB or more gets at least 4 grid steps along k x n so
     that its DMA overlaps compute; otherwise tiles are as large as allowed (fewer, longer steps).
-    int8_lhs (8-bit quantized activations, int8 or fp8): the scales apply after the dot (tk divides the group).
+    int8_lhs (8-bit quantized activations, int8 or fp8): the scales apply after the dot (tk divides the group,
+    and `row_group`, the inputs per row scale of per-group rows, when set).
     """
     limit = chip.vmem_bytes * 3 // 4
     if g == 1:
-        return _choose_kn(m if m <= 512 else 512, k, n, qtype, group, scale_bytes, chip, limit, zero_bytes, int8_lhs)
+        return _choose_kn(m if m <= 512 else 512, k, n, qtype, group, scale_bytes, chip, limit, zero_bytes, int8_lhs,
+                          row_group)
     # Grouped: a tall m tile wastes MXU work on rows of other groups, a short one re-reads the weights
     # of groups that straddle tiles; take the m tile with the lowest roofline time on this chip.
     best = None
@@ -159,7 +161,7 @@ def choose_tiles(m: int, k: int, n: int, g: int, qtype: str, group: int, scale_b
     for tm in sizes:
         if tm > round_up(m, 8) and tm != 8:
             break
-        tiles = _choose_kn(tm, k, n, qtype, group, scale_bytes, chip, limit, zero_bytes, int8_lhs)
+        tiles = _choose_kn(tm, k, n, qtype, group, scale_bytes, chip, limit, zero_bytes, int8_lhs, row_group)
         if tiles is None:
             continue
         moved, flops = traffic(m, k, n, g, qtype, group, scale_bytes, tiles, zero_bytes=zero_bytes,
@@ -171,7 +173,7 @@ def choose_tiles(m: int, k: int, n: int, g: int, qtype: str, group: int, scale_b
 
 
 def _choose_kn(tm: int, k: int, n: int, qtype: str, group: int, scale_bytes: int, chip: Chip, limit: int,
-               zero_bytes: int, int8_lhs: bool = False) -> Tiles | None:
+               zero_bytes: int, int8_lhs: bool = False, row_group: int = 0) -> Tiles | None:
     """tk and tn for a given tm (see choose_tiles)."""
     bits = weight_bits(qtype)
     # tk a multiple of the group (scales before the dot), or a divisor of it (scales on partial sums,
@@ -183,6 +185,8 @@ def _choose_kn(tm: int, k: int, n: int, qtype: str, group: int, scale_bytes: int
     sub = 32 if scale_bytes == 1 or zero_bytes else 8
 
     def fits_group(t: int) -> bool:
+        if row_group and row_group % t:
+            return False  # one row scale per k tile
         if group % t == 0:
             return True  # scales on partial sums (below the MXU width only as a fallback: smaller tiles)
         return not int8_lhs and t % group == 0 and (t == k or (t // group) % sub == 0)

@@ -27,6 +27,9 @@ Invariants:
   quantize-dequantized before the weights' own path.
 - `act_gscale` (nvfp4 activations only, else None) [g] float32: each group's (expert's) static
   `input_global_scale`, which the activations' fp8 local scales are taken relative to.
+- `rot` (online input transforms only, else None) [g, h, h] int8, entries +-1: each row of the activations is
+  multiplied, in blocks of h, by its group's matrix and divided by sqrt(h) (compressed-tensors' online
+  Hadamard transform, QuIP / SpinQuant), before `perm` and `act`; the weights hold its inverse already.
 - `qtype` and `group` are static (pytree metadata), so jit specializes on them.
 - Tensor parallelism (runtime/sharding.py): `mesh` is the Mesh the arrays are placed on and `split` which
   dimension is divided over its "model" axis ("n" output columns, "k" input rows, "" replicated); both
@@ -56,7 +59,7 @@ FP4 = ("mxfp4", "nvfp4")  # e2m1 codes
 
 
 @partial(jax.tree_util.register_dataclass, data_fields=["values", "scales", "zeros", "gscale", "perm",
-                                                      "act_gscale"],
+                                                      "act_gscale", "rot"],
          meta_fields=["qtype", "group", "mesh", "split", "act"])
 @dataclass(frozen=True)
 class QTensor:
@@ -71,27 +74,28 @@ class QTensor:
     perm: jax.Array | None = None  # [g, k] int32 input feature of each stored row (activation order)
     act: str = ""  # static: "" | "int8" | "fp8" | a per-group kind (see above)
     act_gscale: jax.Array | None = None  # [g] float32 input global scales (nvfp4 activations)
+    rot: jax.Array | None = None  # [g, h, h] int8 +-1 online input transform (see above)
 
     @property
     def arrays(self) -> dict:
         """The data arrays present, by field name ("values", "scales", then "zeros", "gscale", "perm",
-        "act_gscale" when set); `with_arrays` takes such a mapping back. Every array's first axis is the group
-        axis."""
-        return {f: a for f in ("values", "scales", "zeros", "gscale", "perm", "act_gscale")
+        "act_gscale", "rot" when set); `with_arrays` takes such a mapping back. Every array's first axis is
+        the group axis."""
+        return {f: a for f in ("values", "scales", "zeros", "gscale", "perm", "act_gscale", "rot")
                 if (a := getattr(self, f)) is not None}
 
     def per_array(self, values, scales, groups) -> dict:
         """For each array of `arrays`, the one of three things (a sharding, a BlockSpec...) for its kind: the
         values, a per-scale array (scales and zero points share a shape, and so a slicing or a placement),
-        or a per-group one (gscale, perm, act_gscale: split only with the groups)."""
+        or a per-group one (gscale, perm, act_gscale, rot: split only with the groups)."""
         kind = {"values": values, "scales": scales, "zeros": scales, "gscale": groups, "perm": groups,
-                "act_gscale": groups}
+                "act_gscale": groups, "rot": groups}
         return {f: kind[f] for f in self.arrays}
 
     def with_arrays(self, arrays: dict, **meta) -> "QTensor":
         """This QTensor's static fields (or those in `meta`) over other data arrays (a mapping as `arrays`)."""
-        return dataclasses.replace(self, **{"zeros": None, "gscale": None, "perm": None, "act_gscale": None, **arrays},
-                                   **meta)
+        return dataclasses.replace(self, **{"zeros": None, "gscale": None, "perm": None, "act_gscale": None,
+                                            "rot": None, **arrays}, **meta)
 
     @property
     def shape(self) -> tuple[int, int, int]:

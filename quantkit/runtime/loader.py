@@ -15,7 +15,8 @@ import numpy as np
 
 from quantkit.errors import InvalidInput, Unsupported
 from quantkit.formats.compressed_tensors import QuantConfig, activation_qtype, weight_qtype
-from quantkit.formats.ct_tensors import KV_SCALES, kernel_layout, kernel_shapes, kv_head_scales, logical_shape
+from quantkit.formats.ct_tensors import (KV_SCALES, input_rotation, kernel_layout, kernel_shapes, kv_head_scales,
+                                        logical_shape, stored_transforms, transform_size)
 from quantkit.formats.hf import Checkpoint, group_modules
 from quantkit.quant.qtensor import STORAGE, QTensor, check_qtensor
 from quantkit.runtime.config import ModelConfig
@@ -43,13 +44,16 @@ def abstract(cfg: ModelConfig, qc: QuantConfig | None, dtype=jnp.bfloat16) -> di
             return jax.ShapeDtypeStruct(s.shape, jnp.float32 if s.kind in ("norm", "router", "tensor", "conv") else dtype)
         *g, k, n = s.shape
         ks, act = kernel_shapes(scheme, (n, k)), activation_qtype(scheme)
+        rot = [transform_size(t, k) for t in qc.input_transforms(s.module[0] if s.kind == "experts" else s.module,
+                                                                  "Linear")]
         g = g[0] if g else 1
         return QTensor(jax.ShapeDtypeStruct((g, k, n), STORAGE[ks.qtype]),
                        jax.ShapeDtypeStruct((g, *ks.scales), jnp.dtype(ks.scale_dtype)), ks.qtype, ks.group,
                        zeros=jax.ShapeDtypeStruct((g, *ks.scales), jnp.int8) if ks.zeros else None,
                        gscale=jax.ShapeDtypeStruct((g,), jnp.float32) if ks.qtype == "nvfp4" else None,
                        perm=jax.ShapeDtypeStruct((g, k), jnp.int32) if ks.perm else None, act=act,
-                       act_gscale=jax.ShapeDtypeStruct((g,), jnp.float32) if act == "nvfp4" else None)
+                       act_gscale=jax.ShapeDtypeStruct((g,), jnp.float32) if act == "nvfp4" else None,
+                       rot=jax.ShapeDtypeStruct((g, rot[0], rot[0]), jnp.int8) if rot else None)
 
     return jax.tree_util.tree_map(leaf, skeleton(cfg, lane_widths(cfg, qc)),
                                   is_leaf=lambda x: isinstance(x, Slot))
@@ -83,6 +87,7 @@ class _Reader:
     def __init__(self, ckpt: Checkpoint, qc: QuantConfig | None):
         self.ckpt, self.qc = ckpt, qc
         self.modules = group_modules(ckpt.tensors)
+        self.transforms = stored_transforms(qc, ckpt.tensors) if qc is not None and qc.transforms else {}
 
     def params(self, module: str) -> dict[str, str]:
         found = self.modules.get(module)
@@ -104,6 +109,10 @@ class _Reader:
         arrays = {p: np.asarray(self.ckpt.read(n)) for p, n in pnames.items()}
         shape = logical_shape({p: a.shape for p, a in arrays.items()}, arrays.get("weight_shape"), scheme.format)
         layout = kernel_layout(scheme, arrays, shape, module)
+        for t in self.qc.input_transforms(module, "Linear"):  # one at most (validate)
+            matrix, perm = self.transforms[(t.group, t.location, transform_size(t, shape[1]))]
+            layout = layout._replace(rot=input_rotation(t, self.ckpt.read(matrix), None if perm is None else
+                                                        self.ckpt.read(perm), matrix))
         if layout.scales.dtype == np.float16:
             layout = layout._replace(scales=layout.scales.astype(np.float32))
         return layout
@@ -128,7 +137,8 @@ class _Reader:
         if all(la is None for la in layouts):
             return np.stack([self.linear(m, shape[1:]) for m in modules])
         if any(la is None for la in layouts) or len({(la.qtype, la.group, la.zeros is None, la.scales.dtype,
-                                                      la.perm is None, la.act) for la in layouts}) != 1:
+                                                      la.perm is None, la.act, la.rot is None)
+                                                     for la in layouts}) != 1:
             raise Unsupported(f"experts {modules[0]}..: mixed quantization across experts is not supported")
         return _padded_qtensor(layouts, shape[1:])
 
@@ -167,13 +177,17 @@ def _padded_qtensor(layouts: list, shape: tuple[int, int]) -> QTensor:
     zeros = None if first.zeros is None else _pad(np.stack([la.zeros for la in layouts]), (k // group, n))
     gscale = None if first.gscale is None else np.array([la.gscale for la in layouts], np.float32)
     act_gscale = None if first.act_gscale is None else np.array([la.act_gscale for la in layouts], np.float32)
+    rot = None if first.rot is None else np.stack([la.rot for la in layouts])
+    if rot is not None and k % rot.shape[-1]:
+        raise Unsupported(f"an online input transform of size {rot.shape[-1]} over {k} padded inputs: the padding "
+                          "would break its blocks (use a transform head_dim that divides the padded width)")
     perm = None  # padded rows (zero values) keep their place
     if first.perm is not None:
         perm = np.stack([np.concatenate([la.perm, np.arange(len(la.perm), k, dtype=np.int32)]) for la in layouts])
     check_qtensor(values.shape, scales.shape, first.qtype, group, None if zeros is None else zeros.shape,
                   None if gscale is None else gscale.shape, None if perm is None else perm.shape)
     return QTensor(values, scales, first.qtype, group, zeros=zeros, gscale=gscale, perm=perm, act=first.act,
-                   act_gscale=act_gscale)
+                   act_gscale=act_gscale, rot=rot)
 
 
 @partial(jax.jit, donate_argnums=0)
@@ -303,7 +317,7 @@ def densify(params: dict, dtype) -> dict:
     lm_head [in, out]). Off TPU this is what serves fastest: the XLA path would otherwise dequantize each
     weight on every call (runtime/step.py `Runner.weights`)."""
     def dense(key, w, layers=None):
-        if not isinstance(w, QTensor) or w.act:  # quantized activations: the quantized matmul does them
+        if not isinstance(w, QTensor) or w.act or w.rot is not None:  # the quantized matmul quantizes or rotates the rows
             return w
         d = jax.jit(QTensor.dequantize)(w).astype(dtype)  # [G, k, n]
         if w.perm is not None:  # activation order: rows back to input-feature order

@@ -8,8 +8,10 @@ import warnings
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from quantkit.formats.compressed_tensors import activation_group
+from quantkit.kernels.dispatch import row_codes
 from quantkit.kernels.tiling import CHIPS
 from quantkit.kernels.xla import gmm_xla
 from quantkit.quant.qtensor import QTensor
@@ -92,18 +94,32 @@ def _per_row(a: jax.Array, group_sizes: jax.Array, group_offset, m: int) -> jax.
     return a[jnp.minimum(row_group, g - 1)]
 
 
+def rotate(x: jax.Array, rot: jax.Array) -> jax.Array:
+    """x [m, k] times the block-diagonal matrix of rot [1 or m, h, h] (+-1; one per row: its group's) over
+    its k // h blocks, divided by sqrt(h): compressed-tensors' online Hadamard transform, in float32 as it
+    computes it, rounded back to x's dtype."""
+    m, k = x.shape
+    h = rot.shape[-1]
+    xb, r = x.astype(jnp.float32).reshape(m, k // h, h), rot.astype(jnp.float32)
+    hi = jax.lax.Precision.HIGHEST
+    y = jnp.einsum("mbh,hj->mbj", xb, r[0], precision=hi) if r.shape[0] == 1 else \
+        jnp.einsum("mbh,mhj->mbj", xb, r, precision=hi)
+    return _divide(y, jnp.asarray(float(np.sqrt(h)), jnp.float32)).reshape(m, k).astype(x.dtype)
+
+
 def quantize_rows(x: jax.Array, act: str = "int8") -> tuple[jax.Array, jax.Array]:
-    """Dynamic symmetric per-token quantization (QTensor.act), in x's dtype as compressed-tensors computes it:
-    scale = the row's absmax / half the type's range (int8: 127.5, fp8 e4m3: 448; 0 -> the dtype's eps),
-    codes = x / scale clipped to the type's range, then rounded to it (int8: half to even; fp8: the cast).
-    Returns (codes [m, k] int8 or float8_e4m3fn, scales [m, 1] in x.dtype); codes * scales is the library's
-    fake-quantized x."""
+    """Dynamic symmetric per-token (or per group of N inputs: "fp8_g<N>") quantization (QTensor.act), in x's
+    dtype as compressed-tensors computes it: scale = the row's (group's) absmax / half the type's range (int8:
+    127.5, fp8 e4m3: 448; 0 -> the dtype's eps), codes = x / scale clipped to the type's range, then rounded
+    to it (int8: half to even; fp8: the cast). Returns (codes [m, k] int8 or float8_e4m3fn, scales [m, k / N]
+    in x.dtype, [m, 1] per token); codes times their scale is the library's fake-quantized x."""
+    m, k = x.shape
     half, lo, hi = (127.5, -128, 127) if act == "int8" else (FP8_MAX, -FP8_MAX, FP8_MAX)
-    absmax = jnp.max(jnp.abs(x), axis=1, keepdims=True)
-    scale = _divide(absmax, jnp.asarray(half, x.dtype))
+    g = x.reshape(m, -1, activation_group(act) or k)
+    scale = _divide(jnp.max(jnp.abs(g), axis=2, keepdims=True), jnp.asarray(half, x.dtype))
     scale = jnp.where(scale == 0, jnp.asarray(jnp.finfo(x.dtype).eps, x.dtype), scale)
-    y = jnp.clip(_divide(x, scale), lo, hi)
-    return (jnp.round(y).astype(jnp.int8) if act == "int8" else y.astype(jnp.float8_e4m3fn)), scale
+    y = jnp.clip(_divide(g, scale), lo, hi).reshape(m, k)
+    return (jnp.round(y).astype(jnp.int8) if act == "int8" else y.astype(jnp.float8_e4m3fn)), scale[..., 0]
 
 
 def fake_quantize_groups(x: jax.Array, act: str, gscale: jax.Array | None = None) -> jax.Array:
@@ -142,9 +158,9 @@ def fake_quantize_groups(x: jax.Array, act: str, gscale: jax.Array | None = None
         # an all-zero group: 2**-127, which a chip that flushes subnormals (XLA:CPU, TPU) reads as 0, so 1
         # here (the group stays zero either way)
         scale = jnp.where(absmax == 0, 1.0, scale).astype(x.dtype)
-    else:
-        scale = _divide(absmax, jnp.asarray(FP8_MAX, x.dtype))
-        scale = jnp.where(scale == 0, jnp.asarray(jnp.finfo(x.dtype).eps, x.dtype), scale)
+    else:  # fp8 per group: quantize_rows's codes times their scales
+        codes, scale = quantize_rows(x, act)
+        return (codes.astype(x.dtype).reshape(m, k // group, group) * scale[..., None]).reshape(m, k)
     top = 6.0 if fp4 else FP8_MAX
     y = jnp.clip(_divide(g, scale), -top, top)
     y = _round_e2m1(y) if fp4 else y.astype(jnp.float8_e4m3fn).astype(x.dtype)
@@ -172,10 +188,12 @@ def grouped_matmul(x: jax.Array, w: QTensor, group_sizes: jax.Array, group_offse
     """x [m, k] rows sorted by group, w [G, k, n], groups group_offset .. + len(group_sizes) - 1 -> [m, n].
     Activations are put in w's stored row order (QTensor.perm) and quantized (QTensor.act) here, on the whole
     rows: before a tensor-parallel split, whose shards see only some columns."""
+    if w.rot is not None:
+        x = rotate(x, _per_row(w.rot, group_sizes, group_offset, x.shape[0]))
     if w.perm is not None:
         x = _in_stored_order(x, w, group_sizes, group_offset)
-        w = w.with_arrays({f: a for f, a in w.arrays.items() if f != "perm"})
-    if w.act in ("int8", "fp8"):  # codes and row scales for the MXU
+    w = w.with_arrays({f: a for f, a in w.arrays.items() if f not in ("rot", "perm")})
+    if row_codes(w.act, w.qtype):  # codes and their row (group) scales for the MXU
         x = quantize_rows(x, w.act)
     elif w.act:  # group-quantized activations: exact values, then the weights' own path
         gscale = None if w.act_gscale is None else _per_row(w.act_gscale, group_sizes, group_offset, x.shape[0])
@@ -199,7 +217,9 @@ def _local(x, w: QTensor, group_sizes: jax.Array, group_offset) -> jax.Array:
         if tiles is not None:
             return gmm_v2(codes, w, group_sizes, group_offset, row_scales=rows, chip=chip, tiles=tiles,
                           interpret=interpret())
-    return gmm_xla(codes if rows is None else codes.astype(rows.dtype) * rows, w, group_sizes, group_offset)
+    if rows is not None:  # the library's fake-quantized rows
+        codes = codes.astype(rows.dtype) * jnp.repeat(rows, codes.shape[1] // rows.shape[1], axis=1)
+    return gmm_xla(codes, w, group_sizes, group_offset)
 
 
 def _per_shard(x, w: QTensor, group_sizes: jax.Array, group_offset) -> jax.Array:
@@ -220,7 +240,9 @@ def _per_shard(x, w: QTensor, group_sizes: jax.Array, group_offset) -> jax.Array
 
     rows = P() if channel and k_split else spec  # scales and zero points
     xspec = P(None, ax) if k_split else P()
-    return jax.shard_map(body, mesh=w.mesh, in_specs=((xspec, P()) if isinstance(x, tuple) else xspec,
+    # per-group row scales [m, k / N] are split with the columns they scale
+    xspecs = (xspec, xspec if x[1].shape[1] > 1 else P()) if isinstance(x, tuple) else xspec
+    return jax.shard_map(body, mesh=w.mesh, in_specs=(xspecs,
                                                       w.per_array(spec, rows, P()), P(), P()),
                          out_specs=P(None, ax) if w.split == "n" else P(), check_vma=False)(
         x, w.arrays, group_sizes, offset)

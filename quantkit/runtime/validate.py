@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from quantkit.errors import InvalidInput, Unsupported
 from quantkit.formats.compressed_tensors import (SPARSE_FORMATS, QuantArgs, QuantConfig, Scheme, activation_group,
                                                  activation_qtype, quantization_config_of, weight_qtype)
-from quantkit.formats.ct_tensors import KV_SCALES, check_global_scales, check_module_tensors, kernel_shapes, kv_head_scales
+from quantkit.formats.ct_tensors import (KV_SCALES, check_global_scales, check_module_tensors, kernel_shapes, kv_head_scales,
+                                        stored_transforms, transform_size)
 from quantkit.formats.hf import Checkpoint, classify_module, group_modules
 from quantkit.kernels.dispatch import Verdict, kernel_path
 from quantkit.kernels.tiling import Chip
@@ -119,9 +120,19 @@ def config_findings(raw: dict | None, qc: QuantConfig | None) -> list[tuple[str,
         return out
     if qc.sparsity:
         out.append(("unsupported", "sparsity_config is set: sparse compressed-tensors checkpoints are not supported"))
-    if qc.transform:
-        out.append(("unsupported", "transform_config is set: online rotations (SpinQuant/QuIP transforms) are not "
-                    "supported by the runtime"))
+    for t in qc.transforms:
+        if t.location in ("weight_input", "weight_output"):
+            continue  # fused into the stored weights
+        what = f"transform_config group {t.group!r}: {t.type} transform at location {t.location!r}"
+        if t.location != "input":
+            out.append(("unsupported", f"{what} is not supported: quantkit applies online transforms at Linear "
+                        "inputs only (location 'input'; weight_input / weight_output ones are in the weights)"))
+        elif t.type not in ("hadamard", "random-hadamard"):
+            out.append(("unsupported", f"{what} is not supported: online input transforms must be hadamard or "
+                        "random-hadamard"))
+        elif t.precision not in ("torch.float32", "float32"):
+            out.append(("unsupported", f"{what} in precision {t.precision} is not supported: quantkit applies "
+                        "it in float32"))
     if qc.kv_cache_scheme is not None and kv_scheme_reason(qc.kv_cache_scheme):
         out.append(("unsupported", kv_scheme_reason(qc.kv_cache_scheme)))
     odd = sorted({g.weights.num_bits for g in qc.groups if g.weights is not None and g.weights.type == "int"
@@ -184,6 +195,7 @@ class ModuleCheck:
     shape: tuple[int, ...] | None  # logical [..., out, in]; None when unknown
     errors: tuple[str, ...]  # one line each: the tensors are not what the scheme requires
     reason: str | None  # why the runtime cannot serve it; None when it can or when it holds no weight
+    rotation: str = ""  # its online input transform, as inspect says it ("" none)
 
     @property
     def has_weight(self) -> bool:
@@ -253,8 +265,34 @@ def _kv_scale_problems(ckpt: Checkpoint, cfg: ModelConfig) -> list[dict]:
     return out
 
 
-def check_module(module: str, params: dict, qc: QuantConfig | None, foreign: bool) -> ModuleCheck:
-    """One module's tensors against the scheme that targets it (`foreign`: quantized by another method)."""
+def _input_transform_problems(module: str, cls: str | None, scheme: Scheme | None, shape, qc: QuantConfig,
+                              stored: dict) -> tuple[list[str], str | None]:
+    """(errors, unsupported reason) of a module's online input transforms: at most one, on a quantized
+    Linear, whose matrix of the size its inputs (or head_dim) need the checkpoint holds."""
+    found = qc.input_transforms(module, cls)
+    if not found:
+        return [], None
+    if len(found) > 1:
+        return [], f"{len(found)} online input transforms ({', '.join(t.group for t in found)}): at most one is supported"
+    t = found[0]
+    if t.type not in ("hadamard", "random-hadamard"):
+        return [], f"online input transform {t.group!r} is {t.type}: only hadamard and random-hadamard are served"
+    if weight_qtype(scheme) == "dense":
+        return [], f"online input transform {t.group!r} on a module that is not quantized is not supported"
+    if shape is None or len(shape) < 2:
+        return [], None  # the weight's own problems are reported
+    size = transform_size(t, shape[-1])
+    if shape[-1] % size:
+        return [f"{module}: transform {t.group!r} of head_dim {size} does not divide its {shape[-1]} inputs"], None
+    if (t.group, t.location, size) not in stored:
+        return [f"{module}: no {t.group}_input transform matrix of size {size} in the checkpoint (a tensor "
+                f"<module>.{t.group}_input.weight [{size}, {size}])"], None
+    return [], None
+
+
+def check_module(module: str, params: dict, qc: QuantConfig | None, foreign: bool, stored: dict | None = None) -> ModuleCheck:
+    """One module's tensors against the scheme that targets it (`foreign`: quantized by another method), and
+    its online input transform against the `stored` matrices (ct_tensors.stored_transforms)."""
     kind, cls = classify_module(module, params)
     scheme = qc.scheme_for(module, cls) if qc is not None and cls is not None else None
     if foreign and any(p not in ("weight", "bias") for p in params):
@@ -266,7 +304,18 @@ def check_module(module: str, params: dict, qc: QuantConfig | None, foreign: boo
         reason = unsupported_reason(scheme) if scheme is not None else None
         if reason is None and weight_qtype(scheme) != "dense" and (shape is None or len(shape) < 2):
             reason = "weight shape unknown"
+        if qc is not None and qc.transforms:
+            more, why = _input_transform_problems(module, cls, scheme, shape, qc, stored or {})
+            errors, reason = [*errors, *more], reason or why
+            rotation = "; ".join(f"inputs rotated online by {t.type} {t.group!r} of size "
+                                 f"{transform_size(t, shape[-1])}" for t in qc.input_transforms(module, cls) if shape)
+            return ModuleCheck(module, kind, params, scheme, shape, tuple(errors), reason, rotation)
     return ModuleCheck(module, kind, params, scheme, shape, tuple(errors), reason)
+
+
+def is_transform_module(qc: QuantConfig, module: str) -> bool:
+    """Whether `module` holds a transform's matrix (`<module>.<group>_<location>`) or its `perm` tensor."""
+    return qc.transform_module(module) is not None or qc.transform_module(module.rpartition(".")[0]) is not None
 
 
 def validate_checkpoint(ckpt: Checkpoint) -> Validation:
@@ -290,8 +339,10 @@ def validate_checkpoint(ckpt: Checkpoint) -> Validation:
     if cfg is not None and kv is not None and not kv_scheme_reason(kv):  # else reported unsupported already
         problems += _kv_scale_problems(ckpt, cfg)
     foreign = raw is not None and qc is None
-    modules = [check_module(module, {p: ckpt.tensors[n] for p, n in pnames.items()}, qc, foreign)
-               for module, pnames in group_modules(ckpt.tensors).items()]
+    stored = stored_transforms(qc, ckpt.tensors) if qc is not None and qc.transforms else {}
+    modules = [check_module(module, {p: ckpt.tensors[n] for p, n in pnames.items()}, qc, foreign, stored)
+               for module, pnames in group_modules(ckpt.tensors).items()
+               if not (qc is not None and is_transform_module(qc, module))]
     # nvfp4 global scales: 4 bytes a module, read always (a zero or NaN one, or fused siblings that differ,
     # would make the served weights wrong)
     globals_ = {m.name: ckpt.read(m.params["weight_global_scale"].name) for m in modules
