@@ -498,12 +498,12 @@ def test_declared_cost_equals_the_blocks_the_grid_copies(act, qtype, group, resi
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("chip", ["v6e", "v7x"])  # v5e: the same MXU types as v6e
+@pytest.mark.parametrize("chip", ["v5e", "v6e", "v7x"])
 def test_8bit_activations_compile_to_the_chips_mxu_type(chip):
     """Deviceless compiles of W8A8 (int8 channel, Llama-3-8B down_proj [14336, 4096]), W4A8 experts (int4
     g128, Qwen3-30B-A3B down [768, 2048] x 128), FP8_DYNAMIC (fp8 channel, the down_proj) and FP8_BLOCK (fp8
     128 x 128 blocks, rows with a scale per 128 inputs) at 2048 rows:
-    the kernel's dot is int8 x int8 -> int32 on v6e and bf16 x bf16 -> float32 on v7x (no int8 MXU); fp8 x
+    the kernel's dot is int8 x int8 -> int32 on v5e and v6e and bf16 x bf16 -> float32 on v7x (no int8 MXU); fp8 x
     fp8 -> float32 on v7x and bf16 on v6e (fp8 at the bf16 rate); Mosaic accepts it, the compiled program
     declares the call's FLOPs under that MXU type (what `plan` counts), and nothing weight-sized is a
     temporary."""
@@ -518,7 +518,8 @@ def test_8bit_activations_compile_to_the_chips_mxu_type(chip):
         lhs = jax.ShapeDtypeStruct((2048, k), codes)
         rows = jax.ShapeDtypeStruct((2048, k // 128 if act == "fp8_g128" else 1), jnp.bfloat16)
         call = lambda a, b, c, r: gmm_v2(a, b, c, row_scales=r, chip=chip)  # noqa: E731
-        mxu = {("v6e", "int8"): "int8", ("v7x", "fp8"): "fp8"}.get((chip, act.split("_g")[0]), "bf16")
+        mxu = {("v5e", "int8"): "int8", ("v6e", "int8"): "int8", ("v7x", "fp8"): "fp8"}.get(
+            (chip, act.split("_g")[0]), "bf16")
         expected = {"int8": ("int8", "int8", "int32"), "fp8": ("float8_e4m3fn", "float8_e4m3fn", "float32"),
                     "bf16": ("bfloat16", "bfloat16", "float32")}[mxu]
         assert set(_dots(jax.make_jaxpr(call)(lhs, rhs, gs, rows).jaxpr)) == {expected}, (chip, qtype)

@@ -356,7 +356,7 @@ def test_quantized_moe_experts_match_transformers(scheme, tmp_path):
         assert np.array_equal(g, np.asarray(model.params["layers"]["full"]["experts_up"].gscale))
 
 
-@pytest.mark.parametrize("scheme", ["MXFP6A8", "W3A16", "W4A8", "NVFP4"])
+@pytest.mark.parametrize("scheme", ["MXFP6A8", "W3A16", "W4A8", "NVFP4", "FP8_DYNAMIC"])
 def test_library_quantized_moe_experts_match_transformers(scheme, tmp_path):
     """Qwen3-MoE quantized by the library itself (its per-expert Linears: ct_oracle's model-free path) to
     MXFP6A8, served as fp8 values with E8M0 scales, each expert's input rows quantize-dequantized to MX e4m3
@@ -366,15 +366,17 @@ def test_library_quantized_moe_experts_match_transformers(scheme, tmp_path):
     transformers on the library's dequantized weights, dequantized by the library in float32 like the runtime
     here (in bf16 each code times its bf16 scale is rounded, 1.7e-3 of every weight: enough to flip
     near-tied top-2 routes of a random router; int-quantized W4A8 dequantizes in its scales' dtype: given
-    float32). Tolerance 1e-2; W4A8 3e-2, as for the dense W8A8 test, which alone would not tell int8 rows
-    from unquantized ones here: one expert's projection is also checked alone, 1e-5. Experts 128 wide, so
-    that down_proj's inputs hold a whole group of 128."""
+    float32), to NVFP4 (W4A4: e2m1 rows per 16 under each expert's own input global scale) and to
+    FP8_DYNAMIC (fp8 channel weights, fp8 rows per token). Tolerance 1e-2; per-token 8-bit rows 3e-2, as for
+    the dense W8A8 test, which alone would not tell quantized rows from unquantized ones here: one expert's
+    projection is also checked alone, 1e-5. Experts 128 wide, so that down_proj's inputs hold a whole group
+    of 128."""
     torch.manual_seed(0)
     T.Qwen3MoeForCausalLM(T.Qwen3MoeConfig(**COMMON, moe_intermediate_size=128, num_experts=8, num_experts_per_tok=2,
                                            norm_topk_prob=True)).save_pretrained(tmp_path / "moe")
     q = library_quantize_checkpoint(tmp_path / "moe", tmp_path / "q", scheme)
-    act = {"W4A8": "int8", "MXFP6A8": "mxfp8", "NVFP4": "nvfp4"}.get(scheme, "")
-    int8, nv = act == "int8", act == "nvfp4"
+    act = {"W4A8": "int8", "MXFP6A8": "mxfp8", "NVFP4": "nvfp4", "FP8_DYNAMIC": "fp8"}.get(scheme, "")
+    int8, nv = act in ("int8", "fp8"), act == "nvfp4"  # per-token rows: float32 scales, 3e-2 (see above)
     exact = with_float32_scales(q, tmp_path / "q32") if int8 else without_input_global_scales(q, tmp_path / "q-") \
         if nv else q
     dense = library_convert_dequantize(exact, tmp_path / "dense", dtype=torch.bfloat16 if nv else torch.float32)
@@ -387,7 +389,8 @@ def test_library_quantized_moe_experts_match_transformers(scheme, tmp_path):
     experts = model.params["layers"]["full"]["experts_gate"]
     assert experts.values.shape[0] == 3 * 8 and experts.act == act
     assert (experts.qtype, experts.group) == {"MXFP6A8": ("mxfp8", 32), "W3A16": ("int4", 128),
-                                              "W4A8": ("int4", 128), "NVFP4": ("nvfp4", 16)}[scheme]
+                                              "W4A8": ("int4", 128), "NVFP4": ("nvfp4", 16),
+                                              "FP8_DYNAMIC": ("fp8", experts.values.shape[1])}[scheme]  # channel
     if nv:  # each expert's own input global scale, gate's equal to up's (one input)
         g = np.asarray(experts.act_gscale)
         assert g.shape == (24,) and len(set(g.tolist())) == 24
