@@ -125,7 +125,7 @@ def quantize_rows(x: jax.Array, act: str = "int8") -> tuple[jax.Array, jax.Array
 def fake_quantize_groups(x: jax.Array, act: str, gscale: jax.Array | None = None) -> jax.Array:
     """Dynamic symmetric per-group quantize-dequantize of x [m, k] along its rows (QTensor.act "mxfp4",
     "mxfp8": groups of 32 with an E8M0 scale; "fp8_g<N>": groups of N with a float scale; "nvfp4": groups of
-    16 with an fp8 scale relative to `gscale`, the input global scale of each row's module [1 or m, 1]), in
+    16 with an fp8 scale relative to `gscale`, the input global scale of each row's module [1 or m]), in
     x's dtype as compressed-tensors computes it: the group's absmax -> scale (MX: the absmax rounded to a power
     of two, up only from mantissa 1.75, over the element type's largest power, 2 for e2m1 and 256 for e4m3;
     fp8: absmax / 448, 0 -> the dtype's eps; nvfp4: float32(absmax / 6) * gscale rounded to e4m3, 0 -> 0.125,
@@ -138,7 +138,7 @@ def fake_quantize_groups(x: jax.Array, act: str, gscale: jax.Array | None = None
     absmax = jnp.max(jnp.abs(g), axis=2, keepdims=True)
     fp4 = act in ("mxfp4", "nvfp4")
     if act == "nvfp4":
-        gscale = gscale.astype(jnp.float32)[..., None]  # [rows, 1, 1]
+        gscale = gscale.astype(jnp.float32)[:, None, None]  # [1 or m, 1, 1]
         scale = _divide(absmax, jnp.asarray(6.0, x.dtype)).astype(jnp.float32) * gscale
         scale = jnp.clip(scale, -FP8_MAX, FP8_MAX).astype(jnp.float8_e4m3fn).astype(jnp.float32)
         scale = _divide(jnp.where(scale == 0, 0.125, scale), gscale)
@@ -192,13 +192,12 @@ def grouped_matmul(x: jax.Array, w: QTensor, group_sizes: jax.Array, group_offse
         x = rotate(x, _per_row(w.rot, group_sizes, group_offset, x.shape[0]))
     if w.perm is not None:
         x = _in_stored_order(x, w, group_sizes, group_offset)
-    w = w.with_arrays({f: a for f, a in w.arrays.items() if f not in ("rot", "perm")})
+    gscale = None if w.act_gscale is None else _per_row(w.act_gscale, group_sizes, group_offset, x.shape[0])
+    w = w.with_arrays({f: a for f, a in w.arrays.items() if f not in ("rot", "perm", "act_gscale")})
     if row_codes(w.act, w.qtype):  # codes and their row (group) scales for the MXU
         x = quantize_rows(x, w.act)
     elif w.act:  # group-quantized activations: exact values, then the weights' own path
-        gscale = None if w.act_gscale is None else _per_row(w.act_gscale, group_sizes, group_offset, x.shape[0])
-        x = fake_quantize_groups(x, w.act, None if gscale is None else gscale[:, None])
-        w = w.with_arrays({f: a for f, a in w.arrays.items() if f != "act_gscale"}, act="")
+        x, w = fake_quantize_groups(x, w.act, gscale), w.with_arrays(w.arrays, act="")
     if w.mesh is not None:
         return _per_shard(x, w, group_sizes, group_offset)
     return _local(x, w, group_sizes, group_offset)

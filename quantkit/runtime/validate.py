@@ -265,32 +265,34 @@ def _kv_scale_problems(ckpt: Checkpoint, cfg: ModelConfig) -> list[dict]:
     return out
 
 
-def _input_transform_problems(module: str, cls: str | None, scheme: Scheme | None, shape, qc: QuantConfig,
-                              stored: dict) -> tuple[list[str], str | None]:
-    """(errors, unsupported reason) of a module's online input transforms: at most one, on a quantized
-    Linear, whose matrix of the size its inputs (or head_dim) need the checkpoint holds."""
+def _input_transform(module: str, cls: str | None, scheme: Scheme | None, shape, qc: QuantConfig,
+                     stored: dict) -> tuple[list[str], str | None, str]:
+    """(errors, unsupported reason, what inspect says) of a module's online input transforms: at most one,
+    on a quantized Linear, whose matrix of the size its inputs (or head_dim) need the checkpoint holds."""
     found = qc.input_transforms(module, cls)
     if not found:
-        return [], None
+        return [], None, ""
     if len(found) > 1:
-        return [], f"{len(found)} online input transforms ({', '.join(t.group for t in found)}): at most one is supported"
+        return [], f"{len(found)} online input transforms ({', '.join(t.group for t in found)}): at most one " \
+            "is supported", ""
     t = found[0]
     if t.type not in ("hadamard", "random-hadamard"):
-        return [], f"online input transform {t.group!r} is {t.type}: only hadamard and random-hadamard are served"
+        return [], f"online input transform {t.group!r} is {t.type}: only hadamard and random-hadamard are served", ""
     if weight_qtype(scheme) == "dense":
-        return [], f"online input transform {t.group!r} on a module that is not quantized is not supported"
+        return [], f"online input transform {t.group!r} on a module that is not quantized is not supported", ""
     if shape is None or len(shape) < 2:
-        return [], None  # the weight's own problems are reported
+        return [], None, ""  # the weight's own problems are reported
     size = transform_size(t, shape[-1])
     if shape[-1] % size:
-        return [f"{module}: transform {t.group!r} of head_dim {size} does not divide its {shape[-1]} inputs"], None
+        return [f"{module}: transform {t.group!r} of head_dim {size} does not divide its {shape[-1]} inputs"], None, ""
     if (t.group, t.location, size) not in stored:
         return [f"{module}: no {t.group}_input transform matrix of size {size} in the checkpoint (a tensor "
-                f"<module>.{t.group}_input.weight [{size}, {size}])"], None
-    return [], None
+                f"<module>.{t.group}_input.weight [{size}, {size}])"], None, ""
+    return [], None, f"inputs rotated online by {t.type} {t.group!r} of size {size}"
 
 
-def check_module(module: str, params: dict, qc: QuantConfig | None, foreign: bool, stored: dict | None = None) -> ModuleCheck:
+def check_module(module: str, params: dict, qc: QuantConfig | None, foreign: bool,
+                 stored: dict | None = None) -> ModuleCheck:
     """One module's tensors against the scheme that targets it (`foreign`: quantized by another method), and
     its online input transform against the `stored` matrices (ct_tensors.stored_transforms)."""
     kind, cls = classify_module(module, params)
@@ -299,18 +301,15 @@ def check_module(module: str, params: dict, qc: QuantConfig | None, foreign: boo
         # A foreign method's tensors are not ours to judge: it is reported unsupported, not invalid.
         return ModuleCheck(module, kind, params, scheme, None, (), "quantized by a method quantkit does not read")
     shape, errors = check_module_tensors(module, scheme, params)
-    reason = None
+    reason, rotation = None, ""
     if "weight" in params or "weight_packed" in params:  # not e.g. a module holding only k_scale / v_scale
         reason = unsupported_reason(scheme) if scheme is not None else None
         if reason is None and weight_qtype(scheme) != "dense" and (shape is None or len(shape) < 2):
             reason = "weight shape unknown"
         if qc is not None and qc.transforms:
-            more, why = _input_transform_problems(module, cls, scheme, shape, qc, stored or {})
+            more, why, rotation = _input_transform(module, cls, scheme, shape, qc, stored or {})
             errors, reason = [*errors, *more], reason or why
-            rotation = "; ".join(f"inputs rotated online by {t.type} {t.group!r} of size "
-                                 f"{transform_size(t, shape[-1])}" for t in qc.input_transforms(module, cls) if shape)
-            return ModuleCheck(module, kind, params, scheme, shape, tuple(errors), reason, rotation)
-    return ModuleCheck(module, kind, params, scheme, shape, tuple(errors), reason)
+    return ModuleCheck(module, kind, params, scheme, shape, tuple(errors), reason, rotation)
 
 
 def is_transform_module(qc: QuantConfig, module: str) -> bool:
