@@ -56,7 +56,7 @@ def _nbytes(leaf, layout, chip) -> int:
 
 def plan(path: str | Path, target: str = "v6e", max_model_len: int = 2048, max_num_seqs: int = 16, tp: int = 1,
          scheme: str | None = None, group_size: int = 128, search: bool = True, progress=None,
-         kv_cache_dtype: str = "auto", ep: bool = False, cost: bool = True) -> dict:
+         kv_cache_dtype: str = "auto", ep: bool = False, cost: bool = True, prefill_cost: bool = True) -> dict:
     """Compiles the serving steps for `tp` chips of `target` and reports HBM (per chip), VMEM, compile time and
     fit (docs/cli.md keys).
 
@@ -72,6 +72,8 @@ def plan(path: str | Path, target: str = "v6e", max_model_len: int = 2048, max_n
             the decode step's collectives (three or four more compiles of shallow variants a program);
             skipped when the step does not compile. Without it `decode_step_cost`, `prefill_step_cost` and
             `decode_step_collectives` are None.
+        prefill_cost: with `cost`, also the prefill program's (its own shallow compiles); else
+            `prefill_step_cost` is None.
     """
     import importlib.util
 
@@ -188,7 +190,8 @@ def plan(path: str | Path, target: str = "v6e", max_model_len: int = 2048, max_n
         return _step_cost(cfg, lambda c: compile_program(c, weights_of(c), t, max_num_seqs, unroll=True)[0])
 
     cost = step_cost(decode_bucket(max_num_seqs)) if cost and not message else None
-    prefill = cost if cost is None or decode_bucket(max_num_seqs) == budget else step_cost(budget)
+    prefill = cost if cost is None or decode_bucket(max_num_seqs) == budget else \
+        step_cost(budget) if prefill_cost else None
     weights, best = weight_bytes(), None
     # KV grows by `per_seq` bytes a sequence (marginal, taken at max_num_seqs: a tiny sliding-window pool is
     # clamped to the full one's size), on top of `fixed` bytes whatever n (scratch pages, the pages of one

@@ -130,7 +130,7 @@ def test_gemma4_31b_published_multimodal_config_fits_a_v6e_with_fp8_kv(tmp_path)
     cost analysis; the Pallas kernels count by their declared CostEstimates): within 1.15x, which a per-step
     copy of the 2.8 GB embedding or weights staged into VMEM before each gmm_v2 call (1.69x) would break."""
     code, r = _plan(tmp_path, GEMMA4_31B, scheme="W4A16", group_size=32, max_num_seqs=16, search=False,
-                    kv_cache_dtype="fp8")
+                    kv_cache_dtype="fp8", prefill_cost=False)  # the prefill cost: test_plan_counts_each_...
     assert code == 0 and r["fits"] and r["kv_cache_dtype"] == "float8_e4m3fn" and r["target"] == "v6e"
     linear = 50 * 5376 * (8192 + 4096 + 4096 + 8192 + 3 * 21504) + 10 * 5376 * (16384 + 2048 + 16384 + 3 * 21504)
     analytical = linear // 2 + linear // 32 * 2 + 262144 * 5376 * 2
@@ -144,6 +144,7 @@ def test_gemma4_31b_published_multimodal_config_fits_a_v6e_with_fp8_kv(tmp_path)
     assert {k["path"] for k in r["kernels"]} == {"gmm_v2"}
     assert all(0 < k["vmem_bytes"] <= 128 << 20 for k in r["kernels"]) and r["compile_seconds"] > 0
     assert r["max_num_seqs_that_fit"] is None  # search=False (the search: test_search_finds_...)
+    assert r["prefill_step_cost"] is None
 
 
 def test_plan_without_libtpu_says_how_to_install_it(tmp_path, monkeypatch):
