@@ -415,6 +415,36 @@ def test_fake_quantize_groups_is_the_librarys_dynamic_group_quantization(preset,
     assert not np.asarray(ours[2]).any() and np.asarray(ours[5]).any() == (act != "nvfp4")
 
 
+def test_each_expert_rotates_its_own_rows_as_the_librarys_transform(seed):
+    """The MoE case of online input transforms: grouped_matmul over 4 experts, each with its own +-1 matrix
+    (QTensor.rot [g, h, h], blocks of h = 128 over k = 256, drawn by the library's random_hadamard_matrix):
+    every row is rotated by its own expert's matrix as compressed-tensors' HadamardTransform (its torch
+    module) rotates it, then multiplied by that expert's weights (the reference matmul); an empty expert
+    between two, rows past the groups zero. Float32 rows: only summation order differs (1e-5)."""
+    import torch
+    from compressed_tensors.transform import TransformArgs, TransformScheme
+    from compressed_tensors.transform.factory.hadamard import HadamardTransform
+    from compressed_tensors.transform.utils.hadamard import random_hadamard_matrix
+
+    from quantkit.runtime.ops import grouped_matmul
+
+    rng = np.random.default_rng(seed)
+    g, k, n, h, m = 4, 256, 128, 128, 29
+    gen = torch.Generator().manual_seed(seed)
+    mats = [random_hadamard_matrix(h, torch.float32, gen=gen) for _ in range(g)]
+    rhs = _random_qtensor(rng, "int8", g, k, n, 128)
+    rotated_rhs = dataclasses.replace(rhs, rot=jnp.asarray(np.stack([t.numpy() for t in mats]).astype(np.int8)))
+    x, sizes = _activations(rng, m, k, jnp.float32), np.array([10, 0, 12, 4], np.int32)
+    ours = np.asarray(grouped_matmul(x, rotated_rhs, jnp.asarray(sizes)))
+    scheme, args = TransformScheme(type="random-hadamard", head_dim=h), TransformArgs(targets=["Linear"], location="input")
+    rows, at = torch.from_numpy(np.array(x)), np.concatenate([[0], np.cumsum(sizes)])
+    rotated = torch.cat([HadamardTransform(torch.nn.Parameter(mats[e], requires_grad=False), None, scheme, args,
+                                           torch.nn.Linear)(rows[at[e]:at[e + 1]]) for e in range(g)])
+    total = int(at[-1])
+    ref = np.asarray(gmm_reference(jnp.asarray(rotated.detach().numpy()), rhs, jnp.asarray(sizes)))
+    assert _rel(ours[:total], ref) < 1e-5 and not ours[total:].any(), f"seed {seed}, sizes {list(sizes)}"
+
+
 @pytest.mark.parametrize("chip,act,qtype,group,tk,zeros", [  # v6e: the int8 MXU; v7x: its exact bf16 emulation
     ("v6e", "int8", "int8", None, 256, False), ("v7x", "int8", "int4", 128, 128, False),
     ("v6e", "int8", "int4", 256, 128, True), ("v7x", "int8", "int8", None, 512, True),
