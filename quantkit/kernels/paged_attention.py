@@ -145,12 +145,13 @@ def window_pages(pps: int, ps: int, sliding_window: int | None, rows: int = 1) -
 # ---- cost estimate --------------------------------------------------------------------------------
 
 def cost(t: int, h: int, d: int, kvh: int, s: int, pps: int, ps: int, q_bytes: int, kv_bytes: int,
-         blocks: Blocks, sliding_window: int | None, soft_cap: float | None) -> pl.CostEstimate:
+         blocks: Blocks, sliding_window: int | None, soft_cap: float | None, sinks: bool = False) -> pl.CostEstimate:
     """Static bound for one pass per sequence (decode, and chunks within one query block).
 
     bytes = q + out                         2 * T * H * D * q_bytes
           + KV pages                        S * pages * ps * KVH * 2 * D * kv_bytes
           + metadata (int32)                4 * (S * pps + 2 * S + 3 + 2 * T / block_q)
+          + attention sinks (float32)       4 * H, when set
     with pages = pps (no window) or min(pps, cdiv(W - 1, ps) + 1) (the pages a decode token's window can
     touch). A query span that crosses b block boundaries re-reads its needed pages b more times (not counted:
     long prefill chunks, which are compute-bound). A full-context decode batch copies exactly S * pps pages.
@@ -160,7 +161,7 @@ def cost(t: int, h: int, d: int, kvh: int, s: int, pps: int, ps: int, q_bytes: i
     """
     pages = window_pages(pps, ps, sliding_window)
     kv = s * pages * ps * kvh * 2 * d * kv_bytes
-    io = 2 * t * h * d * q_bytes + 4 * (s * pps + 2 * s + 3 + 2 * (t // blocks.block_q))
+    io = 2 * t * h * d * q_bytes + 4 * (s * pps + 2 * s + 3 + 2 * (t // blocks.block_q)) + (4 * h if sinks else 0)
     keys = s * _cdiv(pages, blocks.pages_per_chunk) * blocks.pages_per_chunk * ps
     scores = h * blocks.block_q * keys
     return pl.CostEstimate(flops=4 * scores * max(d, 128), transcendentals=scores * (2 if soft_cap else 1),
@@ -169,9 +170,11 @@ def cost(t: int, h: int, d: int, kvh: int, s: int, pps: int, ps: int, q_bytes: i
 
 # ---- the kernel -----------------------------------------------------------------------------------
 
-def _kernel(layer_ref, kv_lens_ref, bt_ref, cu_ref, ns_ref, lo_ref, hi_ref,  # scalar prefetch (SMEM)
-            q_ref, kv_hbm, *rest, h: int, d: int, kvh: int, ps: int, pps: int, block_q: int, chunk: int,
-            scale: float, window: int | None, soft_cap: float | None, count: bool):
+def _kernel(layer_ref, kv_lens_ref, bt_ref, cu_ref, ns_ref, lo_ref, hi_ref, *rest,  # scalar prefetch (SMEM)
+            h: int, d: int, kvh: int, ps: int, pps: int, block_q: int, chunk: int, scale: float,
+            window: int | None, soft_cap: float | None, count: bool, sinks: bool):
+    sink_ref, rest = (rest[0], rest[1:]) if sinks else (None, rest)  # [H] float32 attention sinks
+    q_ref, kv_hbm, *rest = rest
     if count:
         o_ref, cnt_ref, kv_buf, sems, qs_ref, m_ref, l_ref, acc_ref, slot_ref = rest
     else:
@@ -246,8 +249,14 @@ def _kernel(layer_ref, kv_lens_ref, bt_ref, cu_ref, ns_ref, lo_ref, hi_ref,  # s
                 x = jnp.where(lane < 64, x, 0.0)  # zero upper half: q . [k|v] = q . k
             parts.append(x * scale)
         qs_ref[kg] = (jnp.concatenate(parts, axis=0) if g > 1 else parts[0]).astype(qs_ref.dtype)
-    m_ref[...] = jnp.full(m_ref.shape, -jnp.inf, jnp.float32)
-    l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+    if sink_ref is None:
+        m_ref[...] = jnp.full(m_ref.shape, -jnp.inf, jnp.float32)
+        l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+    else:  # each head's sink: one more logit in its rows' softmax, with no value (m starts there, l at 1)
+        for kg in range(kvh):
+            m_ref[kg] = jnp.concatenate([jnp.full((block_q, 128), sink_ref[hh], jnp.float32)
+                                         for hh in range(kg * g, kg * g + g)], axis=0)
+        l_ref[...] = jnp.ones(l_ref.shape, jnp.float32)
     acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
 
     t_row = jax.lax.broadcasted_iota(jnp.int32, (rows, keys), 0) & (block_q - 1)  # block row of each score row
@@ -314,7 +323,7 @@ def _kernel(layer_ref, kv_lens_ref, bt_ref, cu_ref, ns_ref, lo_ref, hi_ref,  # s
 
     slot_ref[0] = jax.lax.fori_loop(lo_ref[b], hi_ref[b], seq_body, slot_ref[0])
 
-    # Normalize; rows no sequence owns have l = 0, acc = 0 and come out 0.
+    # Normalize; rows no sequence owns have acc = 0 (and l = 0, or 1 from a sink) and come out 0.
     res = []
     for hh in range(h):
         kg, gi = divmod(hh, g)
@@ -351,8 +360,8 @@ def _seq_bounds(cu_q_lens, num_seqs, t: int, block_q: int):
     return lo, hi
 
 
-def _call(q, kv, layer, kv_lens, block_tables, cu_q_lens, num_seqs, *, blocks: Blocks, scale, sliding_window,
-          soft_cap, count, interpret):
+def _call(q, kv, layer, kv_lens, block_tables, cu_q_lens, num_seqs, sinks, *, blocks: Blocks, scale,
+          sliding_window, soft_cap, count, interpret):
     t, h, d = q.shape
     nl, p, ps, w = kv.shape
     s, pps = block_tables.shape
@@ -368,15 +377,18 @@ def _call(q, kv, layer, kv_lens, block_tables, cu_q_lens, num_seqs, *, blocks: B
     prefetch = (jnp.asarray(layer, jnp.int32).reshape(1), kv_lens.astype(jnp.int32),
                 block_tables.astype(jnp.int32).reshape(-1), cu_q_lens.astype(jnp.int32),
                 jnp.asarray(num_seqs, jnp.int32).reshape(1), lo, hi)
+    if sinks is not None:
+        prefetch += (sinks.astype(jnp.float32).reshape(h),)
     kernel = functools.partial(_kernel, h=h, d=d, kvh=kvh, ps=ps, pps=pps, block_q=bq, chunk=chunk, scale=scale,
-                               window=sliding_window, soft_cap=soft_cap, count=count)
+                               window=sliding_window, soft_cap=soft_cap, count=count, sinks=sinks is not None)
     qspec = pl.BlockSpec((bq,) + q.shape[1:], lambda i, *_: (i, 0, 0))
     out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype)]
     out_specs = [qspec]
     if count:
         out_shape.append(jax.ShapeDtypeStruct((s,), jnp.int32))
         out_specs.append(pl.BlockSpec(memory_space=pltpu.SMEM))
-    est = cost(t, h, d, kvh, s, pps, ps, q.dtype.itemsize, kv.dtype.itemsize, blocks, sliding_window, soft_cap)
+    est = cost(t, h, d, kvh, s, pps, ps, q.dtype.itemsize, kv.dtype.itemsize, blocks, sliding_window, soft_cap,
+               sinks=sinks is not None)
     outs = pl.pallas_call(
         kernel,
         out_shape=out_shape,
@@ -410,7 +422,7 @@ def _call(q, kv, layer, kv_lens, block_tables, cu_q_lens, num_seqs, *, blocks: B
 
 @functools.partial(jax.jit, static_argnames=("scale", "sliding_window", "soft_cap", "chip", "interpret", "block_q",
                                              "pages_per_chunk", "count_pages"))
-def paged_attention(q, kv, layer, kv_lens, block_tables, cu_q_lens, num_seqs, *, scale: float,
+def paged_attention(q, kv, layer, kv_lens, block_tables, cu_q_lens, num_seqs, sinks=None, *, scale: float,
                     sliding_window: int | None = None, soft_cap: float | None = None, chip: str = "v6e",
                     interpret=False, block_q: int | None = None, pages_per_chunk: int | None = None,
                     count_pages: bool = False):
@@ -423,6 +435,8 @@ def paged_attention(q, kv, layer, kv_lens, block_tables, cu_q_lens, num_seqs, *,
         kv_lens: int32 [S], keys per sequence (the step's own keys included).
         block_tables: int32 [S, pages_per_seq], page of the layer for each page slot of a sequence.
         cu_q_lens: int32 [S + 1]; num_seqs: int32 [1], sequences s >= num_seqs[0] are ignored.
+        sinks: [H] float32 or None: gpt-oss's attention sinks, a learned logit per query head in each row's
+            softmax denominator with no value (kernels/xla.py); in SMEM with the scalar prefetch.
         scale: multiplies q . k; sliding_window: keys p with p > qpos - W are seen (pages wholly below the
             window of a block's first row are never read); soft_cap: cap * tanh(score / cap).
         chip: target generation (VMEM size); interpret: Pallas interpret mode (e.g. pltpu.InterpretParams()).
@@ -436,5 +450,5 @@ def paged_attention(q, kv, layer, kv_lens, block_tables, cu_q_lens, num_seqs, *,
     t, h, d = q.shape
     blocks = choose_blocks(t, h, d, kvh, kv.shape[2], block_tables.shape[1], q.dtype.itemsize, kv.dtype.itemsize,
                            CHIPS[chip], block_q, pages_per_chunk)
-    return _call(q, kv, layer, kv_lens, block_tables, cu_q_lens, num_seqs, blocks=blocks, scale=float(scale),
+    return _call(q, kv, layer, kv_lens, block_tables, cu_q_lens, num_seqs, sinks, blocks=blocks, scale=float(scale),
                  sliding_window=sliding_window, soft_cap=soft_cap, count=count_pages, interpret=interpret)

@@ -37,10 +37,11 @@ def gmm_xla(lhs: jax.Array, rhs: QTensor, group_sizes: jax.Array, group_offset: 
 
 # ---- paged attention --------------------------------------------------------------------------------
 
-def _attend_chunks(q, qpos, tables, kv, layer, kv_lens, *, scale, window, soft_cap, chunk):
+def _attend_chunks(q, qpos, tables, kv, layer, kv_lens, *, scale, window, soft_cap, chunk, sinks=None):
     """Online-softmax attention of q [B, R, H, D] at positions qpos [B, R] (negative: no query) over the
     paged keys of B sequences (tables [B, pages], kv_lens [B]), `chunk` pages at a time, visiting only
-    the chunks that hold a visible key of some row."""
+    the chunks that hold a visible key of some row; sinks [H]: one more logit per head in the softmax's
+    denominator, with no value (the running max and sum start from it)."""
     b, r, h, d = q.shape
     ps, kvh = kv.shape[2], kv.shape[3] // (2 * d)
     pages = tables.shape[1]
@@ -86,8 +87,12 @@ def _attend_chunks(q, qpos, tables, kv, layer, kv_lens, *, scale, window, soft_c
         acc = acc * corr[..., None] + pv
         return m_new, l, acc
 
-    init = (jnp.full((b, r, kvh, h // kvh), -jnp.inf), jnp.zeros((b, r, kvh, h // kvh)),
-            jnp.zeros((b, r, kvh, h // kvh, d)))
+    if sinks is None:
+        m0, l0 = jnp.full((b, r, kvh, h // kvh), -jnp.inf), jnp.zeros((b, r, kvh, h // kvh))
+    else:  # a query row with no visible key (padding) still has l = 0 and comes out 0
+        m0 = jnp.broadcast_to(sinks.astype(jnp.float32).reshape(kvh, h // kvh), (b, r, kvh, h // kvh))
+        l0 = jnp.broadcast_to((qpos >= 0)[..., None, None], m0.shape).astype(jnp.float32)
+    init = (m0, l0, jnp.zeros((b, r, kvh, h // kvh, d)))
     m, l, acc = jax.lax.fori_loop(first, last + 1, body, init)
     out = jnp.where((l > 0)[..., None], acc / jnp.where(l > 0, l, 1.0)[..., None], 0.0)
     return out.reshape(b, r, h, d)
@@ -96,7 +101,7 @@ def _attend_chunks(q, qpos, tables, kv, layer, kv_lens, *, scale, window, soft_c
 @functools.partial(jax.jit, static_argnames=("scale", "sliding_window", "soft_cap", "chunk_pages"))
 def paged_attention_xla(q, kv, layer, kv_lens, block_tables, cu_q_lens, num_seqs, *, scale: float,
                         sliding_window: int | None = None, soft_cap: float | None = None,
-                        chunk_pages: int = 4, block: int = 32) -> jax.Array:
+                        chunk_pages: int = 4, block: int = 32, sinks: jax.Array | None = None) -> jax.Array:
     """Ragged paged attention (the contract of kernels/paged_attention.py, pure JAX).
 
     Args:
@@ -106,6 +111,8 @@ def paged_attention_xla(q, kv, layer, kv_lens, block_tables, cu_q_lens, num_seqs
             and its value the next D lanes.
         layer: int32 index into L. kv_lens [S], block_tables [S, pages], cu_q_lens [S + 1], num_seqs [1].
         scale, sliding_window, soft_cap: as jax's ref_ragged_paged_attention.
+        sinks: [H] float32 or None: a learned logit per query head that joins each row's softmax and
+            contributes no value (gpt-oss's attention sinks, as transformers' GptOss attention).
     Returns:
         [T, H, D] in q.dtype; rows of no sequence are zero.
 
@@ -120,7 +127,7 @@ def paged_attention_xla(q, kv, layer, kv_lens, block_tables, cu_q_lens, num_seqs
     n = num_seqs.reshape(())
     start, q_len = cu_q_lens[:-1], cu_q_lens[1:] - cu_q_lens[:-1]
     real = jnp.arange(s) < n
-    kw = dict(scale=scale, window=sliding_window, soft_cap=soft_cap, chunk=chunk_pages)
+    kw = dict(scale=scale, window=sliding_window, soft_cap=soft_cap, chunk=chunk_pages, sinks=sinks)
     # one query per sequence (decodes): [S, 1] rows
     single = real & (q_len == 1)
     row = jnp.where(single, start, 0)
