@@ -50,6 +50,32 @@ def test_float32_parity_prefill_and_decode(family_ckpt):
     greedy_parity(path, ref, jnp.float32, 1e-4)
 
 
+# long-context RoPE over an original context of 8 < the 30 positions greedy_parity runs: Qwen3's YaRN (truncated
+# ramp), gpt-oss's YaRN form (factor 32, untruncated ramp, explicit betas) and Llama 3.1's frequency bands
+ROPES = [("qwen3", {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8}),
+         ("llama", {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                    "original_max_position_embeddings": 8}),
+         ("llama", {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                    "original_max_position_embeddings": 8})]
+
+
+@pytest.mark.parametrize("name,rope", ROPES, ids=["qwen3-yarn", "llama-yarn-gpt-oss", "llama-llama3"])
+def test_scaled_rope_matches_transformers(name, rope, tmp_path):
+    """Scaled RoPE as transformers computes it (its own rope initialisation from the same config.json):
+    inverse frequencies and, for YaRN, the attention factor that scales cos and sin (0.1 ln(factor) + 1);
+    float32 logits within 1e-4 over a prompt and decode steps past the original context, greedy tokens
+    identical."""
+    torch.manual_seed(0)
+    base = family(name)
+    config = type(base.config)(**{**base.config.to_dict(), "rope_parameters": {**rope, "rope_theta": 10000.0}})
+    ref = type(base)(config).eval()
+    ref.save_pretrained(tmp_path)
+    model = greedy_parity(tmp_path, ref, jnp.float32, 1e-4)
+    yarn = model.cfg.rope_scaling[0] == "yarn"
+    assert yarn == (rope["rope_type"] == "yarn")
+    assert ref.model.rotary_emb.attention_scaling == pytest.approx(model.cfg.rope_scaling[-1] if yarn else 1.0)
+
+
 def test_bfloat16_logits_close(family_ckpt):
     """bf16 logits within 4e-2 of float32 transformers; for Gemma 4 MoE per token, the median: bf16 rounding
     flips near-ties in its top-2 of 8 experts at a few tokens (transformers' own bf16 run is 14-52% off at 6

@@ -26,7 +26,9 @@ class ModelConfig:
     max_position_embeddings: int
     tie_word_embeddings: bool
     attention_bias: bool = False
-    rope_scaling: tuple | None = None  # llama3: (factor, low, high, original max); linear: (factor,)
+    # llama3: (factor, low, high, original max); linear: (factor,); YaRN: ("yarn", factor, beta_fast, beta_slow,
+    # original max, truncate, attention factor)
+    rope_scaling: tuple | None = None
     qk_norm: bool = False  # Qwen3, Gemma 3
     # MoE (Qwen3-MoE)
     num_experts: int = 0
@@ -114,5 +116,28 @@ def rope(d: dict, where: str) -> tuple[float, tuple | None]:
         return theta, (d["factor"], d["low_freq_factor"], d["high_freq_factor"], d["original_max_position_embeddings"])
     if kind == "linear":
         return theta, (d["factor"],)
-    raise Unsupported(f"{where}: rope type {kind!r} is not supported (default, linear, llama3, unscaled "
-                      "proportional are)")
+    if kind == "yarn" and d.get("factor") and d.get("partial_rotary_factor", 1.0) == 1.0:
+        return theta, yarn(d)
+    raise Unsupported(f"{where}: rope type {kind!r} is not supported (default, linear, llama3, yarn with a factor, "
+                      "unscaled proportional are)")
+
+
+def yarn(d: dict) -> tuple:
+    """A YaRN rope description's constants (transformers' _compute_yarn_parameters): the factor, the beta_fast /
+    beta_slow rotation bounds of the ramp between interpolated and original frequencies (defaults 32 / 1),
+    the original context, whether the ramp's ends are rounded outwards (truncate, default true) and the
+    factor cos and sin are scaled by: attention_factor, else 0.1 ln(factor) + 1 (with mscale / mscale_all_dim
+    both set, their ratio of that form)."""
+    import math
+
+    factor = float(d["factor"])
+
+    def mscale(m: float = 1.0) -> float:
+        return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+
+    att = d.get("attention_factor")
+    if att is None:
+        att = mscale(d["mscale"]) / mscale(d["mscale_all_dim"]) if d.get("mscale") and d.get("mscale_all_dim") \
+            else mscale()
+    return ("yarn", factor, float(d.get("beta_fast") or 32), float(d.get("beta_slow") or 1),
+            float(d["original_max_position_embeddings"]), bool(d.get("truncate", True)), float(att))

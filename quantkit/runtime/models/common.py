@@ -185,6 +185,8 @@ def rope_frequencies(cfg: ModelConfig, kind: str = "full") -> jax.Array:
         inv = jnp.where(jnp.arange(d // 2) < int(cfg.rope_partial * d // 2), inv, 0.0)
     if cfg.rope_scaling is None:
         return inv
+    if cfg.rope_scaling[0] == "yarn":
+        return _yarn_frequencies(inv, d, theta, cfg.rope_scaling)
     if len(cfg.rope_scaling) == 1:
         return inv / cfg.rope_scaling[0]
     factor, low, high, original = cfg.rope_scaling
@@ -196,12 +198,39 @@ def rope_frequencies(cfg: ModelConfig, kind: str = "full") -> jax.Array:
     return jnp.where((wavelen <= low_wl) & (wavelen >= high_wl), mid, scaled)
 
 
-def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
+def _yarn_frequencies(inv: jax.Array, d: int, theta: float, scaling: tuple) -> jax.Array:
+    """YaRN's inverse frequencies (transformers' _compute_yarn_parameters): the original ones for dims that
+    turn more than beta_fast times over the original context, those divided by the factor for dims that turn
+    less than beta_slow times, a linear ramp over the dims between."""
+    import math
+
+    _, factor, fast, slow, original, truncate, _ = scaling
+
+    def dim_of(rotations: float) -> float:
+        return d * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = dim_of(fast), dim_of(slow)
+    if truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, d - 1)
+    high += 0.001 if low == high else 0.0
+    ramp = jnp.clip((jnp.arange(d // 2, dtype=jnp.float32) - low) / (high - low), 0.0, 1.0)
+    return inv / factor * ramp + inv * (1 - ramp)
+
+
+def rope_attention_factor(cfg: ModelConfig, kind: str = "full") -> float:
+    """What cos and sin are scaled by: YaRN's attention factor on full-attention layers, else 1."""
+    scaling = cfg.rope_scaling
+    return scaling[-1] if scaling is not None and scaling[0] == "yarn" and kind != "sliding" else 1.0
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array, factor: float = 1.0) -> jax.Array:
     """Rotates x [T, heads, d] by positions [T] (rotate-half convention of Hugging Face) over its first
-    2 * len(inv_freq) dims; the rest pass unrotated (Qwen3.5's partial RoPE)."""
+    2 * len(inv_freq) dims, cos and sin scaled by `factor` (YaRN); the rest pass unrotated (Qwen3.5's
+    partial RoPE)."""
     angles = positions[:, None].astype(jnp.float32) * inv_freq  # [T, r/2]
-    cos = jnp.concatenate([jnp.cos(angles)] * 2, axis=-1)[:, None, :]
-    sin = jnp.concatenate([jnp.sin(angles)] * 2, axis=-1)[:, None, :]
+    cos = jnp.concatenate([jnp.cos(angles)] * 2, axis=-1)[:, None, :] * factor
+    sin = jnp.concatenate([jnp.sin(angles)] * 2, axis=-1)[:, None, :] * factor
     r = 2 * inv_freq.shape[0]
     xf = x[..., :r].astype(jnp.float32)
     rotated = jnp.concatenate([-xf[..., r // 2:], xf[..., :r // 2]], axis=-1)
@@ -231,9 +260,9 @@ def attention_block(p: dict, x: jax.Array, kv: jax.Array, i, batch: dict, cfg: M
     if cfg.v_norm:
         v = rms_norm(v, None, eps)
     sliding = kind == "sliding"
-    inv = rope_frequencies(cfg, kind)
+    inv, scale = rope_frequencies(cfg, kind), rope_attention_factor(cfg, kind)
     pos = batch["positions"]
-    q, k = apply_rope(q, pos, inv), apply_rope(k, pos, inv)
+    q, k = apply_rope(q, pos, inv, scale), apply_rope(k, pos, inv, scale)
     ks = p.get("kv_scale")  # [2, KVH] with an FP8 cache
     kv = write_kv(kv, i, k, v, batch["slots"][kind], ks, batch.get("kv_fp8"))
     if ks is not None:  # dequantization folded into q (k's scale) and the output (v's): scalars per KV head
