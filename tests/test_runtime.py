@@ -13,7 +13,6 @@ Greedy tokens must be identical over ten decode steps (prefill + decode through 
 Everything runs through the one ragged step (runtime/step.py) with scanned layers.
 """
 
-import dataclasses
 import re
 
 import jax
