@@ -98,6 +98,11 @@ def plan(checked: Validation, scheme: str, group_size: int, ignore: list[str],
          quantize_lm_head: bool = False) -> tuple[list[Job], list[str]]:
     """Decides every output tensor from headers alone. Returns (jobs, config `ignore` list)."""
     ckpt, src_qc = checked.ckpt, checked.qc
+    native = ckpt.native or {}
+    if native.get("mxfp4") and not native["dequantized"]:  # MXFP4A16 (_open_source): the published bytes as
+        # they are, under the compressed-tensors config they are equivalent to (formats/gpt_oss.py)
+        return [Job("copy", n, {"tensor": n}, i.shape, i.dtype, {n: (i.dtype, i.shape)}, bytes_in=i.nbytes)
+                for n, i in ckpt.tensors.items()], []
     if checked.raw is not None and src_qc is None:
         raise Unsupported(f"{ckpt.root}: quantized by {checked.raw.get('quant_method')!r}, which quantkit does "
                           "not read; convert the original weights")
@@ -105,7 +110,7 @@ def plan(checked: Validation, scheme: str, group_size: int, ignore: list[str],
         fmt = src_qc.format
         raise InvalidInput(f"{ckpt.root}: already quantized ({fmt}); quantizing it again would compound the "
                            f"error. Convert the original weights, or use --scheme DENSE to get bf16 back")
-    if src_qc is None and scheme == "DENSE":
+    if src_qc is None and scheme == "DENSE" and not native.get("mxfp4"):
         raise InvalidInput(f"{ckpt.root}: not a compressed-tensors checkpoint; --scheme DENSE dequantizes one")
     jobs: list[Job] = []
     ignored: list[str] = [p for p in ignore if p.startswith("re:")]
@@ -115,7 +120,7 @@ def plan(checked: Validation, scheme: str, group_size: int, ignore: list[str],
         params = {p: ckpt.tensors[n] for p, n in pnames.items()}
         kind, cls = classify_module(module, params)
         if scheme == "DENSE":
-            sch = src_qc.scheme_for(module, cls) if cls is not None else None
+            sch = src_qc.scheme_for(module, cls) if cls is not None and src_qc is not None else None
             if sch is not None and sch.weights is not None and sch.format != "dense":
                 jobs.append(_dequantize_job(ckpt, module, sch, pnames, params))
                 continue
@@ -426,9 +431,10 @@ def convert(src: str | Path, dst: str | Path, scheme: str = "W4A16", group_size:
     _check_options(scheme, group_size, observer, workers)
     src, dst = Path(src), Path(dst)
     _check_paths(src, dst, force)
-    checked = _open_source(src)
+    checked = _open_source(src, scheme)
     ckpt = checked.ckpt
     jobs, ignored = plan(checked, scheme, group_size, list(ignore or []), quantize_lm_head)
+    lossless = (ckpt.native or {}).get("mxfp4") and scheme == "MXFP4A16"
 
     dst.parent.mkdir(parents=True, exist_ok=True)
     stale = remove_stale_temporaries(dst)
@@ -439,7 +445,7 @@ def convert(src: str | Path, dst: str | Path, scheme: str = "W4A16", group_size:
             shards = layout_shards(jobs, tmp, max_shard_bytes)
             rows = _run_jobs(jobs, ckpt, shards, scheme, group_size, observer, workers, progress)
             _write_index(tmp, shards)
-            config = output_config(ckpt.config or {}, scheme, group_size, ignored)
+            config = ckpt.config if lossless else output_config(ckpt.config or {}, scheme, group_size, ignored)
             (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
             copied = _copy_small_files(src, tmp)
             report = _report(src, dst, scheme, group_size, observer, workers, rows, ignored, copied, shards, stale)
@@ -480,9 +486,14 @@ def _check_paths(src: Path, dst: Path, force: bool) -> None:
         raise InvalidInput(f"{dst}: already exists; pass --force to replace it")
 
 
-def _open_source(src: Path) -> Validation:
-    """SRC, once the checkpoint validation (the one inspect runs) finds no structural error in it."""
-    checked = validate_checkpoint(Checkpoint.open(src))
+def _open_source(src: Path, scheme: str) -> Validation:
+    """SRC, once the checkpoint validation (the one inspect runs) finds no structural error in it. A gpt-oss
+    MXFP4 checkpoint is read as its compressed-tensors equivalent for MXFP4A16 (copied as it is), else with
+    its experts dequantized to bf16 (formats/gpt_oss.py)."""
+    ckpt = Checkpoint.open(src)
+    if (ckpt.native or {}).get("mxfp4") and scheme != "MXFP4A16":
+        ckpt = Checkpoint.open(src, dequantize_native=True)
+    checked = validate_checkpoint(ckpt)
     errors = [p for p in checked.all_problems() if p["severity"] == "error"]
     if errors:
         raise InvalidInput(f"{src}: {errors[0]['message']}" + (f" (and {len(errors) - 1} more problems; "

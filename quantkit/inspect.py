@@ -107,7 +107,7 @@ def _report(path: str | Path, ckpt: Checkpoint, checked: Validation, target: str
     """The report document (docs/cli.md) around the per-module rows."""
     errors = any(p["severity"] == "error" for p in problems)
     unsupported = any(p["severity"] == "unsupported" for p in problems)
-    raw, qc = checked.raw, checked.qc
+    raw, qc = (ckpt.native or {}).get("quantization_config") or checked.raw, checked.qc  # gpt-oss: "mxfp4" as stored
     linear_parameters, bits_per_weight = _bits_per_weight(checked.modules, layers)
     return {
         "path": str(path),

@@ -251,11 +251,14 @@ def _quantization(raw: dict, scheme: str | None, group_size: int):
     own (None without one: bf16)."""
     from quantkit.formats.compressed_tensors import parse_quantization_config
     from quantkit.formats.ct_writer import writable_config
+    from quantkit.formats.gpt_oss import mxfp4_config, native_mxfp4
     from quantkit.formats.hf import GROUP_IGNORE
 
     if scheme is not None:
         ignore = ["lm_head", *GROUP_IGNORE]
         return None if scheme == "DENSE" else parse_quantization_config(writable_config(scheme, group_size, ignore))
+    if native_mxfp4(raw):  # gpt-oss as published: its compressed-tensors equivalent (formats/gpt_oss.py)
+        return parse_quantization_config(mxfp4_config())
     return parse_quantization_config(raw["quantization_config"]) if "quantization_config" in raw else None
 
 

@@ -44,7 +44,38 @@ def family(name):
         return perturbed(T.Gemma4ForCausalLM(gemma4_config(moe=name == "gemma4_moe")))
     if name.startswith("qwen3_5"):  # its own tests: test_qwen3_5.py
         return qwen3_5_model(name == "qwen3_5_moe")
+    if name == "gpt_oss":
+        return gpt_oss_model()
     raise KeyError(name)
+
+
+def gpt_oss_model():
+    """A tiny random gpt-oss: sliding (window 8 < prompt length), full, sliding; YaRN over an original context of
+    8; 8 experts, top-4; hidden size 96, which the experts serve padded to 128 lanes (as gpt-oss's 2880 to 2944).
+    transformers initialises biases to 0 and sinks near 0, where a bias or sink applied
+    wrongly (or not at all) would not show: all drawn at random, sinks ~ N(0, 1); SwiGLU limit 0.3, so that
+    the clamps cut these small activations (at the published 7 they never would)."""
+    import torch
+    import transformers as T
+
+    torch.manual_seed(0)
+    cfg = T.GptOssConfig(**COMMON | dict(hidden_size=96, intermediate_size=64), sliding_window=8, num_local_experts=8,
+                         num_experts_per_tok=4, swiglu_limit=0.3,
+                         layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                         rope_parameters={"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                          "truncate": False, "original_max_position_embeddings": 8,
+                                          "rope_theta": 10000.0})
+    model = T.GptOssForCausalLM(cfg)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("sinks"):
+                p.copy_(torch.randn(p.shape, generator=g))
+            elif name.endswith("bias"):
+                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+            elif "norm" in name:
+                p.copy_(torch.rand(p.shape, generator=g) + 0.5)
+    return model.eval()
 
 
 def gemma4_config(moe: bool = False, **kw):

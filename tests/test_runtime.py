@@ -35,7 +35,7 @@ from quantkit.runtime.engine import Runner, Sampling, generate
 from quantkit.runtime.loader import load
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen3", "qwen3_moe", "gemma3", "gemma4", "gemma4_moe"])
+@pytest.fixture(scope="module", params=["llama", "qwen3", "qwen3_moe", "gemma3", "gemma4", "gemma4_moe", "gpt_oss"])
 def family_ckpt(request, tmp_path_factory):
     torch.manual_seed(0)
     model = family(request.param).eval()

@@ -68,9 +68,14 @@ class Checkpoint:
     files: list[SafetensorsFile]
     tensors: dict[str, TensorInfo] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
+    # tensors that exist by name only (formats/gpt_oss.py): name -> read(checkpoint) -> array
+    virtual: dict = field(default_factory=dict)
+    hidden: dict[str, TensorInfo] = field(default_factory=dict)  # stored tensors the virtual ones are read from
+    native: dict | None = None  # the layout it was read from when not the Hugging Face / compressed-tensors one
 
     @classmethod
-    def open(cls, path: str | Path) -> "Checkpoint":
+    def open(cls, path: str | Path, dequantize_native: bool = False) -> "Checkpoint":
+        """dequantize_native: a gpt-oss MXFP4 checkpoint's experts as bf16 weights (formats/gpt_oss.py)."""
         path = Path(path)
         if path.is_file():
             if path.suffix != ".safetensors":
@@ -118,6 +123,10 @@ class Checkpoint:
                 ckpt.warnings.append(
                     f"{index}: {unlisted} tensor(s) present in shards are missing from weight_map"
                 )
+        from quantkit.formats import gpt_oss
+
+        if gpt_oss.is_native(config, ckpt.tensors):
+            gpt_oss.split_experts(ckpt, dequantize_native)
         return ckpt
 
     @property
@@ -147,14 +156,19 @@ class Checkpoint:
     def file_of(self, name: str) -> SafetensorsFile:
         if not hasattr(self, "_by_path"):  # read on every row chunk of convert: one dict lookup, not a scan
             self._by_path = {f.path: f for f in self.files}
-        return self._by_path[self.tensors[name].file]
+        info = self.tensors.get(name) or self.hidden[name]
+        return self._by_path[info.file]
 
     def read(self, name: str) -> np.ndarray:
         """Maps tensor `name` (see SafetensorsFile.read)."""
+        if name in self.virtual:
+            return self.virtual[name](self)
         return self.file_of(name).read(name)
 
     def read_rows(self, name: str, start: int, stop: int, flat: bool = False) -> np.ndarray:
         """Copies rows [start, stop) of tensor `name` (see SafetensorsFile.read_rows)."""
+        if name in self.virtual:
+            return np.array(self.virtual[name](self)[start:stop])
         return self.file_of(name).read_rows(name, start, stop, flat)
 
 

@@ -26,13 +26,15 @@ def write_kv(kv: jax.Array, layer, k: jax.Array, v: jax.Array, slots: jax.Array,
 
 
 def attention(q, kv, layer, kv_lens, block_tables, cu_q_lens, num_seqs, *, scale: float,
-              sliding_window: int | None = None, soft_cap: float | None = None, mesh=None) -> jax.Array:
+              sliding_window: int | None = None, soft_cap: float | None = None, mesh=None,
+              sinks: jax.Array | None = None) -> jax.Array:
     """Ragged paged attention of q [T, H, D] over layer `layer` of kv (kernels/xla.py documents the
     contract); on a TPU target the Pallas kernel, elsewhere the pure-JAX path.
 
     mesh: the tensor-parallel mesh (runtime/sharding.py). XLA cannot partition a Mosaic kernel, so the
     call runs per device under shard_map: each device its query heads over its KV heads when the cache's
-    heads are split, else (KV replicated) every device the whole attention."""
+    heads are split, else (KV replicated) every device the whole attention.
+    sinks: [H] per-head sink logits (gpt-oss), split with the heads."""
     layer = jnp.asarray(layer, jnp.int32).reshape(1)
     kw = dict(scale=scale, sliding_window=sliding_window, soft_cap=soft_cap)
     if mesh is not None:
@@ -42,9 +44,12 @@ def attention(q, kv, layer, kv_lens, block_tables, cu_q_lens, num_seqs, *, scale
 
         split = kv.shape[-1] // (2 * q.shape[-1]) % mesh.shape[AXIS] == 0  # KV heads divide the mesh (cache_sharding)
         qs, kvs = (P(None, AXIS, None), P(None, None, None, AXIS)) if split else (P(), P())
-        return jax.shard_map(lambda q, kv, *rest: attention(q, kv, *rest, **kw), mesh=mesh,
-                             in_specs=(qs, kvs, P(), P(), P(), P(), P()), out_specs=qs, check_vma=False)(
-            q, kv, layer, kv_lens, block_tables, cu_q_lens, num_seqs)
+        ss = (P(AXIS) if split else P(),) if sinks is not None else ()
+        return jax.shard_map(lambda q, kv, *rest: attention(q, kv, *rest[:5], sinks=(rest[5:] or [None])[0], **kw),
+                             mesh=mesh, in_specs=(qs, kvs, P(), P(), P(), P(), P(), *ss), out_specs=qs,
+                             check_vma=False)(
+            q, kv, layer, kv_lens, block_tables, cu_q_lens, num_seqs, *(() if sinks is None else (sinks,)))
+    kw["sinks"] = sinks
     from quantkit.runtime.ops import interpret, tpu_chip
 
     chip = tpu_chip()

@@ -67,6 +67,11 @@ class ModelConfig:
     attn_gate: bool = False
     rope_dims: int = 0  # 0: the whole head (or rope_partial)
     shared_intermediate_size: int = 0
+    # gpt-oss: sliding-window layers rotate as the full ones (YaRN); the experts' clamped SwiGLU
+    # (gate <= limit, |up| <= limit, gate * sigmoid(alpha * gate) * (up + 1))
+    rope_local_scaled: bool = False
+    swiglu_limit: float = 0.0
+    swiglu_alpha: float = 0.0
 
     @property
     def scale(self) -> float:

@@ -25,7 +25,7 @@ class Slot:
 
     kinds: "linear" [in, out] (QTensor [1, in, out] when quantized), "experts" [experts, in, out] (modules: one
     per expert), "embed" [vocab, hidden], "bias" [out], "norm" [d] (float32), "router" [hidden, experts]
-    (float32), "tensor" (a bare parameter, float32: Gemma 4's layer_scalar, router scales, Qwen3.5's A_log),
+    (float32), "experts_bias" [experts, out] (modules: one per expert, their biases), "tensor" (a bare parameter, float32: Gemma 4's layer_scalar, router scales, Qwen3.5's A_log),
     "conv" (a module's weight as stored, float32: Qwen3.5's conv1d [channels, 1, K]) and "stack": the
     same leaf of every layer of a kind (module: their Slots), stacked along a new leading axis (QTensors
     along their group axis: [layers * groups, in, out]).
@@ -103,7 +103,12 @@ def mlp(pre: str, h: int, inter: int, table: dict = MLP) -> dict:
 def experts(pre: str, e: int, h: int, m: int, packed: bool) -> dict:
     """experts_gate, experts_up, experts_down Slots of `e` experts [h -> m -> h]: per-expert Linears
     `{pre}{x}.gate_proj` (llm-compressor's and quantkit convert's layout), or with `packed` a bf16
-    checkpoint's 3-D tensors (formats/hf.py PACKED_EXPERTS)."""
+    checkpoint's 3-D tensors (formats/hf.py PACKED_EXPERTS). The hidden side is served padded to a multiple
+    of 128 lanes (gpt-oss: 2880 -> 2944), as the intermediate one is (runtime/layout.py lane_widths): zero
+    rows and columns, the rows' activations padded with zeros (models/common.py routed_experts)."""
+    from quantkit.kernels.tiling import LANES, round_up
+
+    h = round_up(h, LANES)
     out = {}
     for key, shape in (("gate", (h, m)), ("up", (h, m)), ("down", (m, h))):
         proj = f"{key}_proj"

@@ -38,8 +38,9 @@ def abstract(cfg: ModelConfig, qc: QuantConfig | None, dtype=jnp.bfloat16) -> di
                 return one.with_arrays({f: jax.ShapeDtypeStruct((n * a.shape[0], *a.shape[1:]), a.dtype)
                                         for f, a in one.arrays.items()})
             return jax.ShapeDtypeStruct((n, *one.shape), one.dtype)
-        scheme = qc.scheme_for(s.module[0] if s.kind == "experts" else s.module, "Linear") if qc else None
-        quantized = s.kind in ("linear", "experts") and weight_qtype(scheme) != "dense"
+        linear = s.kind in ("linear", "experts")
+        scheme = qc.scheme_for(s.module[0] if s.kind == "experts" else s.module, "Linear") if qc and linear else None
+        quantized = linear and weight_qtype(scheme) != "dense"
         if not quantized:
             return jax.ShapeDtypeStruct(s.shape, jnp.float32 if s.kind in ("norm", "router", "tensor", "conv") else dtype)
         *g, k, n = s.shape
@@ -150,6 +151,8 @@ class _Reader:
             return self.experts(list(s.module), s.packed, s.shape)
         if s.kind == "router":
             return self.array(s.module).T  # [hidden, experts]
+        if s.kind == "experts_bias":
+            return _pad(np.stack([self.array(m, "bias") for m in s.module]), s.shape)
         return self.array(s.module, {"tensor": "tensor", "bias": "bias"}.get(s.kind, "weight"))
 
 

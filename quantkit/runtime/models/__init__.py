@@ -8,11 +8,12 @@ from quantkit.errors import Unsupported
 from quantkit.runtime.config import ModelConfig, rope
 from quantkit.runtime.family import Family
 from quantkit.runtime.models.gemma import GEMMA3, GEMMA4
+from quantkit.runtime.models.gpt_oss import GPT_OSS
 from quantkit.runtime.models.llama import LLAMA, QWEN3
 from quantkit.runtime.models.qwen3_5 import QWEN3_5
 from quantkit.runtime.models.qwen3_moe import QWEN3_MOE
 
-FAMILIES: dict[str, Family] = {f.name: f for f in (LLAMA, QWEN3, QWEN3_MOE, GEMMA3, GEMMA4, QWEN3_5)}
+FAMILIES: dict[str, Family] = {f.name: f for f in (LLAMA, QWEN3, QWEN3_MOE, GEMMA3, GEMMA4, QWEN3_5, GPT_OSS)}
 ARCHITECTURES: dict[str, Family] = {a: f for f in FAMILIES.values() for a in f.architectures}
 MULTIMODAL_PREFIX = "model.language_model."  # where a *ForConditionalGeneration checkpoint keeps the decoder
 

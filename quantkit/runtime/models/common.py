@@ -114,33 +114,47 @@ def grouped(x: jax.Array, w, sizes: jax.Array) -> jax.Array:
 
 
 def routed_experts(x: jax.Array, weights: jax.Array, experts: jax.Array, w: tuple, num_experts: int,
-                   act: Callable, mesh=None) -> jax.Array:
+                   act: Callable, mesh=None, bias: tuple | None = None) -> jax.Array:
     """Sum over each token's chosen experts of weight * down(act(gate(x), up(x))).
 
-    x [T, hidden]; weights, experts [T, k] (float32, int); w: one layer's (gate, up, down) experts. The
-    T * k rows are sorted by expert and run through the grouped matmul, one group per expert; rows whose
-    expert is >= num_experts (another device's, under expert parallelism) add nothing.
+    x [T, hidden]; weights, experts [T, k] (float32, int); w: one layer's (gate, up, down) experts; bias: their
+    biases [experts, out] each (gpt-oss), added to each row's outputs. The T * k rows are sorted by expert and
+    run through the grouped matmul, one group per expert; rows whose expert is >= num_experts (another
+    device's, under expert parallelism) add nothing.
     mesh: the expert-parallel mesh (runtime/sharding.py "e"), if any: see `_expert_parallel`."""
     if mesh is not None:
-        return _expert_parallel(x, weights, experts, w, num_experts, act, mesh)
+        return _expert_parallel(x, weights, experts, w, num_experts, act, mesh, bias)
+    hidden, served = x.shape[-1], (w[0].w if isinstance(w[0], At) else w[0]).shape[-2]
+    if served > hidden:  # experts served lane-padded (runtime/family.py experts): zero inputs, outputs cut
+        x = jnp.pad(x, ((0, 0), (0, served - hidden)))
     k = experts.shape[-1]
     flat = experts.reshape(-1)
     order = jnp.argsort(flat, stable=True)
     token = order // k
     sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
     xs = x[token]  # [T * k, hidden], grouped by expert
-    h = act(grouped(xs, w[0], sizes), grouped(xs, w[1], sizes))
+    row_expert = jnp.minimum(flat[order], num_experts - 1)
+
+    def run(rows, j):
+        y = grouped(rows, w[j], sizes)
+        if bias is None:
+            return y
+        return (y.astype(jnp.float32) + bias[j][row_expert].astype(jnp.float32)).astype(y.dtype)
+
+    h = act(run(xs, 0), run(xs, 1))
     mine = (flat[order] < num_experts)[:, None]
-    y = jnp.where(mine, grouped(h, w[2], sizes).astype(jnp.float32) * weights.reshape(-1)[order][:, None], 0.0)
-    return jnp.zeros(x.shape, jnp.float32).at[token].add(y).astype(x.dtype)
+    y = jnp.where(mine, run(h, 2).astype(jnp.float32) * weights.reshape(-1)[order][:, None], 0.0)
+    return jnp.zeros(x.shape, jnp.float32).at[token].add(y)[:, :hidden].astype(x.dtype)
 
 
-def _expert_parallel(x, weights, experts, w: tuple, num_experts: int, act: Callable, mesh) -> jax.Array:
+def _expert_parallel(x, weights, experts, w: tuple, num_experts: int, act: Callable, mesh,
+                     bias: tuple | None = None) -> jax.Array:
     """routed_experts with each device holding num_experts / tp whole experts: every device sees all tokens
     (x is replicated after the tensor-parallel attention), runs the rows routed to its own experts through
     its grouped matmul (gmm_v2 on its local [layers * local, k, n] QTensor, no weight moves), and one psum
     (all-reduce of [T, hidden]) combines the partial sums: no dispatch collective, and the combine moves the
-    bytes a row-parallel dense MLP's all-reduce moves."""
+    bytes a row-parallel dense MLP's all-reduce moves. Expert biases come replicated; each device takes its
+    experts' rows."""
     from jax.sharding import PartitionSpec as P
 
     from quantkit.runtime.sharding import AXIS, spec
@@ -152,15 +166,18 @@ def _expert_parallel(x, weights, experts, w: tuple, num_experts: int, act: Calla
     specs = [(a.w.per_array(spec("e", 3), spec("e", 3), P(AXIS)), P()) if isinstance(a, At) else spec("e", 3)
              for a in w]
 
-    def body(x, weights, experts, parts):
+    def body(x, weights, experts, parts, bias):
         mine = tuple(At(a.w.with_arrays(p[0], mesh=None, split=""), p[1], local) if isinstance(a, At) else p
                      for p, a in zip(parts, w))
-        e = experts - jax.lax.axis_index(AXIS) * local
+        first = jax.lax.axis_index(AXIS) * local
+        e = experts - first
         e = jnp.where((e >= 0) & (e < local), e, local)  # another device's expert: dropped
-        return jax.lax.psum(routed_experts(x, weights, e, mine, local, act), AXIS)  # in x's dtype, as TP's
+        if bias is not None:
+            bias = tuple(jax.lax.dynamic_slice_in_dim(b, first, local) for b in bias)
+        return jax.lax.psum(routed_experts(x, weights, e, mine, local, act, bias=bias), AXIS)  # in x's dtype
 
-    return jax.shard_map(body, mesh=mesh, in_specs=(P(), P(), P(), specs), out_specs=P(), check_vma=False)(
-        x, weights, experts, parts)
+    return jax.shard_map(body, mesh=mesh, in_specs=(P(), P(), P(), specs, P()), out_specs=P(), check_vma=False)(
+        x, weights, experts, parts, bias)
 
 
 def rms_norm(x: jax.Array, w: jax.Array | None, eps: float, offset: float = 0.0) -> jax.Array:
@@ -174,8 +191,8 @@ def rope_frequencies(cfg: ModelConfig, kind: str = "full") -> jax.Array:
     """Inverse frequencies [head_dim / 2] of the layers of `kind`: full layers use rope_theta with the
     configured scaling (Llama 3 long-context, or linear), or Gemma 4's "proportional" RoPE (the first
     rope_partial of the dims rotate, at frequencies over the whole head size; the rest get 0: unrotated);
-    sliding-window layers rope_local_theta unscaled (Gemma 3 and 4)."""
-    local = kind == "sliding"
+    sliding-window layers rope_local_theta unscaled (Gemma 3 and 4), or as the full ones (gpt-oss)."""
+    local = kind == "sliding" and not cfg.rope_local_scaled
     d = cfg.rope_dims or cfg.kv_shape(kind)[1]  # Qwen3.5: frequencies over the rotated dims only
     theta = cfg.rope_local_theta if local else cfg.rope_theta
     inv = 1.0 / (theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
@@ -219,9 +236,10 @@ def _yarn_frequencies(inv: jax.Array, d: int, theta: float, scaling: tuple) -> j
 
 
 def rope_attention_factor(cfg: ModelConfig, kind: str = "full") -> float:
-    """What cos and sin are scaled by: YaRN's attention factor on full-attention layers, else 1."""
+    """What cos and sin are scaled by: YaRN's attention factor on the layers it rotates, else 1."""
     scaling = cfg.rope_scaling
-    return scaling[-1] if scaling is not None and scaling[0] == "yarn" and kind != "sliding" else 1.0
+    scaled = kind != "sliding" or cfg.rope_local_scaled
+    return scaling[-1] if scaling is not None and scaling[0] == "yarn" and scaled else 1.0
 
 
 def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array, factor: float = 1.0) -> jax.Array:
@@ -269,13 +287,14 @@ def attention_block(p: dict, x: jax.Array, kv: jax.Array, i, batch: dict, cfg: M
         head = jnp.arange(h) // (h // kvh)
         q = (q.astype(jnp.float32) * ks[0, head][:, None]).astype(q.dtype)
     out = attention(q, kv, i, batch["kv_lens"], batch["tables"][kind], batch["cu_q_lens"], batch["num_seqs"],
-                    scale=cfg.scale, sliding_window=cfg.sliding_window if sliding else None, mesh=batch.get("mesh"))
+                    scale=cfg.scale, sliding_window=cfg.sliding_window if sliding else None, mesh=batch.get("mesh"),
+                    sinks=p.get("sinks"))
     if ks is not None:
         out = (out.astype(jnp.float32) * ks[1, head][:, None]).astype(out.dtype)
     out = out.reshape(t, h * d)
     if cfg.attn_gate:
         out = out * jax.nn.sigmoid(gate)
-    return linear(out, p["o"]), kv
+    return linear(out, p["o"], p.get("o_bias")), kv
 
 
 def logits(params: dict, h: jax.Array, cfg: ModelConfig) -> jax.Array:
