@@ -12,7 +12,7 @@ decode_step_collectives).
 
 Usage: .venv/bin/python benchmarks/plan_table.py [--max-model-len 2048] [--max-num-seqs 16] [--only NAME:SCHEME:TP]
        [--no-search]
-       (expert parallel rows: NAME:W4A16g128:EP:TP)
+       (expert parallel rows: NAME:W4A16g128:EP:TP; gpt-oss: NAME:MXFP4:as:published[:EP]:TP)
 """
 
 from __future__ import annotations
@@ -66,6 +66,8 @@ GEMMA4_31B = json.loads((CONFIGS / "gemma-4-31B-it.json").read_text())
 GEMMA4_26B_A4B = json.loads((CONFIGS / "gemma-4-26B-A4B-it.json").read_text())
 QWEN35_35B_A3B = json.loads((CONFIGS / "qwen3.5-35B-A3B.json").read_text())
 QWEN35_397B_A17B = json.loads((CONFIGS / "qwen3.5-397B-A17B.json").read_text())
+GPT_OSS_20B = json.loads((CONFIGS / "gpt-oss-20b.json").read_text())
+GPT_OSS_120B = json.loads((CONFIGS / "gpt-oss-120b.json").read_text())
 ROWS = [  # name, config, scheme, group size, devices (, expert parallel (, target: v6e unless given))
     ("Llama-3-8B", LLAMA3_8B, "W4A16", 128, 1), ("Llama-3-8B", LLAMA3_8B, "W8A16", 128, 1),
     ("Llama-3-8B", LLAMA3_8B, "W4A16_ASYM", 128, 1), ("Llama-3-8B", LLAMA3_8B, "W8A16_ASYM", 128, 1),
@@ -85,7 +87,11 @@ ROWS = [  # name, config, scheme, group size, devices (, expert parallel (, targ
     # 512 experts x 60 layers: ~216 GB at W4A16 g128, more than one TPU7x chip (2 TensorCores of 94.75 GiB):
     # one chip (2 devices) and two chips (4 devices: tpu7x:1x2x1), experts split whole
     ("Qwen3.5-397B-A17B", QWEN35_397B_A17B, "W4A16", 128, 2, True, "v7x"),
-    ("Qwen3.5-397B-A17B", QWEN35_397B_A17B, "W4A16", 128, 4, True, "v7x")]
+    ("Qwen3.5-397B-A17B", QWEN35_397B_A17B, "W4A16", 128, 4, True, "v7x"),
+    # gpt-oss as OpenAI publishes it (scheme None: the checkpoint's own MXFP4 experts, attention and router
+    # bf16): the 20b on one v6e, the 120b on one TPU7x chip (2 TensorCores) and on a v6e:2x2 experts split whole
+    ("gpt-oss-20b", GPT_OSS_20B, None, 32, 1), ("gpt-oss-120b", GPT_OSS_120B, None, 32, 2, False, "v7x"),
+    ("gpt-oss-120b", GPT_OSS_120B, None, 32, 4, True)]
 
 
 def main() -> None:
@@ -107,7 +113,8 @@ def main() -> None:
     results = []
     for (name, cfg, scheme, group, tp, *rest), kv in ((row, kv) for row in ROWS for kv in args.kv_cache_dtype):
         ep, target = bool(rest and rest[0]), rest[1] if len(rest) > 1 else "v6e"
-        label = (f"{scheme}g{group}" if scheme != "DENSE" else "bf16") + (" EP" if ep else "")
+        label = ("MXFP4 as published" if scheme is None else f"{scheme}g{group}" if scheme != "DENSE" else "bf16") \
+            + (" EP" if ep else "")
         if args.only and f"{name}:{label.replace(' ', ':')}:{tp}" not in args.only:
             continue
         with tempfile.TemporaryDirectory() as d:
@@ -126,10 +133,10 @@ def main() -> None:
                      f"{cost['floor_bytes'] / 1e9:.2f} GB = {cost['ratio_to_floor']:.2f}× | {est['seconds'] * 1e3:.1f} ms → ~{est['output_tokens_per_s']:.0f} "
                      f"tok/s at 16 |")
         print(lines[-1], flush=True)
-        if tp > 1 or cfg.get("num_experts"):
+        moe = cfg.get("num_experts") or cfg.get("num_local_experts")
+        if tp > 1 or moe:
             c = r["decode_step_collectives"] or {"bytes": {}, "total": 0, "floor_bytes": 0}
-            experts = [k for k in r["kernels"] if "gate" in k["name"] or "down" in k["name"]] if cfg.get(
-                "num_experts") else []
+            experts = [k for k in r["kernels"] if "gate" in k["name"] or "down" in k["name"]] if moe else []
             kinds = ", ".join(f"{op} {b / 2**20:.2f}" for op, b in sorted(c["bytes"].items()))
             paths = "; ".join(f"{k['shape']} {k['path'].split(' ')[0]}" for k in experts) or "—"
             par.append(f"| {name} | {label.split()[0]} | {r['topology']} | {('whole, expert parallel' if ep else 'split' if tp > 1 else 'all on the chip') if experts else '—'} | "

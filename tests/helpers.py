@@ -7,6 +7,11 @@ only `rel_err` (the kernel tests) does not pay for importing transformers.
 """
 
 import json
+import os
+import re
+import subprocess
+import sys
+import time
 
 import numpy as np
 
@@ -49,7 +54,7 @@ def family(name):
     raise KeyError(name)
 
 
-def gpt_oss_model():
+def gpt_oss_model(**kw):
     """A tiny random gpt-oss: sliding (window 8 < prompt length), full, sliding; YaRN over an original context of
     8; 8 experts, top-4; hidden size 96, which the experts serve padded to 128 lanes (as gpt-oss's 2880 to 2944).
     transformers initialises biases to 0 and sinks near 0, where a bias or sink applied
@@ -59,7 +64,7 @@ def gpt_oss_model():
     import transformers as T
 
     torch.manual_seed(0)
-    cfg = T.GptOssConfig(**COMMON | dict(hidden_size=96, intermediate_size=64), sliding_window=8, num_local_experts=8,
+    cfg = T.GptOssConfig(**COMMON | dict(hidden_size=96, intermediate_size=64) | kw, sliding_window=8, num_local_experts=8,
                          num_experts_per_tok=4, swiglu_limit=0.3,
                          layer_types=["sliding_attention", "full_attention", "sliding_attention"],
                          rope_parameters={"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
@@ -224,3 +229,56 @@ def activation_order_moe(model, seed: int = 7) -> dict:
                 sigmas |= {f"{p}mlp.experts.{e}.gate_proj": s1, f"{p}mlp.experts.{e}.up_proj": s1,
                            f"{p}mlp.experts.{e}.down_proj": s2}
     return sigmas
+
+
+class ServerProc:
+    """`quantkit serve PATH *flags` as a process on a free loopback port, waited for until /ready; `early`: what
+    /health, /ready and /v1/models answered while it was still loading."""
+
+    def __init__(self, path, log, cache, *flags: str, name: str = "tiny", key: str = "none"):
+        import httpx
+        self.log, self.launched = log, time.time()
+        env = {**os.environ, "JAX_PLATFORMS": "cpu", "QUANTKIT_JAX_CACHE": str(cache)}
+        self.p = subprocess.Popen([sys.executable, "-m", "quantkit.cli", "serve", str(path), "--port", "0",
+                                   "--served-model-name", name, *flags], env=env, stdout=subprocess.DEVNULL,
+                                  stderr=open(log, "w"))
+        deadline = time.monotonic() + 60
+        while not (m := re.search(r"http://127\.0\.0\.1:(\d+)", log.read_text())):
+            assert self.p.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.1)
+        self.url = f"http://127.0.0.1:{m.group(1)}"
+        # /health answers while the model is still loading and compiling; /ready does not
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                health = httpx.get(self.url + "/health")
+                break
+            except httpx.ConnectError:
+                assert time.monotonic() < deadline
+                time.sleep(0.1)
+        self.early = (health.status_code, httpx.get(self.url + "/ready").status_code,
+                      httpx.get(self.url + "/v1/models", headers={"Authorization": f"Bearer {key}"}))
+        deadline = time.monotonic() + 600
+        while httpx.get(self.url + "/ready").status_code != 200:
+            assert self.p.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.2)
+
+    def metrics(self) -> dict:
+        import httpx
+        from prometheus_client.parser import text_string_to_metric_families
+
+        """Every sample of /metrics, parsed by prometheus_client, as 'name{label="value",...}' (labels sorted)."""
+        text = httpx.get(self.url + "/metrics").text
+        return {s.name + ("{" + ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items())) + "}" if s.labels else ""):
+                s.value for family in text_string_to_metric_families(text) for s in family.samples}
+
+    def stop(self) -> int:
+        import signal
+        import subprocess
+
+        self.p.send_signal(signal.SIGTERM)
+        try:
+            return self.p.wait(60)
+        except subprocess.TimeoutExpired:
+            self.p.kill()
+            raise

@@ -145,3 +145,105 @@ def test_inspect_native_and_bad_native_tensors(native, tmp_path):
     save_file(t, str(bad / "model.safetensors"))
     with pytest.raises(InvalidInput, match=r"model\.layers\.1\.mlp\.experts\.down_proj: _blocks and _scales"):
         Checkpoint.open(bad)
+
+
+# ---- chat: the harmony format through the server ------------------------------------------------------
+
+HARMONY_TEMPLATE = (  # the structure of gpt-oss's own template: a system message (with the reasoning effort
+    # when a request sets one), each message as <|start|>role<|message|>text<|end|>, then <|start|>assistant
+    "{% if reasoning_effort is defined %}<|start|>system<|message|>Reasoning: {{ reasoning_effort }} "
+    "{{ reasoning_effort }} {{ reasoning_effort }}<|end|>{% endif %}"
+    "{% for m in messages %}<|start|>{{ m['role'] }}<|message|>{{ m['content'] }}<|end|>{% endfor %}"
+    "{% if add_generation_prompt %}<|start|>assistant{% endif %}")
+MARKERS = ["<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>", "<|call|>"]
+
+
+def harmony_model(path) -> None:
+    """The tiny gpt-oss (bf16 layout) made a bigram model over a harmony tokenizer: every layer's output
+    projections and experts zeroed, so the final hidden state is the current token's embedding, and lm_head
+    rows that follow a fixed successor table: assistant -> <|channel|> -> analysis | final (a tie) ->
+    <|message|> -> "hello" -> " world" -> <|end|> | <|return|> (a tie) ; <|end|> -> <|start|> -> assistant.
+    Sampled, a completion is a random run of analysis and final messages "hello world", ended by <|return|>
+    (an end-of-sequence id)."""
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers, decoders, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(["hello world, what is up"] * 20, trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<unk>", *MARKERS], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.add_tokens(["assistant", "analysis", "final"])
+    path.mkdir(parents=True)
+    tok.save(str(path / "tokenizer.json"))
+    (path / "chat_template.jinja").write_text(HARMONY_TEMPLATE)  # where gpt-oss keeps its template
+    (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|return|>"}))
+    ids = {s: tok.token_to_id(s) for s in [*MARKERS, "assistant", "analysis", "final"]}
+    hello, world = tok.encode("hello world").ids
+    succ = {ids["assistant"]: [ids["<|channel|>"]], ids["<|channel|>"]: [ids["analysis"], ids["final"]],
+            ids["analysis"]: [ids["<|message|>"]], ids["final"]: [ids["<|message|>"]], ids["<|message|>"]: [hello],
+            hello: [world], world: [ids["<|end|>"], ids["<|return|>"]], ids["<|end|>"]: [ids["<|start|>"]],
+            ids["<|start|>"]: [ids["assistant"]]}
+    model = gpt_oss_model(vocab_size=320)
+    vocab, hidden = model.config.vocab_size, model.config.hidden_size
+    assert tok.get_vocab_size() <= vocab and len(succ) <= hidden
+    basis = {a: i for i, a in enumerate(succ)}
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "o_proj" in name or "experts.down_proj" in name:
+                p.zero_()
+        model.model.embed_tokens.weight.normal_(0, 0.01)
+        model.lm_head.weight.zero_()
+        for a, i in basis.items():
+            model.model.embed_tokens.weight[a] = torch.nn.functional.one_hot(torch.tensor(i), hidden).float()
+            for b in succ[a]:
+                model.lm_head.weight[b, i] = 20.0
+        model.model.norm.weight.fill_(1.0)
+    model.config.eos_token_id = [ids["<|return|>"], ids["<|call|>"]]
+    model.save_pretrained(path)
+
+
+@pytest.fixture(scope="module")
+def harmony_server(tmp_path_factory):
+    from helpers import ServerProc
+
+    tmp = tmp_path_factory.mktemp("harmony")
+    harmony_model(tmp / "model")
+    s = ServerProc(tmp / "model", tmp / "server.log", tmp / "cache", "--max-model-len", "96", "--max-num-seqs", "8")
+    yield s
+    assert s.stop() == 0
+
+
+def test_harmony_reasoning_and_content_with_the_openai_client(harmony_server):
+    """Chat completions through the checkpoint's harmony template: each choice's analysis messages come back as
+    `reasoning_content`, its final ones as `content` (markers and headers in neither), whole and streamed
+    alike (the same seeds); the expectation is counted from the choice's own tokens (logprobs): "hello world"
+    once per analysis / final header it holds. reasoning_effort reaches the template; a bad one is a 400."""
+    import openai
+
+    client = openai.OpenAI(base_url=harmony_server.url + "/v1", api_key="none", max_retries=0)
+    ask = dict(model="tiny", messages=[{"role": "user", "content": "what is up"}], n=8, seed=3, temperature=1.0,
+               max_tokens=60, logprobs=True)
+    whole = client.chat.completions.create(**ask)
+    both = 0
+    for c in whole.choices:
+        tokens = [t.token for t in c.logprobs.content]
+        reasoning = getattr(c.message, "reasoning_content", None) or ""
+        assert reasoning == "hello world" * tokens.count("analysis"), (tokens, reasoning)
+        assert (c.message.content or "") == "hello world" * tokens.count("final"), (tokens, c.message.content)
+        assert c.finish_reason == ("stop" if len(tokens) < 60 else "length")
+        both += bool(reasoning and c.message.content)
+    assert both >= 1  # some choice holds both kinds of message
+    streamed = {}
+    for chunk in client.chat.completions.create(**ask, stream=True):
+        for ch in chunk.choices:
+            r, t = streamed.get(ch.index, ("", ""))
+            extra = ch.delta.model_extra or {}
+            streamed[ch.index] = (r + (extra.get("reasoning_content") or ""), t + (ch.delta.content or ""))
+    assert [streamed[j] for j in range(8)] == [(getattr(c.message, "reasoning_content", None) or "",
+                                               c.message.content or "") for c in whole.choices]
+    plain = client.chat.completions.create(**{**ask, "n": 1, "max_tokens": 1})
+    high = client.chat.completions.create(**{**ask, "n": 1, "max_tokens": 1}, reasoning_effort="high")
+    assert high.usage.prompt_tokens > plain.usage.prompt_tokens  # the system line the template adds for it
+    with pytest.raises(openai.BadRequestError, match="reasoning_effort"):
+        client.chat.completions.create(**{**ask, "n": 1}, extra_body={"reasoning_effort": "extreme"})

@@ -25,53 +25,11 @@ from prometheus_client.parser import text_string_to_metric_families
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 import make_tiny_model  # noqa: E402
+from helpers import ServerProc  # noqa: E402
 
 KEY = "sk-test-123"
 NAME = "tiny"
 UNK, EOS = 0, 2  # <unk>, </s>
-
-
-class ServerProc:
-    def __init__(self, path: Path, log: Path, cache: Path, *flags: str):
-        self.log, self.launched = log, time.time()
-        env = {**os.environ, "JAX_PLATFORMS": "cpu", "QUANTKIT_JAX_CACHE": str(cache)}
-        self.p = subprocess.Popen([sys.executable, "-m", "quantkit.cli", "serve", str(path), "--port", "0",
-                                   "--served-model-name", NAME, *flags], env=env, stdout=subprocess.DEVNULL,
-                                  stderr=open(log, "w"))
-        deadline = time.monotonic() + 60
-        while not (m := re.search(r"http://127\.0\.0\.1:(\d+)", log.read_text())):
-            assert self.p.poll() is None and time.monotonic() < deadline, log.read_text()
-            time.sleep(0.1)
-        self.url = f"http://127.0.0.1:{m.group(1)}"
-        # /health answers while the model is still loading and compiling; /ready does not
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                health = httpx.get(self.url + "/health")
-                break
-            except httpx.ConnectError:
-                assert time.monotonic() < deadline
-                time.sleep(0.1)
-        self.early = (health.status_code, httpx.get(self.url + "/ready").status_code,
-                      httpx.get(self.url + "/v1/models", headers={"Authorization": f"Bearer {KEY}"}))
-        deadline = time.monotonic() + 600
-        while httpx.get(self.url + "/ready").status_code != 200:
-            assert self.p.poll() is None and time.monotonic() < deadline, log.read_text()
-            time.sleep(0.2)
-
-    def metrics(self) -> dict:
-        """Every sample of /metrics, parsed by prometheus_client, as 'name{label="value",...}' (labels sorted)."""
-        text = httpx.get(self.url + "/metrics").text
-        return {s.name + ("{" + ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items())) + "}" if s.labels else ""):
-                s.value for family in text_string_to_metric_families(text) for s in family.samples}
-
-    def stop(self) -> int:
-        self.p.send_signal(signal.SIGTERM)
-        try:
-            return self.p.wait(60)
-        except subprocess.TimeoutExpired:
-            self.p.kill()
-            raise
 
 
 @pytest.fixture(scope="module")
@@ -97,7 +55,7 @@ def model_dir(tmp_path_factory):
 def server(model_dir, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("server")
     s = ServerProc(model_dir, tmp / "server.log", tmp / "cache", "--max-model-len", "128", "--max-num-seqs", "8",
-                   "--api-key", KEY)
+                   "--api-key", KEY, name=NAME, key=KEY)
     yield s
     assert s.stop() == 0
 

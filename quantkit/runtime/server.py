@@ -318,7 +318,9 @@ class Server:
             if _field(body, name, (int, float), 0) != 0:
                 raise ApiError(400, f"'{name}' is not supported", param=name)
         if chat:
-            text = self._render_chat(body.get("messages"))
+            effort = _field(body, "reasoning_effort", (str,), None, lambda v: v in ("low", "medium", "high"),
+                            "must be low, medium or high")
+            text = self._render_chat(body.get("messages"), **({"reasoning_effort": effort} if effort else {}))
             prompts = [(self.codec.encode(text, special=False), text)]
         else:
             prompts = self._prompts(body.get("prompt"))
@@ -375,7 +377,7 @@ class Server:
         raise ApiError(400, "'prompt' must be a non-empty string, a non-empty list of token ids, or a list of "
                             "those", param="prompt")
 
-    def _render_chat(self, messages) -> str:
+    def _render_chat(self, messages, **options) -> str:
         if not isinstance(messages, list) or not messages:
             raise ApiError(400, "'messages' must be a non-empty list", param="messages")
         clean = []
@@ -392,7 +394,7 @@ class Server:
                 raise ApiError(400, "message 'content' must be a string or text parts", param="messages")
             clean.append({"role": m["role"], "content": content})
         try:
-            return self.codec.chat(clean)
+            return self.codec.chat(clean, **options)
         except InvalidInput as e:
             raise ApiError(400, str(e), param="messages") from None
 
@@ -515,7 +517,12 @@ class _Shape:
     j // n (OpenAI's order)."""
 
     def __init__(self, server: Server, rid: str, chat: bool, p: Params):
+        from quantkit.runtime.tokenizer import Channels
+
         self.server, self.rid, self.chat, self.p = server, rid, chat, p
+        # gpt-oss (harmony): each choice's analysis channel is its reasoning_content, the rest its content
+        harmony = chat and Channels.of(server.codec) is not None
+        self.channels = [Channels.of(server.codec) for _ in range(len(p.prompts) * p.n)] if harmony else None
         self.created = int(time.time())
         self.offsets = [len(text) if p.echo else 0 for _, text in p.prompts for _ in range(p.n)]  # text_offset
 
@@ -557,9 +564,16 @@ class _Shape:
     def _choice(self, j: int, u: Update, **content) -> dict:
         return {"index": j, **content, "logprobs": self.logprobs(j, u.logprobs), "finish_reason": u.finish_reason}
 
+    def _message(self, j: int, u: Update) -> dict:
+        """A chat message's (or delta's) text fields: content, and reasoning_content for gpt-oss."""
+        if self.channels is None:
+            return {"content": u.text} if u.text else {}
+        reasoning, content = self.channels[j].feed(u.tokens, done=u.finish_reason is not None)
+        return {**({"reasoning_content": reasoning} if reasoning else {}), **({"content": content} if content else {})}
+
     def chunk(self, j: int, u: Update, role: bool = False) -> dict:
         if self.chat:
-            delta = {"role": "assistant", "content": ""} if role else ({"content": u.text} if u.text else {})
+            delta = {"role": "assistant", "content": ""} if role else self._message(j, u)
             choice = self._choice(j, u, delta=delta)
         else:
             choice = self._choice(j, u, text=u.text)
@@ -567,7 +581,7 @@ class _Shape:
 
     def whole(self, updates: list[Update], reqs: list[Request]) -> dict:
         if self.chat:
-            choices = [self._choice(j, u, message={"role": "assistant", "content": u.text})
+            choices = [self._choice(j, u, message={"role": "assistant", "content": "", **self._message(j, u)})
                        for j, u in enumerate(updates)]
         else:
             echo = [text if self.p.echo else "" for _, text in self.p.prompts]

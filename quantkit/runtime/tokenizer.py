@@ -4,6 +4,7 @@ sandboxed: a checkpoint's template is untrusted input)."""
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 from quantkit.errors import InvalidInput
@@ -25,6 +26,9 @@ class TextCodec:
             raise InvalidInput(f"{file}: cannot load tokenizer: {str(e)[:200]}") from None
         cfg_file = path / "tokenizer_config.json"
         self.config = json.loads(cfg_file.read_text()) if cfg_file.is_file() else {}
+        jinja = path / "chat_template.jinja"  # where newer checkpoints (gpt-oss's harmony template) keep it
+        if not self.config.get("chat_template") and jinja.is_file():
+            self.config["chat_template"] = jinja.read_text(encoding="utf-8")
 
     def _special(self, key: str) -> str | None:
         v = self.config.get(key)
@@ -40,8 +44,9 @@ class TextCodec:
         name = self._special(key)
         return self.tok.token_to_id(name) if name else None
 
-    def chat(self, messages: list[dict]) -> str:
-        """Renders the chat template with a generation prompt."""
+    def chat(self, messages: list[dict], **options) -> str:
+        """Renders the chat template with a generation prompt; `options` are the template's own variables
+        (gpt-oss's reasoning_effort), passed when given."""
         template = self.config.get("chat_template")
         if isinstance(template, list):  # named templates: take "default"
             template = next((t["template"] for t in template if t.get("name") == "default"), None)
@@ -55,9 +60,67 @@ class TextCodec:
 
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         env.globals["raise_exception"] = fail
+        env.globals["strftime_now"] = lambda fmt: time.strftime(fmt)  # as transformers offers it (gpt-oss's date)
         try:
             return env.from_string(template).render(messages=messages, add_generation_prompt=True,
                                                      bos_token=self._special("bos_token") or "",
-                                                     eos_token=self._special("eos_token") or "")
+                                                     eos_token=self._special("eos_token") or "", **options)
         except TemplateError as e:
             raise InvalidInput(f"chat template failed: {e}") from None
+
+
+HARMONY = ("<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>", "<|call|>")
+
+
+class Channels:
+    """gpt-oss's output (OpenAI's harmony format) split into reasoning and content as its tokens arrive.
+
+    A completion is a run of messages `<|start|>assistant<|channel|>NAME<|message|>TEXT<|end|>`, the last
+    ending `<|return|>` (or `<|call|>`); the prompt ends inside the first header (`<|start|>assistant`). The
+    text of `analysis` messages is the reasoning, that of the others (`final`, `commentary`) the content,
+    as vLLM's OpenAI server returns them (`reasoning_content`, `content`); headers and markers are neither.
+    One instance per sequence; `of(codec)` is None for a tokenizer without the harmony tokens."""
+
+    def __init__(self, codec: TextCodec, ids: dict[int, str]):
+        self.codec, self.ids = codec, ids
+        self.header: list[int] | None = []  # tokens of the header being read; None inside a message's text
+        self.channel = ""
+        self.body: list[int] = []
+        self.window = (0, 0)  # incremental decoding of the body, as the engine's (a word-initial space)
+
+    @classmethod
+    def of(cls, codec: TextCodec) -> "Channels | None":
+        ids = {codec.tok.token_to_id(name): name for name in HARMONY}
+        return None if None in ids else cls(codec, ids)
+
+    def feed(self, tokens: list[int], done: bool = False) -> tuple[str, str]:
+        """(reasoning, content) text that `tokens` complete; done: the sequence ended (text held back for a
+        partial character is let out)."""
+        out = {True: [], False: []}
+        for t in tokens:
+            mark = self.ids.get(t)
+            if mark == "<|start|>":
+                self.header = []
+            elif mark == "<|message|>":
+                head = self.header or []
+                at = next((i for i, x in enumerate(head) if self.ids.get(x) == "<|channel|>"), None)
+                words = self.codec.decode(head[at + 1:]).split() if at is not None else []
+                self.channel, self.header, self.body, self.window = (words or [""])[0], None, [], (0, 0)
+            elif mark in ("<|end|>", "<|return|>", "<|call|>"):
+                self._flush(out, True)
+                self.header, self.body = None, []
+            elif self.header is not None:
+                self.header.append(t)
+            else:
+                self.body.append(t)
+                self._flush(out, False)
+        if done:
+            self._flush(out, True)
+        return "".join(out[True]), "".join(out[False])
+
+    def _flush(self, out: dict, whole: bool) -> None:
+        lo, mid = self.window
+        before, now = self.codec.decode(self.body[lo:mid]), self.codec.decode(self.body[lo:])
+        if len(now) > len(before) and (whole or not now.endswith("\ufffd")):
+            out[self.channel == "analysis"].append(now[len(before):])
+            self.window = (mid, len(self.body))
