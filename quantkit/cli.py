@@ -85,8 +85,10 @@ def _print_report(r: dict) -> None:
     from rich.table import Table
 
     out = Console() if sys.stdout.isatty() else Console(width=160)
-    title = f"{r['path']}  ·  {r['architecture'] or 'unknown architecture'}  ·  " \
-            f"{r['format'] or 'unquantized'}  ·  target {r['target']}"
+    fmt = r['format'] or 'unquantized'
+    if r["format"] and r["quant_method"] not in (None, "compressed-tensors"):  # gpt-oss's own layout
+        fmt = f"quant_method {r['quant_method']}, read as {fmt}"
+    title = f"{r['path']}  ·  {r['architecture'] or 'unknown architecture'}  ·  {fmt}  ·  target {r['target']}"
     table = Table(title=title, title_justify="left")
     for col in ("layers", "kind", "format", "scheme", "path", "example"):
         table.add_column(col, justify="right" if col == "layers" else "left")

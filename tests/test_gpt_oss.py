@@ -18,42 +18,9 @@ import transformers as T
 from safetensors.numpy import save_file
 
 from ct_oracle import library_decompress
-from helpers import gpt_oss_model, greedy_parity, rel_err
+from helpers import gpt_oss_model, greedy_parity, pack_native, rel_err
 from quantkit.convert import convert
 from quantkit.errors import InvalidInput
-
-FP4 = np.array([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6], np.float32)  # e2m1 by code
-NOT_CONVERTED = ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]
-
-
-def pack_native(model, path, seed: int = 0) -> dict:
-    """Writes `model` as OpenAI publishes gpt-oss (following transformers' loader): each expert tensor [E, in, out]
-    as `_blocks` uint8 [E, out, in/32, 16] (random codes; the even input in the low nibble) and `_scales` uint8
-    [E, out, in/32] (random E8M0 exponents around 2^-8), the rest float32, config.json with the mxfp4
-    quantization_config. Returns the intended expert values {tensor name: [E, in, out]}."""
-    rng = np.random.default_rng(seed)
-    tensors, intended = {}, {}
-    for name, w in model.state_dict().items():
-        w = w.detach().numpy()
-        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
-            e, k, n = w.shape
-            blocks = rng.integers(0, 256, (e, n, k // 32, 16), dtype=np.uint8)
-            scales = rng.integers(118, 122, (e, n, k // 32), dtype=np.uint8)
-            codes = np.stack([blocks & 15, blocks >> 4], axis=-1).reshape(e, n, k)
-            values = FP4[codes] * np.exp2(scales.astype(np.float32) - 127).repeat(32, axis=-1)
-            intended[name] = values.transpose(0, 2, 1)
-            tensors[name + "_blocks"], tensors[name + "_scales"] = blocks, scales
-        else:
-            tensors[name] = w
-    path.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(path / "model.safetensors"))
-    model.config.save_pretrained(path)
-    config = json.loads((path / "config.json").read_text())
-    config |= {"architectures": ["GptOssForCausalLM"],
-               "quantization_config": {"quant_method": "mxfp4", "modules_to_not_convert": NOT_CONVERTED}}
-    (path / "config.json").write_text(json.dumps(config))
-    return intended
-
 
 @pytest.fixture(scope="module")
 def native(tmp_path_factory):

@@ -36,7 +36,7 @@ def models(tmp_path_factory):
     converted to W4A16_ASYM g32 (zero points) by quantkit, experts included, in activation order (each
     linear and expert its own g_idx: the activations gathered per row's expert, on each device's own experts
     under expert parallelism, on the whole activation before a tensor-parallel split), both with a tokenizer;
-    test_runtime's tiny
+    test_runtime's tiny gpt-oss in OpenAI's MXFP4 layout (sinks, biases, experts with biases); the tiny
     Gemma 4 MoE (8 experts beside the dense MLP, 4 heads) and Qwen3.5-MoE (Gated DeltaNet layers and their
     state slots, gated attention with 4 heads / 2 KV heads, 8 experts and a shared expert; NVFP4A16: a global
     scale per expert, split with the experts under expert parallelism, replicated under tensor parallelism)."""
@@ -62,8 +62,11 @@ def models(tmp_path_factory):
     _family("qwen3_5_moe").save_pretrained(tmp / "qwen3_5-moe")
     convert(tmp / "qwen3_5-moe", tmp / "qwen3_5-moe-w4", "NVFP4A16")  # GDN projections left bf16, replicated
     convert(dense, tmp / "w8a8", "W8A8")
+    from helpers import gpt_oss_model, pack_native
+
+    pack_native(gpt_oss_model(), tmp / "gpt-oss")  # OpenAI's MXFP4 layout
     return {"dense": dense, "moe": tmp / "moe-w4", "gemma4_moe": tmp / "gemma4-moe", "qwen3_5_moe": tmp / "qwen3_5-moe-w4",
-            "w8a8": tmp / "w8a8"}
+            "w8a8": tmp / "w8a8", "gpt_oss": tmp / "gpt-oss"}
 
 
 RUNNER_SCRIPT = r"""
@@ -96,16 +99,19 @@ RUNS = {  # (tp, expert parallel, weights): the dense model has no quantized wei
     "qwen3_5_moe": [(1, False, "packed"), (4, True, "packed")],  # KV heads and GDN key heads replicated
     # int8 rows: each quantized on the whole row before a row-split layer's shards take their columns
     "w8a8": [(1, False, "packed"), (2, False, "packed"), (8, False, "packed")],
+    # gpt-oss's published MXFP4 experts with biases, attention sinks split with the heads (2: KV heads split)
+    # or replicated with the KV (4), experts split whole with their biases (4)
+    "gpt_oss": [(1, False, "packed"), (2, False, "packed"), (4, True, "packed")],
 }
 
 
 # The MoEs run with their layers scanned, as on a TPU: about half the compile time of the unrolled CPU
 # default, which the dense model here and test_generate_cli_takes_tp_and_expert_parallel (the W4A16 MoE at
 # --tp 4 with expert parallelism) keep covering.
-SCANNED = ("moe", "gemma4_moe", "qwen3_5_moe", "w8a8")
+SCANNED = ("moe", "gemma4_moe", "qwen3_5_moe", "w8a8", "gpt_oss")
 
 
-@pytest.mark.parametrize("name", ["dense", "moe", "gemma4_moe", "qwen3_5_moe", "w8a8"])
+@pytest.mark.parametrize("name", ["dense", "moe", "gemma4_moe", "qwen3_5_moe", "w8a8", "gpt_oss"])
 def test_two_four_eight_devices_give_one_devices_tokens(models, name):
     """Tensor parallel (and for the MoEs, expert parallel too), with packed int4 / nvfp4 weights (the grouped matmul per
     shard / on each device's own experts) and dequantized dense ones, Gemma 4's bf16 experts, and W8A8's

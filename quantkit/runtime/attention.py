@@ -44,11 +44,9 @@ def attention(q, kv, layer, kv_lens, block_tables, cu_q_lens, num_seqs, *, scale
 
         split = kv.shape[-1] // (2 * q.shape[-1]) % mesh.shape[AXIS] == 0  # KV heads divide the mesh (cache_sharding)
         qs, kvs = (P(None, AXIS, None), P(None, None, None, AXIS)) if split else (P(), P())
-        ss = (P(AXIS) if split else P(),) if sinks is not None else ()
-        return jax.shard_map(lambda q, kv, *rest: attention(q, kv, *rest[:5], sinks=(rest[5:] or [None])[0], **kw),
-                             mesh=mesh, in_specs=(qs, kvs, P(), P(), P(), P(), P(), *ss), out_specs=qs,
-                             check_vma=False)(
-            q, kv, layer, kv_lens, block_tables, cu_q_lens, num_seqs, *(() if sinks is None else (sinks,)))
+        return jax.shard_map(lambda *args: attention(*args[:7], sinks=args[7], **kw), mesh=mesh,
+                             in_specs=(qs, kvs, P(), P(), P(), P(), P(), P(AXIS) if split else P()), out_specs=qs,
+                             check_vma=False)(q, kv, layer, kv_lens, block_tables, cu_q_lens, num_seqs, sinks)
     kw["sinks"] = sinks
     from quantkit.runtime.ops import interpret, tpu_chip
 
