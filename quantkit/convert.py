@@ -36,7 +36,7 @@ from quantkit.errors import InvalidInput, QuantkitError, Unsupported
 from quantkit.formats import packing
 from quantkit.formats.compressed_tensors import Scheme, match_name
 from quantkit.formats.ct_tensors import FUSED, can_dequantize, dequantize, logical_shape
-from quantkit.formats.ct_writer import (GROUPED, SCHEMES, output_config, row_alignment, stored_layout, stored_row_range, stored_rows,
+from quantkit.formats.ct_writer import (GROUPED, SCHEMES, divisor_hint, output_config, row_alignment, stored_layout, stored_row_range, stored_rows,
                                        writable_scheme)
 from quantkit.formats.hf import (
     INDEX_NAME, PACKED_EXPERTS, Checkpoint, classify_module, default_exclusion,
@@ -82,12 +82,6 @@ class Job:
 
 def _nbytes(dtype: str, shape: tuple) -> int:
     return math.prod(shape) * DTYPES[dtype][0] // 8
-
-
-def _divisor_hint(n: int) -> str:
-    good = [g for g in (16, 32, 64, 128, 256, 512, 1024) if n % g == 0]
-    return (f"group sizes that divide it: {', '.join(map(str, good))}, or -1 (channel)" if good
-            else "use --group-size -1 (one scale per output channel)")
 
 
 def _matches(name: str, patterns: list[str]) -> bool:
@@ -174,7 +168,7 @@ def _quantize_job(module: str, src: str, shape: tuple, dtype: str, scheme: str, 
     g = s.weights.group_size if s.weights.strategy in ("group", "tensor_group") else 0
     if g and inp % g:
         raise InvalidInput(f"{src}: in_features {inp} is not divisible by group size {g}; "
-                           + (f"{scheme} needs a multiple of {g}" if scheme not in GROUPED else _divisor_hint(inp)))
+                           + (f"{scheme} needs a multiple of {g}" if scheme not in GROUPED else divisor_hint(inp)))
     layout = stored_layout(s, (out, inp), dtype)
     return Job("quantize", module, {"weight": src}, (out, inp), dtype, {f"{module}.{q}": v for q, v in layout.items()},
                row0=row0)

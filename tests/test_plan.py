@@ -236,6 +236,11 @@ def test_tensor_parallel_plan_refuses_what_it_cannot_place(tmp_path):
     heads = subprocess.run(cmd + ["--tp", "8"], capture_output=True, text=True, timeout=300, env=env)
     assert heads.returncode == 1 and "12 attention heads do not split over 8 devices" in heads.stderr
     assert "Traceback" not in heads.stderr and heads.stdout == ""
+    # widths a group size does not divide (gpt-oss's 2880 at g128): refused as convert refuses them, not a crash
+    (tmp_path / "config.json").write_text(json.dumps({**SMALL, "hidden_size": 96}))
+    groups = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert groups.returncode == 1 and "96 input features are not divisible by group size 128; group sizes that " \
+        "divide it: 16, 32, or -1" in groups.stderr and "Traceback" not in groups.stderr
 
 
 @pytest.mark.slow

@@ -15,6 +15,13 @@ SCHEMES = ("W4A16", "W4A16_ASYM", "W8A16", "W8A16_ASYM", "W8A8", "W4A8", "W4AFP8
 GROUPED = ("W4A16", "W4A16_ASYM", "W8A16", "W8A16_ASYM", "W4A8", "W4AFP8")  # the schemes --group-size sets (-1: channel)
 
 
+def divisor_hint(n: int) -> str:
+    """What to do when a group size does not divide `n` input features: the group sizes that do."""
+    good = [g for g in (16, 32, 64, 128, 256, 512, 1024) if n % g == 0]
+    return (f"group sizes that divide it: {', '.join(map(str, good))}, or -1 (channel)" if good
+            else "use --group-size -1 (one scale per output channel)")
+
+
 def writable_scheme(scheme: str, group_size: int) -> Scheme:
     """The Scheme `convert --scheme` writes and `plan --scheme` plans: the library's preset of that name,
     targeting "Linear"; GROUPED ones with `group_size` (-1: one scale per output channel). ValueError for DENSE

@@ -15,6 +15,7 @@ import numpy as np
 
 from quantkit.errors import InvalidInput, Unsupported
 from quantkit.formats.compressed_tensors import QuantConfig, activation_qtype, weight_qtype
+from quantkit.formats.ct_writer import divisor_hint
 from quantkit.formats.ct_tensors import (KV_SCALES, input_rotation, kernel_layout, kernel_shapes, kv_head_scales,
                                         logical_shape, stored_transforms, transform_size)
 from quantkit.formats.hf import Checkpoint, group_modules
@@ -45,6 +46,9 @@ def abstract(cfg: ModelConfig, qc: QuantConfig | None, dtype=jnp.bfloat16) -> di
             return jax.ShapeDtypeStruct(s.shape, jnp.float32 if s.kind in ("norm", "router", "tensor", "conv") else dtype)
         *g, k, n = s.shape
         ks, act = kernel_shapes(scheme, (n, k)), activation_qtype(scheme)
+        if k % ks.group:  # as convert refuses it (a model whose widths are not multiples of 128: gpt-oss's 2880)
+            raise InvalidInput(f"{s.module[0] if s.kind == 'experts' else s.module}: {k} input features are not "
+                               f"divisible by group size {ks.group}; {divisor_hint(k)}")
         rot = [transform_size(t, k) for t in qc.input_transforms(s.module[0] if s.kind == "experts" else s.module,
                                                                   "Linear")]
         g = g[0] if g else 1
