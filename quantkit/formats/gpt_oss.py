@@ -27,13 +27,12 @@ import ml_dtypes
 import numpy as np
 
 from quantkit.errors import InvalidInput
+from quantkit.formats import packing
 from quantkit.formats.safetensors_io import DTYPES, TensorInfo
 
 _EXPERTS = re.compile(r"^(.*\.experts)\.(gate_up_proj|down_proj)(_blocks|_scales|_bias|)$")
 PARTS = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
 EXPERT_TARGET = r"re:.*\.experts\.\d+\.(gate|up|down)_proj$"
-FP4_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
-                      np.float32)
 
 
 def is_native(config: dict | None, names) -> bool:
@@ -58,10 +57,10 @@ def mxfp4_config() -> dict:
 
 
 def dequantize_mxfp4(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
-    """float32 [..., G * 32] of MXFP4 blocks [..., G, 16] and E8M0 scales [..., G] (low nibble first)."""
-    codes = np.stack([blocks & 0x0F, blocks >> 4], axis=-1).reshape(*blocks.shape[:-1], 32)
-    values = FP4_VALUES[codes] * np.ldexp(np.float32(1), scales.astype(np.int32) - 127)[..., None]
-    return values.reshape(*blocks.shape[:-2], -1)
+    """float32 [..., G * 32] of MXFP4 blocks [..., G, 16] and E8M0 scales [..., G]: the compressed-tensors
+    decoding (formats/packing.py), whose byte layout this is."""
+    values = packing.unpack_fp4(blocks.reshape(*blocks.shape[:-2], -1))
+    return values * packing.expand_groups(packing.e8m0_to_float(scales), 32, values.shape[-1])
 
 
 def split_experts(ckpt, dequantize: bool = False):

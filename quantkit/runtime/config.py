@@ -133,8 +133,6 @@ def yarn(d: dict) -> tuple:
     the original context, whether the ramp's ends are rounded outwards (truncate, default true) and the
     factor cos and sin are scaled by: attention_factor, else 0.1 ln(factor) + 1 (with mscale / mscale_all_dim
     both set, their ratio of that form)."""
-    import math
-
     factor = float(d["factor"])
 
     def mscale(m: float = 1.0) -> float:

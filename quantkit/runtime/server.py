@@ -521,8 +521,8 @@ class _Shape:
 
         self.server, self.rid, self.chat, self.p = server, rid, chat, p
         # gpt-oss (harmony): each choice's analysis channel is its reasoning_content, the rest its content
-        harmony = chat and Channels.of(server.codec) is not None
-        self.channels = [Channels.of(server.codec) for _ in range(len(p.prompts) * p.n)] if harmony else None
+        channels = [Channels.of(server.codec) for _ in range(len(p.prompts) * p.n)] if chat else [None]
+        self.channels = channels if channels[0] is not None else None
         self.created = int(time.time())
         self.offsets = [len(text) if p.echo else 0 for _, text in p.prompts for _ in range(p.n)]  # text_offset
 

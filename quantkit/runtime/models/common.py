@@ -15,6 +15,7 @@ and the ragged layout (cu_q_lens, kv_lens, num_seqs).
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -219,8 +220,6 @@ def _yarn_frequencies(inv: jax.Array, d: int, theta: float, scaling: tuple) -> j
     """YaRN's inverse frequencies (transformers' _compute_yarn_parameters): the original ones for dims that
     turn more than beta_fast times over the original context, those divided by the factor for dims that turn
     less than beta_slow times, a linear ramp over the dims between."""
-    import math
-
     _, factor, fast, slow, original, truncate, _ = scaling
 
     def dim_of(rotations: float) -> float:
