@@ -48,7 +48,7 @@ def main() -> None:
                           "attn_norm")}
         layout = cache_layout(cfg, 2048, n, 16, n)
         state = layout.cache(lambda k, s, d: jax.ShapeDtypeStruct(s, d or jnp.bfloat16))["linear"]
-        batch = empty_batch(n, n, layout, n)
+        batch = empty_batch(n, n, layout, n, cfg.vocab_size)
         batch = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), batch)
         x = jax.ShapeDtypeStruct((n, cfg.hidden_size), jnp.bfloat16)
 

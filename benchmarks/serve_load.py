@@ -10,6 +10,11 @@ tokens/s over the wall time, time to first token and time per output token p50/p
 
 Usage: .venv/bin/python benchmarks/serve_load.py --vllm /tmp/vllmvenv/bin/vllm [--models tiny tiny-w4a16 mid mid-w4a16]
 (vLLM venv: docs/benchmarks.md, "Installing the peers"; without --vllm only quantkit is measured.)
+
+--structured: structured outputs instead, on the default model (assets/tiny-llama): 16 concurrent clients,
+64 requests of 64 tokens, unconstrained and under a JSON schema (an array of at least 64 short strings, so
+both kinds write exactly 64 tokens), the two kinds alternating over --runs runs in one server; reported:
+median output tokens/s of each and their ratio, and the server's mask time per step (/metrics).
 """
 
 from __future__ import annotations
@@ -90,10 +95,10 @@ class Proc:
         self.log.close()
 
 
-async def one(client: httpx.AsyncClient, url: str, model: str, prompt: str, out: list, max_tokens: int = OUT_TOKENS
-              ) -> None:
+async def one(client: httpx.AsyncClient, url: str, model: str, prompt: str, out: list, max_tokens: int = OUT_TOKENS,
+              extra: dict | None = None) -> None:
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}}
+            "stream_options": {"include_usage": True}, **(extra or {})}
     t0 = time.perf_counter()
     first = last = None
     tokens = 0
@@ -116,7 +121,8 @@ async def one(client: httpx.AsyncClient, url: str, model: str, prompt: str, out:
         out.append(("error", type(e).__name__))
 
 
-async def load(base: str, model: str, concurrency: int, texts: list[str], max_tokens: int = OUT_TOKENS) -> dict:
+async def load(base: str, model: str, concurrency: int, texts: list[str], max_tokens: int = OUT_TOKENS,
+               extra: dict | None = None) -> dict:
     """The prompts `texts` sent by `concurrency` clients, in order; latency and throughput figures."""
     out: list = []
     queue = list(texts)
@@ -127,7 +133,7 @@ async def load(base: str, model: str, concurrency: int, texts: list[str], max_to
     async with httpx.AsyncClient(timeout=600, transport=transport) as client:
         async def worker():
             while queue:
-                await one(client, f"{base}/v1/completions", model, queue.pop(0), out, max_tokens)
+                await one(client, f"{base}/v1/completions", model, queue.pop(0), out, max_tokens, extra)
 
         t0 = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
@@ -163,7 +169,10 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--dir", default="/tmp/qk-serve-bench")
     ap.add_argument("--port", type=int, default=8311)
+    ap.add_argument("--structured", action="store_true", help="structured outputs vs unconstrained (see above)")
     args = ap.parse_args()
+    if args.structured:
+        return structured(args)
     work = Path(args.dir)
     work.mkdir(parents=True, exist_ok=True)
     report = {"machine": f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}",
@@ -196,6 +205,56 @@ def main() -> None:
         print(json.dumps({name: entry}, indent=1), flush=True)
     (work / "results.json").write_text(json.dumps(report, indent=1))
     print_table(report)
+
+
+SCHEMA = {"type": "array", "items": {"type": "string", "maxLength": 12}, "minItems": 64}
+
+
+def structured(args) -> None:
+    """The --structured mode (module docstring)."""
+    import re
+
+    base, name = f"http://127.0.0.1:{args.port}", "tiny-llama"
+    cache = Path(tempfile.mkdtemp(prefix="qk-jax-cache-"))
+    p = Proc([str(ROOT / ".venv/bin/quantkit"), "serve", str(ROOT / "assets/tiny-llama"), "--port", str(args.port),
+              "--max-model-len", str(MAX_LEN), "--max-num-seqs", "16", "--served-model-name", name],
+             {"JAX_PLATFORMS": "cpu", "QUANTKIT_JAX_CACHE": str(cache)}, base + "/ready",
+             Path(args.dir) / "quantkit-structured.log")
+    extra = {"response_format": {"type": "json_schema", "json_schema": {"name": "words", "schema": SCHEMA}}}
+
+    def metric(key: str) -> float:
+        m = re.search(rf"^{key} ([0-9.e+-]+)$", httpx.get(base + "/metrics").text, re.M)
+        return float(m.group(1))
+
+    try:
+        asyncio.run(load(base, name, 4, prompts(8)))  # warm-up
+        asyncio.run(load(base, name, 4, prompts(8), extra=extra))
+        runs = {"unconstrained": [], "json_schema": []}
+        steps0, secs0 = metric("quantkit_structured_mask_steps_total"), metric("quantkit_structured_mask_seconds_total")
+        masks0 = metric("quantkit_structured_masks_total")
+        for _ in range(args.runs):
+            for kind in runs:
+                runs[kind].append(asyncio.run(load(base, name, 16, prompts(64), extra=extra if kind != "unconstrained"
+                                                   else None)))
+        steps = metric("quantkit_structured_mask_steps_total") - steps0
+        secs = metric("quantkit_structured_mask_seconds_total") - secs0
+        masks = metric("quantkit_structured_masks_total") - masks0
+    finally:
+        p.stop()
+        shutil.rmtree(cache, ignore_errors=True)
+    print(f"machine: {platform.machine()}, {os.cpu_count()} cores; {name}, 16 concurrent clients, 64 requests of "
+          f"{OUT_TOKENS} tokens, temperature 0, {args.runs} runs alternating")
+    print("| requests | output tok/s (median; runs) | TPOT p50 ms | tokens | errors |")
+    print("|---|---|---|---|---|")
+    med = {}
+    for kind, rs in runs.items():
+        r = sorted(rs, key=lambda r: r["tok_s"])[len(rs) // 2]
+        med[kind] = r["tok_s"]
+        each = ", ".join(f"{x['tok_s']:.0f}" for x in rs)
+        print(f"| {kind} | {r['tok_s']:.0f} ({each}) | {r['tpot_p50_ms']:.1f} | "
+              f"{r['tokens']} | {sum(x['errors'] for x in rs)} |")
+    print(f"json_schema / unconstrained: {med['json_schema'] / med['unconstrained']:.2f}x; masks: {masks:.0f} in "
+          f"{steps:.0f} steps, {secs / max(steps, 1) * 1e3:.2f} ms a step, {secs / max(masks, 1) * 1e6:.0f} us a row")
 
 
 def print_table(report: dict) -> None:

@@ -149,7 +149,8 @@ def plan(path: str | Path, target: str = "v6e", max_model_len: int = 2048, max_n
     def compile_program(c, weights, t: int, n: int, unroll: bool = False):
         """Compiles the step of config c (weights: its abstract pytree) at t tokens for n sequences."""
         batch = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
-                                       empty_batch(t, min(t, n), cache_layout(c, max_model_len, n, PAGE_SIZE, budget), n))
+                                       empty_batch(t, min(t, n), cache_layout(c, max_model_len, n, PAGE_SIZE, budget), n,
+                                                   c.vocab_size))
         return compile_for(target, step_function(c, PAGE_SIZE, mesh=mesh, unroll=unroll, kv_fp8=fp8, ep=ep and mesh is not None), weights, cache(n, c),
                            jax.ShapeDtypeStruct((n + 1,), jnp.int32), batch, donate=(1, 2), pinned=(0,), tp=tp)
 

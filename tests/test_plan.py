@@ -350,7 +350,7 @@ def test_step_compiles_deviceless_for_v6e(name, cfg):
     params = abstract(c, parse_quantization_config(writable_config("W4A16", 128, ["lm_head"])))
     layout = cache_layout(c, 2048, 16)
     kv = layout.cache(lambda k, s, d: jax.ShapeDtypeStruct(s, d or jnp.bfloat16))
-    batch = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), empty_batch(16, 16, layout, 16))
+    batch = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), empty_batch(16, 16, layout, 16, c.vocab_size))
     compiled, seconds = compile_for("v6e", step_function(c, 16), params, kv, jax.ShapeDtypeStruct((17,), jnp.int32),
                                     batch, donate=(1, 2), pinned=(0,))
     hlo = compiled.as_text()

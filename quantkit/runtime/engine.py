@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import jax
+import numpy as np
 
 from quantkit.errors import InvalidInput
 from quantkit.runtime.cache import page_hashes
@@ -74,6 +75,7 @@ class Request:
     id: str = ""
     min_tokens: int = 0  # stop ids are never sampled, nor stop strings matched, before this many tokens
     ignore_eos: bool = False  # a stop id ends nothing: it is kept, and generation goes on
+    grammar: object = None  # structured.Grammar: the constraint its tokens must follow, if any
     # engine state
     slot: int = -1
     done: int = 0  # tokens (prompt, then fed-back outputs) scheduled into the cache
@@ -109,6 +111,8 @@ class Engine:
         self.prefix_caching = prefix_caching and not runner.layout.states
         self.salt = f"quantkit kv {runner.kv_dtype}".encode()  # what else changes a page's keys and values
         self.prefix_queries = self.prefix_hits = 0  # prompt tokens looked up / found cached
+        # structured outputs: constrained sequences, masks computed, steps that computed one, their seconds
+        self.constrained, self.masks, self.mask_steps, self.mask_seconds = 0, 0, 0, 0.0
         self.budget = runner.max_num_batched_tokens
         self.free_slots = list(range(runner.max_num_seqs))[::-1]
         self.waiting: deque[Request] = deque()
@@ -138,6 +142,7 @@ class Engine:
                                 f"are waiting; retry later")
             req.id = req.id or f"req-{next(self._ids)}"
             self.waiting.append(req)
+            self.constrained += req.grammar is not None
         self.wakeup.set()
         return req
 
@@ -164,7 +169,8 @@ class Engine:
 
     def step(self) -> bool:
         """One iteration: schedule and dispatch a step, then deliver the previous one's tokens. False when
-        there was nothing to do."""
+        there was nothing to do. A sequence under a structured-output constraint needs its last token before
+        its next mask: while one has a token in flight, the previous step is read back first."""
         with self._lock:
             aborts, self._aborts = self._aborts, set()
             for r in [r for r in self.waiting if r.id in aborts]:
@@ -172,6 +178,11 @@ class Engine:
                 self._finish(r, "abort")
         for r in [r for r in self.running if r.id in aborts]:
             self._finish(r, "abort")
+        masks = self.masks
+        synced = self.inflight is not None and any(r.grammar is not None and r.pending for r in self.running)
+        if synced:
+            previous, self.inflight = self.inflight, None
+            self._collect(*previous)
         rows = self._schedule()
         previous, self.inflight = self.inflight, None
         if rows:
@@ -179,7 +190,8 @@ class Engine:
             self.inflight = (self.runner.run(batch), [(r, samples) for r, _, samples in rows])
         if previous is not None:
             self._collect(*previous)
-        return bool(rows) or previous is not None
+        self.mask_steps += self.masks > masks
+        return bool(rows) or previous is not None or synced
 
     def _schedule(self) -> list[tuple[Request, Row, bool]]:
         """Decodes first, then prompt chunks (running requests, then newcomers) within the token budget.
@@ -192,14 +204,16 @@ class Engine:
             toks = r.prompt[r.done:r.done + n] if prompt else None
             samples = not prompt or r.done + n == len(r.prompt)
             banned = tuple(r.stop_ids) if samples and len(r.out) + r.pending < r.min_tokens else ()
-            rows.append((r, Row(r.slot, r.done, n, toks, r.sampling, r.logprobs is not None, banned), samples))
+            allow = r.grammar.mask if samples and r.grammar is not None else None
+            rows.append((r, Row(r.slot, r.done, n, toks, r.sampling, r.logprobs is not None, banned, allow), samples))
             r.done += n
             r.pending += samples
             self._name(r)
             return True
 
         for r in self.running:  # decodes: a fed-back token, if more tokens are wanted
-            if r.done >= len(r.prompt) and budget and len(r.out) + r.pending < r.max_tokens:
+            if r.done >= len(r.prompt) and budget and len(r.out) + r.pending < r.max_tokens and not (
+                    r.grammar is not None and r.pending):
                 budget -= add(r, 1, False)
         for r in self.running:
             if r.done < len(r.prompt) and budget:
@@ -208,6 +222,9 @@ class Engine:
         with self._lock:
             while self.waiting and self.free_slots and budget:
                 r = self.waiting.popleft()
+                if r.grammar is not None and not self._fill(r):  # its first mask: no token allowed
+                    self._finish(r, "stop")
+                    continue
                 r.slot = self.free_slots.pop()
                 self.running.append(r)
                 if self.prefix_caching:
@@ -259,6 +276,9 @@ class Engine:
             if tok in r.stop_ids and not r.ignore_eos:
                 r.finish_reason = "stop"
                 break
+            if r.grammar is not None and not r.grammar.accept(tok):  # (the mask allowed only what it accepts)
+                r.finish_reason = "stop"
+                break
             r.out.append(tok)
             new.append(tok)
             if r.logprobs is not None:
@@ -269,10 +289,26 @@ class Engine:
             if len(r.out) >= r.max_tokens:
                 r.finish_reason = "length"
                 break
+        if r.finish_reason is None and r.grammar is not None and not self._fill(r):
+            r.finish_reason = "stop"  # complete, or a dead end: nothing may follow
         if r.finish_reason is not None and self.detokenize is not None and r.offsets[1] < len(r.out):
             lo, mid = r.offsets  # flush a trailing partial character as the tokenizer renders it
             r.text += self.detokenize(r.out[lo:])[len(self.detokenize(r.out[lo:mid])):]
         self._deliver(r, new, info)
+
+    def _fill(self, r: Request) -> bool:
+        """A constrained sequence's next mask (structured.Grammar.fill), timed for /metrics; False when no
+        token may follow (the constraint complete or at a dead end; before min_tokens, stop ids do not count)."""
+        t = time.perf_counter()
+        g = r.grammar
+        live = g.fill()
+        if live and len(r.out) < r.min_tokens and not r.ignore_eos:
+            bits = g.mask.view(np.uint32)
+            for i in (i for i in r.stop_ids if i < 32 * len(bits)):
+                bits[i // 32] &= ~np.uint32(1 << (i % 32))
+            live = bool(bits.any())
+        self.masks, self.mask_seconds = self.masks + 1, self.mask_seconds + time.perf_counter() - t
+        return live
 
     def _extend_text(self, r: Request) -> bool:
         """Incremental detokenization (a window of tokens, so a tokenizer's word-initial spaces come out

@@ -38,6 +38,7 @@ from quantkit.runtime.engine import TOP_LOGPROBS, Engine, QueueFull, Request, Ru
 log = logging.getLogger("quantkit.serve")
 MAX_BODY = 8 << 20  # bytes of JSON a request may send
 MAX_N = 128  # choices per prompt (OpenAI's limit)
+MIN_LOGPROB = -9999.0  # a token a structured-output mask excludes has -inf; JSON has no infinity (vLLM's floor)
 
 
 class ApiError(Exception):
@@ -124,7 +125,16 @@ class Metrics:
                 (CounterMetricFamily, "prefix_cache_queries", e.prefix_queries if e else 0,
                  "Prompt tokens looked up in the prefix cache.", ["prefix_cache_queries"]),
                 (CounterMetricFamily, "prefix_cache_hits", e.prefix_hits if e else 0,
-                 "Prompt tokens found in the prefix cache (not recomputed).", ["prefix_cache_hits"])):
+                 "Prompt tokens found in the prefix cache (not recomputed).", ["prefix_cache_hits"]),
+                (CounterMetricFamily, "structured_requests", e.constrained if e else 0,
+                 "Sequences under a structured-output constraint (response_format, structured_outputs).", []),
+                (CounterMetricFamily, "structured_masks", e.masks if e else 0,
+                 "Structured-output token masks computed (one per constrained sequence a step).", []),
+                (CounterMetricFamily, "structured_mask_steps", e.mask_steps if e else 0,
+                 "Engine steps that computed at least one structured-output mask.", []),
+                (CounterMetricFamily, "structured_mask_seconds", e.mask_seconds if e else 0.0,
+                 "Host seconds spent computing structured-output masks (per step: divide by structured_mask_steps).",
+                 [])):
             yield kind(f"quantkit_{name}", help_, value=v)
             for alias in vllm:
                 family = kind(f"vllm:{alias}", help_, labels=["model_name"])
@@ -160,6 +170,9 @@ class Params:
     echo: bool
     min_tokens: int
     ignore_eos: bool
+    grammar: str | None = None  # the structured-output constraint, as llguidance's grammar (structured.py)
+    tools: list | None = None  # chat: the request's tools, and tool_choice's mode (runtime/tools.py):
+    tool_mode: str | None = None  # "auto", "required" or a function's name; None: no tool calls parsed
 
 
 # ---- the server ------------------------------------------------------------------------------------------
@@ -216,6 +229,9 @@ class Server:
             self.stop_ids = frozenset(i for i in (*model.cfg.eos_token_ids, self.codec.token_id("eos_token"))
                                       if i is not None)
             self.vocab = model.cfg.vocab_size
+            from quantkit.runtime.structured import Constraints
+
+            self.constraints = Constraints(self.path / "tokenizer.json", self.vocab, self.stop_ids)
 
             def progress(done: int, total: int) -> None:
                 self.status = f"compiling {done}/{total} shapes"
@@ -317,10 +333,12 @@ class Server:
         for name in ("presence_penalty", "frequency_penalty"):
             if _field(body, name, (int, float), 0) != 0:
                 raise ApiError(400, f"'{name}' is not supported", param=name)
+        tools, tool_mode = self._tools(body) if chat else (None, None)
         if chat:
             effort = _field(body, "reasoning_effort", (str,), None, lambda v: v in ("low", "medium", "high"),
                             "must be low, medium or high")
-            text = self._render_chat(body.get("messages"), **({"reasoning_effort": effort} if effort else {}))
+            text = self._render_chat(body.get("messages"), **({"reasoning_effort": effort} if effort else {}),
+                                     **({"tools": tools} if tools else {}))
             prompts = [(self.codec.encode(text, special=False), text)]
         else:
             prompts = self._prompts(body.get("prompt"))
@@ -355,11 +373,110 @@ class Server:
                               f"must be in [0, {TOP_LOGPROBS}]")
             echo = _field(body, "echo", (bool,), False)
         options = _field(body, "stream_options", (dict,), {})
+        grammar = self._constraint(body)
+        if tool_mode not in (None, "auto"):  # required / a named function: the grammar writes the call
+            if grammar is not None:
+                raise ApiError(400, f"tool_choice {tool_mode!r} writes the answer as tool calls; drop "
+                                    "'response_format' / 'structured_outputs'", param="tool_choice")
+            from quantkit.runtime.tools import required_schema
+
+            schema = required_schema(tools) if tool_mode == "required" else next(
+                t["function"].get("parameters") or {"type": "object"} for t in tools
+                if t["function"]["name"] == tool_mode)
+            grammar = self._compiled("json", schema, "tools")
         return Params(prompts, n, max_tokens,
                       Sampling(float(temperature), max(top_k, 0), float(top_p),
                                seed if seed is not None else uuid.uuid4().int & 0xFFFFFFFF),
                       tuple(stop), logprobs, _field(body, "stream", (bool,), False),
-                      bool(options.get("include_usage")), echo, min_tokens, _field(body, "ignore_eos", (bool,), False))
+                      bool(options.get("include_usage")), echo, min_tokens, _field(body, "ignore_eos", (bool,), False),
+                      grammar, tools, tool_mode)
+
+    def _tools(self, body: dict) -> tuple[list | None, str | None]:
+        """The chat request's `tools` (OpenAI's function tools, checked) and the mode its `tool_choice` asks
+        for: "auto" (the default with tools), "required", a function's name, or None ("none", or no tools)."""
+        tools = _field(body, "tools", (list,), None)
+        choice = body.get("tool_choice")
+        if not tools:
+            if choice not in (None, "none"):
+                raise ApiError(400, "'tool_choice' needs 'tools'", param="tool_choice")
+            return None, None
+        for t in tools:
+            f = t.get("function") if isinstance(t, dict) and t.get("type") == "function" else None
+            if not isinstance(f, dict) or not isinstance(f.get("name"), str) or not f["name"] or not isinstance(
+                    f.get("parameters", {}), (dict, type(None))):
+                raise ApiError(400, "each tool must be {\"type\": \"function\", \"function\": {\"name\", "
+                                    "\"description\", \"parameters\": a JSON schema}}", param="tools")
+        names = [t["function"]["name"] for t in tools]
+        if choice is None or choice in ("auto", "required"):
+            return tools, choice or "auto"
+        if choice == "none":
+            return tools, None
+        name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
+        if not isinstance(choice, dict) or choice.get("type") != "function" or name not in names:
+            raise ApiError(400, f"'tool_choice' must be none, auto, required or {{\"type\": \"function\", "
+                                f"\"function\": {{\"name\": one of {names}}}}}", param="tool_choice")
+        return tools, name
+
+    def _constraint(self, body: dict) -> str | None:
+        """The request's structured-output constraint as llguidance's grammar (compiled once here, so that a
+        bad one is a 400 naming its field), from OpenAI's `response_format` or vLLM's `structured_outputs`;
+        None without one."""
+        from quantkit.runtime.structured import COMPACT, KINDS
+
+        fmt = _field(body, "response_format", (dict,), None)
+        so = _field(body, "structured_outputs", (dict,), None)
+        if fmt is not None and so is not None:
+            raise ApiError(400, "give 'response_format' or 'structured_outputs', not both", param="structured_outputs")
+        whitespace = COMPACT
+        if fmt is not None:
+            field, kind = "response_format", fmt.get("type")
+            if kind == "text":
+                return None
+            if kind == "json_object":
+                spec = None
+            elif kind == "json_schema":
+                spec = fmt.get("json_schema")
+                if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
+                    raise ApiError(400, "'response_format.json_schema' must be an object with a 'name' and a 'schema' "
+                                        "object", param=field)
+                kind, spec = "json", spec.get("schema", {})
+            else:
+                raise ApiError(400, f"'response_format.type' must be text, json_object or json_schema, got {kind!r}",
+                               param=field)
+        elif so is not None:
+            options = {"disable_any_whitespace", "whitespace_pattern", "disable_fallback",
+                       "disable_additional_properties"}
+            unknown = sorted(set(so) - set(KINDS) - options)
+            if unknown:
+                raise ApiError(400, f"'structured_outputs' has unknown keys {unknown}; it takes one of "
+                                    f"{', '.join(KINDS)} and options {', '.join(sorted(options))}",
+                               param="structured_outputs")
+            given = [k for k in KINDS if so.get(k) not in (None, False)]
+            if len(given) != 1:
+                raise ApiError(400, f"'structured_outputs' needs exactly one constraint of {', '.join(KINDS)}, "
+                                    f"got {given or 'none'}", param="structured_outputs")
+            kind = given[0]
+            field, spec = f"structured_outputs.{kind}", so[kind]
+            pattern = so.get("whitespace_pattern")
+            if pattern is not None and not isinstance(pattern, str):
+                raise ApiError(400, "'structured_outputs.whitespace_pattern' must be a string", param="structured_outputs")
+            if pattern is not None:
+                whitespace = {"whitespace_flexible": True, "whitespace_pattern": pattern}
+            elif so.get("disable_any_whitespace") is False:  # vLLM's default, asked for: any whitespace
+                whitespace = {"whitespace_flexible": True}
+        else:
+            return None
+        return self._compiled(kind, spec, field, whitespace)
+
+    def _compiled(self, kind: str, spec, field: str, whitespace: dict | None = None) -> str:
+        """llguidance's grammar for a constraint, compiled and cached here (structured.Constraints), so that
+        a bad one fails this request alone: a 400 naming `field`."""
+        try:
+            grammar = self.constraints.grammar(kind, spec, whitespace)
+            self.constraints.matcher(grammar)
+        except InvalidInput as e:
+            raise ApiError(400, f"'{field}' cannot be enforced: {e}", param=field) from None
+        return grammar
 
     def _prompts(self, prompt) -> list[tuple[list[int], str]]:
         """(token ids, text) of each prompt: `prompt` is one (a string or token ids) or a list of them."""
@@ -390,9 +507,18 @@ class Server:
                            for p in content):
                     raise ApiError(400, "only text content parts are supported", param="messages")
                 content = "".join(p["text"] for p in content)
+            calls = m.get("tool_calls") if m["role"] == "assistant" else None
+            if content is None and calls:
+                content = ""
             if not isinstance(content, str):
                 raise ApiError(400, "message 'content' must be a string or text parts", param="messages")
-            clean.append({"role": m["role"], "content": content})
+            one = {"role": m["role"], "content": content}
+            if calls:  # the template sees each call's arguments as an object (as vLLM passes them)
+                one["tool_calls"] = [_template_call(c) for c in calls]
+            for key in ("tool_call_id", "name"):  # a tool result's
+                if isinstance(m.get(key), str):
+                    one[key] = m[key]
+            clean.append(one)
         try:
             return self.codec.chat(clean, **options)
         except InvalidInput as e:
@@ -408,7 +534,8 @@ class Server:
                 j = len(reqs)
                 reqs.append(Request(ids, p.max_tokens, replace(p.sampling, seed=p.sampling.seed + i), self.stop_ids,
                                     p.stop, p.logprobs, lambda update, j=j: self._post(queue, (j, update)),
-                                    id=f"{rid}-{j}", min_tokens=p.min_tokens, ignore_eos=p.ignore_eos))
+                                    id=f"{rid}-{j}", min_tokens=p.min_tokens, ignore_eos=p.ignore_eos,
+                                    grammar=self.constraints.matcher(p.grammar) if p.grammar else None))
         self._submit(reqs)
         shape = _Shape(self, rid, chat, p)
         if p.stream:
@@ -502,6 +629,21 @@ class Server:
                         len(req.prompt), len(req.out), req.finish_reason, ttft, (end - req.arrived) * 1e3)
 
 
+def _template_call(c) -> dict:
+    """An assistant message's earlier tool call, for the chat template: OpenAI's shape with its arguments
+    parsed from their JSON string; 400 when malformed."""
+    f = c.get("function") if isinstance(c, dict) else None
+    if not isinstance(f, dict) or not isinstance(f.get("name"), str):
+        raise ApiError(400, "each tool call needs a 'function' with a 'name' and 'arguments'", param="messages")
+    args = f.get("arguments", "{}")
+    try:
+        args = json.loads(args) if isinstance(args, str) else args
+    except ValueError:
+        raise ApiError(400, f"tool call {f['name']!r}: 'arguments' is not JSON", param="messages") from None
+    return {"id": c.get("id"), "type": "function", "function": {"name": f["name"], "arguments": args},
+            "name": f["name"], "arguments": args}
+
+
 async def _disconnected(request: HttpRequest) -> None:
     while (await request.receive())["type"] != "http.disconnect":
         pass
@@ -525,6 +667,9 @@ class _Shape:
         self.channels = channels if channels[0] is not None else None
         self.created = int(time.time())
         self.offsets = [len(text) if p.echo else 0 for _, text in p.prompts for _ in range(p.n)]  # text_offset
+        # with tools: each choice's text so far, how much of it went out as content, whether it called
+        choices = len(p.prompts) * p.n
+        self.texts, self.sent, self.called = [""] * choices, [0] * choices, [False] * choices
 
     def head(self, kind: str) -> dict:
         obj = {"whole": "chat.completion", "chunk": "chat.completion.chunk"}[kind] if self.chat else "text_completion"
@@ -548,7 +693,7 @@ class _Shape:
         if self.chat:
             def one(t, lp):
                 s = self._token(t)
-                return {"token": s, "logprob": lp, "bytes": list(s.encode())}
+                return {"token": s, "logprob": max(lp, MIN_LOGPROB), "bytes": list(s.encode())}
 
             return {"content": [{**one(t, lp), "top_logprobs": [one(i, v) for i, v in top]}
                                 for t, lp, top in entries]}
@@ -557,15 +702,31 @@ class _Shape:
             tokens.append(self._token(t))
             offsets.append(self.offsets[j])
             self.offsets[j] += len(tokens[-1])
-        return {"tokens": tokens, "token_logprobs": [lp for _, lp, _ in entries],
-                "top_logprobs": [{self._token(i): v for i, v in top} for _, _, top in entries],
+        return {"tokens": tokens, "token_logprobs": [max(lp, MIN_LOGPROB) for _, lp, _ in entries],
+                "top_logprobs": [{self._token(i): max(v, MIN_LOGPROB) for i, v in top} for _, _, top in entries],
                 "text_offset": offsets}
 
     def _choice(self, j: int, u: Update, **content) -> dict:
-        return {"index": j, **content, "logprobs": self.logprobs(j, u.logprobs), "finish_reason": u.finish_reason}
+        finish = "tool_calls" if self.called[j] and u.finish_reason == "stop" else u.finish_reason
+        return {"index": j, **content, "logprobs": self.logprobs(j, u.logprobs), "finish_reason": finish}
 
-    def _message(self, j: int, u: Update) -> dict:
-        """A chat message's (or delta's) text fields: content, and reasoning_content for gpt-oss."""
+    def _message(self, j: int, u: Update, stream: bool = True) -> dict:
+        """A chat message's (or delta's) fields: content; reasoning_content for gpt-oss; with tools, the
+        calls parsed from the finished text (runtime/tools.py), content held back while it may be one."""
+        if self.p.tool_mode is not None:
+            from quantkit.runtime.tools import held, parse
+
+            self.texts[j] += u.text
+            text, sent = self.texts[j], self.sent[j]
+            if u.finish_reason is None:
+                self.sent[j] = max(sent, held(text, self.p.tool_mode))
+                return {"content": text[sent:self.sent[j]]} if self.sent[j] > sent else {}
+            content, calls = parse(text, self.p.tool_mode, self.p.tools)
+            self.called[j] = bool(calls)
+            msg = {"content": content[sent:]} if content[sent:] else {}
+            if calls:
+                msg["tool_calls"] = [{"index": k, **c} if stream else c for k, c in enumerate(calls)]
+            return msg
         if self.channels is None:
             return {"content": u.text} if u.text else {}
         reasoning, content = self.channels[j].feed(u.tokens, done=u.finish_reason is not None)
@@ -581,8 +742,12 @@ class _Shape:
 
     def whole(self, updates: list[Update], reqs: list[Request]) -> dict:
         if self.chat:
-            choices = [self._choice(j, u, message={"role": "assistant", "content": "", **self._message(j, u)})
-                       for j, u in enumerate(updates)]
+            messages = [{"role": "assistant", "content": "", **self._message(j, u, stream=False)} for j, u in
+                        enumerate(updates)]
+            for m in messages:
+                if m.get("tool_calls") and not m["content"]:
+                    m["content"] = None
+            choices = [self._choice(j, u, message=m) for j, (u, m) in enumerate(zip(updates, messages))]
         else:
             echo = [text if self.p.echo else "" for _, text in self.p.prompts]
             choices = [self._choice(j, u, text=echo[j // self.p.n] + u.text) for j, u in enumerate(updates)]

@@ -90,13 +90,26 @@ def sample(logits: jax.Array, keys: jax.Array, temperature, top_k, top_p) -> jax
     return jnp.where(temperature <= 0, _argmax(logits), drawn)
 
 
+def allowed_logits(logits: jax.Array, allow: jax.Array) -> jax.Array:
+    """logits [b, vocab] with the tokens a row's bitmask allow [b, ceil(vocab / 32)] (int32 words; token t:
+    bit t % 32 of word t // 32, structured.py) does not set at -inf; skipped when every bit is set."""
+    def masked():
+        bits = (allow[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1
+        return jnp.where(bits.reshape(allow.shape[0], -1)[:, :logits.shape[-1]] != 0, logits, -jnp.inf)
+
+    return jax.lax.cond(jnp.any(allow != -1), masked, lambda: logits)
+
+
 def pick(logits: jax.Array, s: dict, next_pos: jax.Array):
     """Token, its log-probability and the top alternatives for logits [b, vocab] (float32).
 
     The key of a draw depends only on the request's seed and the position of the drawn token, so a seeded
-    request gives the same text whatever else shares its batch. A row's banned ids [BANNED] are never drawn;
-    log-probabilities are those of the unbanned logits (vLLM's raw logprobs).
+    request gives the same text whatever else shares its batch. A row's structured-output mask (`allow`)
+    applies first, to the sample and to the log-probabilities (the masked distribution, as vLLM reports
+    it); its banned ids [BANNED] are never drawn, its log-probabilities those of the unbanned logits
+    (vLLM's raw logprobs).
     """
+    logits = allowed_logits(logits, s["allow"])
     keys = jax.vmap(lambda seed, p: jax.random.fold_in(jax.random.PRNGKey(seed), p))(s["seed"], next_pos)
     allowed = jax.lax.cond(jnp.any(s["banned"] != NO_TOKEN), lambda: jax.vmap(
         lambda row, ids: row.at[ids].set(-jnp.inf, mode="drop"))(logits, s["banned"]), lambda: logits)
@@ -174,27 +187,27 @@ def token_buckets(max_num_batched_tokens: int, lo: int = 8) -> tuple[int, ...]:
     return tuple(out)
 
 
-def sampling_arrays(b: int) -> dict:
-    """Greedy sampling parameters for b rows."""
+def sampling_arrays(b: int, vocab: int) -> dict:
+    """Greedy sampling parameters for b rows, every token allowed."""
     return {"temperature": np.zeros(b, np.float32), "top_k": np.zeros(b, np.int32),
             "top_p": np.ones(b, np.float32), "seed": np.zeros(b, np.uint32), "logprobs": np.zeros(b, bool),
-            "banned": np.full((b, BANNED), NO_TOKEN, np.int32)}
+            "banned": np.full((b, BANNED), NO_TOKEN, np.int32), "allow": np.full((b, -(-vocab // 32)), -1, np.int32)}
 
 
-def empty_batch(t: int, s: int, layout: CacheLayout, max_num_seqs: int) -> dict:
+def empty_batch(t: int, s: int, layout: CacheLayout, max_num_seqs: int, vocab: int) -> dict:
     """A step of t padding tokens and no sequence (s rows): the host arrays `Batch.build` fills."""
     return {"tokens": np.zeros(t, np.int32), "prev_slot": np.full(t, -1, np.int32),
             "positions": np.zeros(t, np.int32), "cu_q_lens": np.zeros(s + 1, np.int32),
             "kv_lens": np.zeros(s, np.int32), "num_seqs": np.zeros(1, np.int32),
             "tables": {k: np.zeros((s, layout.pages_per_seq), np.int32) for k in layout.layers},
-            "slot": np.full(s, max_num_seqs, np.int32), "sampling": sampling_arrays(s)}
+            "slot": np.full(s, max_num_seqs, np.int32), "sampling": sampling_arrays(s, vocab)}
 
 
 @dataclass
 class Row:
     """One sequence's part of a step: `n` tokens from position `start`; `tokens` given (prompt), or None
     for one decode token that the device takes from the slot's last sampled token. `banned`: token ids
-    its sample must not be (at most BANNED)."""
+    its sample must not be (at most BANNED); `allow`: its structured-output bitmask (structured.py), if any."""
 
     slot: int
     start: int
@@ -203,6 +216,7 @@ class Row:
     sampling: Sampling = Sampling()
     logprobs: bool = False
     banned: tuple = ()
+    allow: np.ndarray | None = None
 
 
 @dataclass
@@ -291,7 +305,7 @@ class Runner:
         n = sum(r.n for r in rows)
         t = self.bucket(n)
         b = empty_batch(t, min(t, self.max_num_seqs) if n <= self.buckets[-1] else len(rows), self.layout,
-                        self.max_num_seqs)
+                        self.max_num_seqs, self.model.cfg.vocab_size)
         at = 0
         for i, r in enumerate(rows):
             if r.tokens is None:
@@ -308,13 +322,15 @@ class Runner:
             s["temperature"][i], s["top_k"][i], s["top_p"][i] = p.temperature, p.top_k, p.top_p
             s["seed"][i], s["logprobs"][i] = p.seed & 0xFFFFFFFF, r.logprobs
             s["banned"][i, :len(r.banned)] = r.banned
+            if r.allow is not None:
+                s["allow"][i] = r.allow
         b["cu_q_lens"][len(rows) + 1:] = at
         b["num_seqs"][0] = len(rows)
         return b
 
     def empty(self, t: int) -> dict:
         """A step of t padding tokens (warm-up)."""
-        return empty_batch(t, min(t, self.max_num_seqs), self.layout, self.max_num_seqs)
+        return empty_batch(t, min(t, self.max_num_seqs), self.layout, self.max_num_seqs, self.model.cfg.vocab_size)
 
     def run(self, batch: dict):
         """Dispatches one step (asynchronously); returns the device outputs (token, logprob, top ids, top
@@ -357,8 +373,8 @@ class Runner:
         op, t, s = (int(x) for x in mh.broadcast_one_to_all(head))
         if op == STOP:
             return op, None
-        batch = mh.broadcast_one_to_all(batch if batch is not None else empty_batch(t, s, self.layout,
-                                                                                     self.max_num_seqs))
+        batch = mh.broadcast_one_to_all(batch if batch is not None else empty_batch(
+            t, s, self.layout, self.max_num_seqs, self.model.cfg.vocab_size))
         return op, mh.host_local_array_to_global_array(batch, self.mesh, P())
 
     def follow(self) -> None:
