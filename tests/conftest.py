@@ -61,9 +61,9 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda i: i.get_closest_marker("slow") is None)  # stable: collection order otherwise
 
 
-# Modules whose module-scoped fixture is costly enough to run on one worker only: test_serve's server compiles
-# every step program of its buckets while it starts (~40 s).
-ONE_WORKER = {"tests/test_serve.py"}
+# Modules whose module-scoped fixture is costly enough to run on one worker only: their servers compile every
+# step program of their buckets while they start (~40 s).
+ONE_WORKER = {"tests/test_serve.py", "tests/test_structured.py"}
 
 
 @pytest.hookimpl(optionalhook=True)  # a run without xdist (-p no:xdist) has no such hook

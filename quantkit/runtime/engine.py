@@ -136,6 +136,9 @@ class Engine:
                                f"{limit}; shorten the prompt or lower max_tokens")
         if req.min_tokens and len(req.stop_ids) > BANNED:
             raise InvalidInput(f"min_tokens needs at most {BANNED} stop ids, got {len(req.stop_ids)}")
+        if req.grammar is not None and jax.process_count() > 1:
+            raise InvalidInput("structured outputs and tool_choice required / named are served by one process "
+                               "only, not across hosts yet")
         with self._lock:
             if len(self.waiting) + len(self.running) >= self.runner.max_num_seqs + self.max_waiting:
                 raise QueueFull(f"all {self.runner.max_num_seqs} slots are busy and {len(self.waiting)} requests "
@@ -170,7 +173,8 @@ class Engine:
     def step(self) -> bool:
         """One iteration: schedule and dispatch a step, then deliver the previous one's tokens. False when
         there was nothing to do. A sequence under a structured-output constraint needs its last token before
-        its next mask: while one has a token in flight, the previous step is read back first."""
+        its next mask: a step with one runs as two programs (Runner.run_split), the previous step read back
+        and the masks computed while the device runs the new step's forward."""
         with self._lock:
             aborts, self._aborts = self._aborts, set()
             for r in [r for r in self.waiting if r.id in aborts]:
@@ -179,19 +183,28 @@ class Engine:
         for r in [r for r in self.running if r.id in aborts]:
             self._finish(r, "abort")
         masks = self.masks
-        synced = self.inflight is not None and any(r.grammar is not None and r.pending for r in self.running)
-        if synced:
-            previous, self.inflight = self.inflight, None
-            self._collect(*previous)
         rows = self._schedule()
         previous, self.inflight = self.inflight, None
         if rows:
             batch = self.runner.batch([row for _, row, _ in rows])
-            self.inflight = (self.runner.run(batch), [(r, samples) for r, _, samples in rows])
+            constrained = [(k, r) for k, (r, _, samples) in enumerate(rows) if samples and r.grammar is not None]
+
+            def sampling() -> dict:  # while the forward runs: the previous step's tokens, then the masks
+                nonlocal previous
+                if previous is not None:
+                    self._collect(*previous)
+                    previous = None
+                s = {**batch["sampling"], "allow": batch["sampling"]["allow"].copy()}
+                for k, r in constrained:
+                    s["allow"][k] = r.grammar.mask if r.finish_reason is None else -1
+                return s
+
+            out = self.runner.run_split(batch, sampling) if constrained else self.runner.run(batch)
+            self.inflight = (out, [(r, samples) for r, _, samples in rows])
         if previous is not None:
             self._collect(*previous)
         self.mask_steps += self.masks > masks
-        return bool(rows) or previous is not None or synced
+        return bool(rows) or previous is not None
 
     def _schedule(self) -> list[tuple[Request, Row, bool]]:
         """Decodes first, then prompt chunks (running requests, then newcomers) within the token budget.
@@ -204,16 +217,14 @@ class Engine:
             toks = r.prompt[r.done:r.done + n] if prompt else None
             samples = not prompt or r.done + n == len(r.prompt)
             banned = tuple(r.stop_ids) if samples and len(r.out) + r.pending < r.min_tokens else ()
-            allow = r.grammar.mask if samples and r.grammar is not None else None
-            rows.append((r, Row(r.slot, r.done, n, toks, r.sampling, r.logprobs is not None, banned, allow), samples))
+            rows.append((r, Row(r.slot, r.done, n, toks, r.sampling, r.logprobs is not None, banned), samples))
             r.done += n
             r.pending += samples
             self._name(r)
             return True
 
         for r in self.running:  # decodes: a fed-back token, if more tokens are wanted
-            if r.done >= len(r.prompt) and budget and len(r.out) + r.pending < r.max_tokens and not (
-                    r.grammar is not None and r.pending):
+            if r.done >= len(r.prompt) and budget and len(r.out) + r.pending < r.max_tokens:
                 budget -= add(r, 1, False)
         for r in self.running:
             if r.done < len(r.prompt) and budget:
@@ -222,7 +233,7 @@ class Engine:
         with self._lock:
             while self.waiting and self.free_slots and budget:
                 r = self.waiting.popleft()
-                if r.grammar is not None and not self._fill(r):  # its first mask: no token allowed
+                if r.grammar is not None and not self._fill([r])[0]:  # its first mask: no token allowed
                     self._finish(r, "stop")
                     continue
                 r.slot = self.free_slots.pop()
@@ -258,7 +269,8 @@ class Engine:
             r.named = full
 
     def _collect(self, out, rows: list) -> None:
-        """Delivers the tokens of a finished step to the rows that sampled one."""
+        """Delivers the tokens of a finished step to the rows that sampled one; then the next masks of the
+        constrained ones, all at once (a sequence whose constraint allows nothing more ends there)."""
         toks, lps, top_ids, top_lps = jax.device_get(out)
         for i, (r, samples) in enumerate(rows):
             if samples:
@@ -266,6 +278,12 @@ class Engine:
                 if r.finish_reason is None:
                     self._accept(r, toks[i:i + 1], lps[i:i + 1], top_ids[i:i + 1], top_lps[i:i + 1])
                     self._name(r)
+        need = [r for r, samples in rows if samples and r.grammar is not None and r.finish_reason is None]
+        for r, live in zip(need, self._fill(need)):
+            if not live:  # complete, or a dead end: nothing may follow
+                r.finish_reason = "stop"
+                self._flush(r)
+                self._deliver(r, [], [])
 
     def _accept(self, r: Request, toks, lps, top_ids, top_lps) -> None:
         """Appends sampled tokens (until a stop), detokenizes, delivers an update, finishes if done."""
@@ -289,26 +307,32 @@ class Engine:
             if len(r.out) >= r.max_tokens:
                 r.finish_reason = "length"
                 break
-        if r.finish_reason is None and r.grammar is not None and not self._fill(r):
-            r.finish_reason = "stop"  # complete, or a dead end: nothing may follow
-        if r.finish_reason is not None and self.detokenize is not None and r.offsets[1] < len(r.out):
-            lo, mid = r.offsets  # flush a trailing partial character as the tokenizer renders it
-            r.text += self.detokenize(r.out[lo:])[len(self.detokenize(r.out[lo:mid])):]
+        if r.finish_reason is not None:
+            self._flush(r)
         self._deliver(r, new, info)
 
-    def _fill(self, r: Request) -> bool:
-        """A constrained sequence's next mask (structured.Grammar.fill), timed for /metrics; False when no
-        token may follow (the constraint complete or at a dead end; before min_tokens, stop ids do not count)."""
+    def _flush(self, r: Request) -> None:
+        """A finished request's trailing partial character, as the tokenizer renders it."""
+        if self.detokenize is not None and r.offsets[1] < len(r.out):
+            lo, mid = r.offsets
+            r.text += self.detokenize(r.out[lo:])[len(self.detokenize(r.out[lo:mid])):]
+
+    def _fill(self, reqs: list[Request]) -> list[bool]:
+        """Constrained sequences' next masks (structured.Grammar.fill, one after another: llguidance's
+        thread pool took 3x as long for 16 rows on this 2-core CPU), timed for /metrics; False for one where no
+        token may follow (its constraint complete or at a dead end; before min_tokens, stop ids do not count)."""
+        if not reqs:
+            return []
         t = time.perf_counter()
-        g = r.grammar
-        live = g.fill()
-        if live and len(r.out) < r.min_tokens and not r.ignore_eos:
-            bits = g.mask.view(np.uint32)
-            for i in (i for i in r.stop_ids if i < 32 * len(bits)):
-                bits[i // 32] &= ~np.uint32(1 << (i % 32))
-            live = bool(bits.any())
-        self.masks, self.mask_seconds = self.masks + 1, self.mask_seconds + time.perf_counter() - t
-        return live
+        out = [r.grammar.fill() for r in reqs]
+        for k, r in enumerate(reqs):
+            if out[k] and len(r.out) < r.min_tokens and not r.ignore_eos:
+                bits = r.grammar.mask.view(np.uint32)
+                for i in (i for i in r.stop_ids if i < 32 * len(bits)):
+                    bits[i // 32] &= ~np.uint32(1 << (i % 32))
+                out[k] = bool(bits.any())
+        self.masks, self.mask_seconds = self.masks + len(reqs), self.mask_seconds + time.perf_counter() - t
+        return out
 
     def _extend_text(self, r: Request) -> bool:
         """Incremental detokenization (a window of tokens, so a tokenizer's word-initial spaces come out
@@ -365,12 +389,16 @@ class Engine:
         """The token buckets: one compiled step program each."""
         return self.runner.buckets
 
-    def warmup(self, progress: Callable[[int, int], None] | None = None) -> None:
-        """Runs every bucket once on padding (writes only the scratch page), so nothing compiles later."""
-        for i, t in enumerate(self.shapes()):
-            jax.block_until_ready(self.runner.run(self.runner.empty(t)))
+    def warmup(self, progress: Callable[[int, int], None] | None = None, structured: bool = False) -> None:
+        """Runs every bucket once on padding (writes only the scratch page), so nothing compiles later;
+        `structured`: also the two programs of a split step (structured outputs), where the engine splits."""
+        runs = [(t, False) for t in self.shapes()] + [(t, True) for t in self.shapes() if structured]
+        for i, (t, split) in enumerate(runs):
+            batch = self.runner.empty(t)
+            jax.block_until_ready(self.runner.run_split(batch, lambda: batch["sampling"]) if split else
+                                  self.runner.run(batch))
             if progress is not None:
-                progress(i + 1, len(self.shapes()))
+                progress(i + 1, len(runs))
 
 
 def generate(runner: Runner, prompt: list[int], max_tokens: int, sampling: Sampling = Sampling(),

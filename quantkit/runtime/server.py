@@ -216,6 +216,8 @@ class Server:
                              max_num_batched_tokens=self.max_num_batched_tokens, kv_cache_dtype=self.kv_cache_dtype)
 
     def load(self) -> None:
+        import jax
+
         from quantkit.runtime.tokenizer import TextCodec
 
         try:
@@ -236,14 +238,15 @@ class Server:
             def progress(done: int, total: int) -> None:
                 self.status = f"compiling {done}/{total} shapes"
 
-            engine.warmup(progress)
+            engine.warmup(progress, structured=jax.process_count() == 1)
             self.engine_thread = threading.Thread(target=engine.run, args=(self.stop,), name="engine", daemon=True)
             self.engine_thread.start()
             self.engine, self.status = engine, "ready"
             r = engine.runner
             devices = f"{r.tp} devices" + (" (experts split whole)" if r.ep else "") if r.mesh is not None else "1 device"
             log.warning("ready in %.1f s: %s on %s, max_model_len %d, max_num_seqs %d, KV cache %s, prefix caching "
-                        "%s, %d step programs compiled", time.monotonic() - t0, self.name, devices, limit,
+                        "%s, %d token buckets compiled (for structured outputs each also as two halves)",
+                        time.monotonic() - t0, self.name, devices, limit,
                         self.max_num_seqs, r.kv_dtype, "on" if engine.prefix_caching else
                         "off (a recurrent state per sequence: Gated DeltaNet layers)" if self.prefix_caching else "off",
                         len(engine.shapes()))

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -132,13 +133,22 @@ def _slots(batch: dict, ps: int) -> dict:
     return {k: jnp.where(live, tab[seq, pos // ps] * ps + pos % ps, 0) for k, tab in batch["tables"].items()}
 
 
+def sample_rows(logits: jax.Array, last: jax.Array, batch: dict):
+    """(token, logprob, top ids, top logprobs) of each sequence row from its logits [S, vocab] (`pick`), and
+    `last` with each row's slot set to its token. batch: the step's "sampling", "kv_lens" and "slot"."""
+    out = pick(logits, batch["sampling"], batch["kv_lens"])
+    return out, last.at[batch["slot"]].set(out[0], mode="drop")
+
+
 def step_function(cfg, page_size: int, all_logits: bool = False, mesh=None, unroll: bool = False, kv_fp8=None,
-                  ep: bool = False):
+                  ep: bool = False, sample: bool = True):
     """step(params, kv, last, batch) -> (outputs, kv, last).
 
     kv: per kind stacked pages; last [max_num_seqs + 1]: the last token sampled per slot. outputs: (token,
     logprob, top ids, top logprobs) per sequence row [S, ...], or with all_logits the float32 logits of
-    every token [T, vocab] (eval and tests). mesh: the tensor-parallel mesh, if any; unroll: layers as a
+    every token [T, vocab] (eval and tests), or without `sample` each row's logits [S, vocab] and `last`
+    unchanged: the step's first half, whose second is `sample_rows` (the engine splits a step so that
+    structured-output masks are computed while the device runs the first). mesh: the tensor-parallel mesh, if any; unroll: layers as a
     Python loop (CPU serving, plan's cost analysis) instead of the scan. kv_fp8: the float8 dtype of an
     FP8 cache (params then carry each layer's `kv_scale`, cache.with_kv_scales). ep: MoE experts split
     whole over the mesh (expert parallelism, runtime/sharding.py).
@@ -153,8 +163,11 @@ def step_function(cfg, page_size: int, all_logits: bool = False, mesh=None, unro
         if all_logits:
             return project(params, h, cfg), kv, last
         rows = jnp.maximum(batch["cu_q_lens"][1:] - 1, 0)  # each sequence's last token
-        out = pick(project(params, h[rows], cfg), batch["sampling"], batch["kv_lens"])
-        return out, kv, last.at[batch["slot"]].set(out[0], mode="drop")
+        logits = project(params, h[rows], cfg)
+        if not sample:
+            return logits, kv, last
+        out, last = sample_rows(logits, last, batch)
+        return out, kv, last
 
     return step
 
@@ -167,7 +180,7 @@ def _frozen(tree) -> tuple:
 
 @functools.lru_cache(maxsize=16)
 def jitted_step(cfg, page_size: int, mesh, unroll: bool, kv_fp8, ep: bool, formats: tuple, out_shardings,
-                all_logits: bool):
+                all_logits: bool, sample: bool = True):
     """The jitted step of one static configuration, shared by every Runner that has it: a second Runner of
     the same model (a test, a server restarting its engine, eval's second checkpoint of the same shapes)
     reuses the compiled programs instead of compiling each token bucket again. `formats`: the weights'
@@ -175,8 +188,14 @@ def jitted_step(cfg, page_size: int, mesh, unroll: bool, kv_fp8, ep: bool, forma
     pinned = dict(in_shardings=(jax.tree_util.tree_unflatten(*formats), None, None, None), donate_argnums=(1, 2))
     if out_shardings is not None:
         pinned["out_shardings"] = jax.tree_util.tree_unflatten(*out_shardings)
-    fn = step_function(cfg, page_size, all_logits, mesh=mesh, unroll=unroll, kv_fp8=kv_fp8, ep=ep)
+    fn = step_function(cfg, page_size, all_logits, mesh=mesh, unroll=unroll, kv_fp8=kv_fp8, ep=ep, sample=sample)
     return jax.jit(fn, **pinned)
+
+
+@functools.lru_cache(maxsize=4)
+def jitted_sampler(rep):
+    """sample_rows jitted (`last` donated; rep: the replicated sharding of a mesh, or None)."""
+    return jax.jit(sample_rows, donate_argnums=(1,), **({} if rep is None else {"out_shardings": (rep, rep)}))
 
 
 def token_buckets(max_num_batched_tokens: int, lo: int = 8) -> tuple[int, ...]:
@@ -207,7 +226,7 @@ def empty_batch(t: int, s: int, layout: CacheLayout, max_num_seqs: int, vocab: i
 class Row:
     """One sequence's part of a step: `n` tokens from position `start`; `tokens` given (prompt), or None
     for one decode token that the device takes from the slot's last sampled token. `banned`: token ids
-    its sample must not be (at most BANNED); `allow`: its structured-output bitmask (structured.py), if any."""
+    its sample must not be (at most BANNED)."""
 
     slot: int
     start: int
@@ -216,7 +235,6 @@ class Row:
     sampling: Sampling = Sampling()
     logprobs: bool = False
     banned: tuple = ()
-    allow: np.ndarray | None = None
 
 
 @dataclass
@@ -296,6 +314,7 @@ class Runner:
         outs = None if mesh is None else _frozen((rep, kv_sharding, rep))  # replicated: every process reads them
         key = (cfg, self.page_size, mesh, unroll, fp8, self.ep, _frozen(formats), outs)
         self._step, self._logits = jitted_step(*key, False), jitted_step(*key, True)
+        self._forward, self._sample = jitted_step(*key, False, False), jitted_sampler(rep)
 
     def bucket(self, n: int) -> int:
         return next(b for b in self.buckets if b >= n) if n <= self.buckets[-1] else -(-n // 8) * 8
@@ -322,8 +341,6 @@ class Runner:
             s["temperature"][i], s["top_k"][i], s["top_p"][i] = p.temperature, p.top_k, p.top_p
             s["seed"][i], s["logprobs"][i] = p.seed & 0xFFFFFFFF, r.logprobs
             s["banned"][i, :len(r.banned)] = r.banned
-            if r.allow is not None:
-                s["allow"][i] = r.allow
         b["cu_q_lens"][len(rows) + 1:] = at
         b["num_seqs"][0] = len(rows)
         return b
@@ -337,6 +354,17 @@ class Runner:
         logprobs), each [S, ...]."""
         self.compiled.add(batch["tokens"].shape[0])
         return self._call(STEP, batch)
+
+    def run_split(self, batch: dict, sampling: Callable[[], dict]):
+        """One step as two programs: the forward (dispatched at once), then the sampling with the arrays
+        `sampling()` returns, called while the device runs the forward (a structured-output step computes its
+        masks there). Outputs as `run`'s. One process only (`_call` broadcasts the one-program step)."""
+        self.compiled.add(batch["tokens"].shape[0])
+        logits, self.kv, self.last = self._forward(self.params, self.kv, self.last, batch)
+        s = sampling()
+        out, self.last = self._sample(logits, self.last, {"sampling": s, "kv_lens": batch["kv_lens"],
+                                                          "slot": batch["slot"]})
+        return out
 
     def forward(self, rows: list[tuple[int, list, int]]) -> list[np.ndarray]:
         """Float32 logits of every token for (slot, tokens, start position) rows run as one ragged step

@@ -52,15 +52,6 @@ class Grammar:
         """Advances past a sampled token; False when the matcher refuses it (then it is in error)."""
         return self.m.consume_token(token)
 
-    @property
-    def done(self) -> bool:
-        """The constraint is complete and allows nothing more (not even end of sequence)."""
-        return self.m.is_stopped()
-
-    @property
-    def error(self) -> str:
-        return self.m.get_error() if self.m.is_error() else ""
-
 
 class Constraints:
     """Per checkpoint: its tokenizer as llguidance sees it, and compiled constraints (a matcher per distinct
