@@ -9,6 +9,7 @@ same exactly-representable weights; only summation order differs); weights compa
 """
 
 import json
+import re
 
 import jax.numpy as jnp
 import numpy as np
@@ -214,3 +215,32 @@ def test_harmony_reasoning_and_content_with_the_openai_client(harmony_server):
     assert high.usage.prompt_tokens > plain.usage.prompt_tokens  # the system line the template adds for it
     with pytest.raises(openai.BadRequestError, match="reasoning_effort"):
         client.chat.completions.create(**{**ask, "n": 1}, extra_body={"reasoning_effort": "extreme"})
+
+
+def test_harmony_tool_calls_with_the_openai_client(harmony_server):
+    """gpt-oss's own tool calls under tool_choice auto: a message addressed `to=functions.NAME` on the
+    commentary channel, ended by <|call|>, comes back as a call with its text as the arguments, not as
+    content; the analysis before it as reasoning_content; finish_reason tool_calls, whole and streamed. (The
+    bigram model is made to write the call by a Lark grammar naming harmony's special tokens.)"""
+    import openai
+
+    client = openai.OpenAI(base_url=harmony_server.url + "/v1", api_key="none", max_retries=0)
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {
+        "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}}}]
+    grammar = ('start: <|channel|> "analysis" <|message|> "hello world" <|end|> <|start|> "assistant" <|channel|> '
+               '"commentary to=functions.add" <|message|> ARGS <|call|>\n' + r'ARGS: /\{"a": [0-9], "b": [0-9]\}/')
+    ask = dict(model="tiny", messages=[{"role": "user", "content": "what is up"}], tools=tools, temperature=1.0,
+               seed=5, max_tokens=80, extra_body={"structured_outputs": {"grammar": grammar}})
+    whole = client.chat.completions.create(**ask).choices[0]
+    (tc,) = whole.message.tool_calls
+    assert whole.finish_reason == "tool_calls" and not whole.message.content
+    assert whole.message.model_extra.get("reasoning_content") == "hello world"
+    assert tc.function.name == "add" and re.fullmatch(r'\{"a": [0-9], "b": [0-9]\}', tc.function.arguments)
+    reasoning, content, calls, finish = "", "", [], None
+    for chunk in client.chat.completions.create(**ask, stream=True):
+        for ch in chunk.choices:
+            reasoning += (ch.delta.model_extra or {}).get("reasoning_content") or ""
+            content += ch.delta.content or ""
+            calls += [(t.function.name, t.function.arguments) for t in ch.delta.tool_calls or []]
+            finish = ch.finish_reason or finish
+    assert (reasoning, content, calls, finish) == ("hello world", "", [("add", tc.function.arguments)], "tool_calls")

@@ -274,8 +274,8 @@ def test_tool_calls_required_named_and_auto(client):
     """tools with tool_choice required (greedy and three seeds at temperature 1), a named function, and auto:
     every call names a given tool with arguments valid against its parameters, finish_reason tool_calls,
     streamed deltas equal to the whole answer. Under auto the model's own text is parsed: a Hermes
-    <tool_call> block (the model made to write one by a regex) becomes a call and the text around it content,
-    never streamed as content; plain text stays content."""
+    <tool_call> block and a Gemma 4 <|tool_call> one (the model made to write them by a regex) become calls
+    and the text around them content, never streamed as content; plain text stays content."""
     kw = dict(model=NAME, messages=[{"role": "user", "content": "weather in oslo?"}], tools=TOOLS, max_tokens=200)
     outs = [client.chat.completions.create(**kw, tool_choice="required", temperature=0),
             client.chat.completions.create(**kw, tool_choice="required", temperature=1, seed=4, n=3)]
@@ -295,6 +295,9 @@ def test_tool_calls_required_named_and_auto(client):
     (tc,) = named.message.tool_calls
     assert tc.function.name == "add" and named.finish_reason == "tool_calls"
     jsonschema.validate(json.loads(tc.function.arguments), PARAMS["add"])
+    assert _streamed_calls(client.chat.completions.create(
+        **kw, temperature=1, seed=2, stream=True, tool_choice={"type": "function", "function": {"name": "add"}})
+    ) == ("", {0: ("add", tc.function.arguments)}, "tool_calls")
 
     forced = {"structured_outputs": {"regex": r'Sure\. <tool_call>\{"name": "get_weather", "arguments": '
                                               r'\{"city": "[a-z]{3}", "unit": "c"\}\}</tool_call>'}}
@@ -305,6 +308,16 @@ def test_tool_calls_required_named_and_auto(client):
     content, calls, finish = _streamed_calls(client.chat.completions.create(**kw, temperature=1, seed=3, stream=True,
                                                                              extra_body=forced))
     assert (content, finish) == ("Sure. ", "tool_calls") and calls == {0: ("get_weather", tc.function.arguments)}
+    gemma = {"structured_outputs": {"regex": r'<\|tool_call>call:get_weather\{city:<\|"\|>[a-z]{3}<\|"\|>,unit:<\|"\|>f<\|"\|>\}'
+                                             r'<tool_call\|>ok'}}  # Gemma 4's own format
+    g = client.chat.completions.create(**kw, temperature=1, seed=6, extra_body=gemma).choices[0]
+    (tc,) = g.message.tool_calls
+    assert g.message.content == "ok" and tc.function.name == "get_weather"
+    args = json.loads(tc.function.arguments)
+    assert args["unit"] == "f" and re.fullmatch("[a-z]{3}", args["city"])
+    content, calls, finish = _streamed_calls(client.chat.completions.create(**kw, temperature=1, seed=6, stream=True,
+                                                                             extra_body=gemma))
+    assert (content, finish) == ("ok", "tool_calls") and calls == {0: ("get_weather", tc.function.arguments)}
     plain = client.chat.completions.create(**kw, temperature=1, seed=3,
                                            extra_body={"structured_outputs": {"regex": "[a-z]{5}"}}).choices[0]
     assert plain.finish_reason == "stop" and not plain.message.tool_calls and re.fullmatch("[a-z]{5}", plain.message.content)

@@ -610,8 +610,10 @@ class Server:
                     by_choice.setdefault(j, []).append(update)
                 for j, updates in sorted(by_choice.items()):
                     u = _merge(updates)
-                    if u.text or u.logprobs or u.finish_reason:
-                        yield shape.sse(shape.chunk(j, u))
+                    c = shape.chunk(j, u)  # every update: gpt-oss's markers carry no text but move its channels
+                    choice = c["choices"][0]
+                    if (choice["delta"] if shape.chat else choice["text"]) or choice["logprobs"] or u.finish_reason:
+                        yield shape.sse(c)
                     live -= u.finish_reason is not None
             done = True
             if shape.p.include_usage:
@@ -670,9 +672,9 @@ class _Shape:
         self.channels = channels if channels[0] is not None else None
         self.created = int(time.time())
         self.offsets = [len(text) if p.echo else 0 for _, text in p.prompts for _ in range(p.n)]  # text_offset
-        # with tools: each choice's text so far, how much of it went out as content, whether it called
+        # with tools: each choice's tokens so far, how much of their text went out as content, whether it called
         choices = len(p.prompts) * p.n
-        self.texts, self.sent, self.called = [""] * choices, [0] * choices, [False] * choices
+        self.tokens, self.sent, self.called = [[] for _ in range(choices)], [0] * choices, [False] * choices
 
     def head(self, kind: str) -> dict:
         obj = {"whole": "chat.completion", "chunk": "chat.completion.chunk"}[kind] if self.chat else "text_completion"
@@ -715,14 +717,15 @@ class _Shape:
 
     def _message(self, j: int, u: Update, stream: bool = True) -> dict:
         """A chat message's (or delta's) fields: content; reasoning_content for gpt-oss; with tools, the
-        calls parsed from the finished text (runtime/tools.py), content held back while it may be one."""
-        if self.p.tool_mode is not None:
+        calls parsed from the finished text (runtime/tools.py; gpt-oss's from its harmony messages,
+        tokenizer.Channels), content held back while it may be one."""
+        if self.p.tool_mode is not None and (self.channels is None or self.p.tool_mode != "auto"):
             from quantkit.runtime.tools import held, parse
 
-            self.texts[j] += u.text
-            text, sent = self.texts[j], self.sent[j]
-            if u.finish_reason is None:
-                self.sent[j] = max(sent, held(text, self.p.tool_mode))
+            self.tokens[j] += u.tokens  # read with their special tokens (Gemma 4's call marks are some)
+            text, sent = self.server.codec.decode(self.tokens[j], special=True), self.sent[j]
+            if u.finish_reason is None:  # (a partial character waits)
+                self.sent[j] = max(sent, min(held(text, self.p.tool_mode), len(text.rstrip("\ufffd"))))
                 return {"content": text[sent:self.sent[j]]} if self.sent[j] > sent else {}
             content, calls = parse(text, self.p.tool_mode, self.p.tools)
             self.called[j] = bool(calls)
@@ -732,8 +735,18 @@ class _Shape:
             return msg
         if self.channels is None:
             return {"content": u.text} if u.text else {}
-        reasoning, content = self.channels[j].feed(u.tokens, done=u.finish_reason is not None)
-        return {**({"reasoning_content": reasoning} if reasoning else {}), **({"content": content} if content else {})}
+        channels = self.channels[j]
+        reasoning, content = channels.feed(u.tokens, done=u.finish_reason is not None)
+        msg = {**({"reasoning_content": reasoning} if reasoning else {}), **({"content": content} if content else {})}
+        if u.finish_reason is not None and self.p.tool_mode == "auto":  # gpt-oss's own calls (tokenizer.Channels)
+            from quantkit.runtime.tools import call
+
+            names = {t["function"]["name"] for t in self.p.tools}
+            calls = [call(name, args) for name, args in channels.calls if name in names]
+            if calls:
+                self.called[j] = True
+                msg["tool_calls"] = [{"index": k, **c} if stream else c for k, c in enumerate(calls)]
+        return msg
 
     def chunk(self, j: int, u: Update, role: bool = False) -> dict:
         if self.chat:

@@ -4,6 +4,7 @@ sandboxed: a checkpoint's template is untrusted input)."""
 from __future__ import annotations
 
 import json
+import re
 import time
 from pathlib import Path
 
@@ -37,8 +38,8 @@ class TextCodec:
     def encode(self, text: str, special: bool = True) -> list[int]:
         return self.tok.encode(text, add_special_tokens=special).ids
 
-    def decode(self, ids: list[int]) -> str:
-        return self.tok.decode(ids, skip_special_tokens=True)
+    def decode(self, ids: list[int], special: bool = False) -> str:
+        return self.tok.decode(ids, skip_special_tokens=not special)
 
     def token_id(self, key: str) -> int | None:
         name = self._special(key)
@@ -79,7 +80,10 @@ class Channels:
     ending `<|return|>` (or `<|call|>`); the prompt ends inside the first header (`<|start|>assistant`). The
     text of `analysis` messages is the reasoning, that of the others (`final`, `commentary`) the content,
     as vLLM's OpenAI server returns them (`reasoning_content`, `content`); headers and markers are neither.
-    One instance per sequence; `of(codec)` is None for a tokenizer without the harmony tokens."""
+    A message whose header names a function as its recipient (`to=functions.NAME`, before or after the
+    channel) is a tool call: its text is the call's arguments, collected in `calls` as (NAME, text) once it
+    ends (`<|call|>`), not content. One instance per sequence; `of(codec)` is None for a tokenizer without
+    the harmony tokens."""
 
     def __init__(self, codec: TextCodec, ids: dict[int, str]):
         self.codec, self.ids = codec, ids
@@ -87,6 +91,8 @@ class Channels:
         self.channel = ""
         self.body: list[int] = []
         self.window = (0, 0)  # incremental decoding of the body, as the engine's (a word-initial space)
+        self.recipient: str | None = None  # the function a tool-call message addresses
+        self.calls: list[tuple[str, str]] = []
 
     @classmethod
     def of(cls, codec: TextCodec) -> "Channels | None":
@@ -105,18 +111,28 @@ class Channels:
                 head = self.header or []
                 at = next((i for i, x in enumerate(head) if self.ids.get(x) == "<|channel|>"), None)
                 words = self.codec.decode(head[at + 1:]).split() if at is not None else []
+                to = re.search(r"\bto=functions\.([\w.\-]+)", self.codec.decode(head))
+                self.recipient = to.group(1) if to else None
                 self.channel, self.header, self.body, self.window = (words or [""])[0], None, [], (0, 0)
             elif mark in ("<|end|>", "<|return|>", "<|call|>"):
-                self._flush(out, True)
-                self.header, self.body = None, []
+                self._end(out)
             elif self.header is not None:
                 self.header.append(t)
             else:
                 self.body.append(t)
-                self._flush(out, False)
+                if self.recipient is None:
+                    self._flush(out, False)
         if done:
-            self._flush(out, True)
+            self._end(out)
         return "".join(out[True]), "".join(out[False])
+
+    def _end(self, out: dict) -> None:
+        """The message being read ends: its held-back text let out, or its call collected."""
+        if self.recipient is not None and self.header is None:
+            self.calls.append((self.recipient, self.codec.decode(self.body)))
+        elif self.header is None:
+            self._flush(out, True)
+        self.header, self.body, self.recipient = None, [], None
 
     def _flush(self, out: dict, whole: bool) -> None:
         lo, mid = self.window

@@ -2,9 +2,11 @@
 
 Three modes, as vLLM's OpenAI server has them:
 - `auto`: the model writes calls in its family's format, parsed out of its text: Hermes / Qwen
-  `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks anywhere in the text, or Llama 3's JSON
-  (the whole output one `{"name": ..., "parameters": {...}}` object, optionally after `<|python_tag|>`, or
-  several separated by `;`). Text that is not a call stays content.
+  `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks anywhere in the text, Gemma 4's
+  `<|tool_call>call:NAME{key:<|"|>text<|"|>,n:42}<tool_call|>` blocks (unquoted keys, strings between
+  `<|"|>` marks), or Llama 3's JSON (the whole output one `{"name": ..., "parameters": {...}}` object,
+  optionally after `<|python_tag|>`, or several separated by `;`). Text that is not a call stays content.
+  (gpt-oss's harmony calls are read from its channels: tokenizer.Channels.)
 - `required`: a JSON array of one or more `{"name", "parameters"}` objects, enforced by the structured-output
   grammar (each item valid against its tool's parameters).
 - a named function: the output is that function's arguments, enforced by its parameters' schema.
@@ -17,8 +19,10 @@ import re
 import uuid
 
 CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
-OPEN = "<tool_call>"
+GEMMA = re.compile(r"<\|tool_call>call:([\w.\-]+)(\{.*?\})<tool_call\|>", re.S)
+OPENS = ("<tool_call>", "<|tool_call>")
 PYTHON_TAG = "<|python_tag|>"
+QUOTE = '<|"|>'  # Gemma 4's string delimiter
 
 
 def required_schema(tools: list[dict]) -> dict:
@@ -59,15 +63,24 @@ def parse(text: str, mode, tools: list[dict]) -> tuple[str, list[dict]]:
         except ValueError:
             return text, []
         return "", [call(mode, text)]
-    calls, content = [], text
+    found = []  # (position, call, its text)
     for m in CALL.finditer(text):
         try:
-            c = _as_call(json.loads(m.group(1)), names)
+            found.append((m.start(), _as_call(json.loads(m.group(1)), names), m.group(0)))
         except ValueError:
-            c = None
+            pass
+    for m in GEMMA.finditer(text):
+        try:
+            args, end = _gemma_value(m.group(2), 0)
+            found.append((m.start(), call(m.group(1), args) if m.group(1) in names and end == len(m.group(2))
+                          and isinstance(args, dict) else None, m.group(0)))
+        except (ValueError, IndexError):
+            pass
+    calls, content = [], text
+    for _, c, block in sorted(found, key=lambda f: f[0]):
         if c is not None:
             calls.append(c)
-            content = content.replace(m.group(0), "", 1)
+            content = content.replace(block, "", 1)
     if calls:
         return content, calls
     body = text.strip().removeprefix(PYTHON_TAG).strip()
@@ -90,10 +103,39 @@ def held(text: str, mode) -> int:
     stripped = text.lstrip()
     if stripped.startswith("{") or PYTHON_TAG.startswith(stripped[:len(PYTHON_TAG)]) and stripped:
         return 0
-    i = text.find(OPEN)
-    if i >= 0:
-        return i
-    for k in range(min(len(OPEN) - 1, len(text)), 0, -1):  # a tag cut in half at the end
-        if text.endswith(OPEN[:k]):
+    found = [i for i in (text.find(o) for o in OPENS) if i >= 0]
+    if found:
+        return min(found)
+    for k in range(min(max(map(len, OPENS)) - 1, len(text)), 0, -1):  # a tag cut in half at the end
+        if any(text.endswith(o[:k]) for o in OPENS):
             return len(text) - k
     return len(text)
+
+
+def _gemma_value(s: str, i: int):
+    """(value, end) of the Gemma 4 value at s[i:]: a `<|"|>` string, an object of unquoted keys, a list, or
+    a bare literal (a JSON number, true, false, null; else its text)."""
+    if s.startswith(QUOTE, i):
+        j = s.index(QUOTE, i + len(QUOTE))
+        return s[i + len(QUOTE):j], j + len(QUOTE)
+    if s[i] in "{[":
+        close, out, i = "}]"["{[".index(s[i])], {} if s[i] == "{" else [], i + 1
+        while s[i] != close:
+            if isinstance(out, dict):
+                colon = s.index(":", i)
+                key = s[i:colon].strip()
+                out[key], i = _gemma_value(s, colon + 1)
+            else:
+                value, i = _gemma_value(s, i)
+                out.append(value)
+            if s[i] == ",":
+                i += 1
+            elif s[i] != close:
+                raise ValueError(f"expected , or {close}")
+        return out, i + 1
+    m = re.compile(r"[^,}\]]*").match(s, i)
+    word = m.group(0).strip()
+    try:
+        return json.loads(word), m.end()
+    except ValueError:
+        return word, m.end()
