@@ -275,7 +275,8 @@ def test_tool_calls_required_named_and_auto(client):
     every call names a given tool with arguments valid against its parameters, finish_reason tool_calls,
     streamed deltas equal to the whole answer. Under auto the model's own text is parsed: a Hermes
     <tool_call> block and a Gemma 4 <|tool_call> one (the model made to write them by a regex) become calls
-    and the text around them content, never streamed as content; plain text stays content."""
+    and the text around them content, never streamed as content; so does Llama 3's bare JSON call; plain text
+    stays content."""
     kw = dict(model=NAME, messages=[{"role": "user", "content": "weather in oslo?"}], tools=TOOLS, max_tokens=200)
     outs = [client.chat.completions.create(**kw, tool_choice="required", temperature=0),
             client.chat.completions.create(**kw, tool_choice="required", temperature=1, seed=4, n=3)]
@@ -318,6 +319,9 @@ def test_tool_calls_required_named_and_auto(client):
     content, calls, finish = _streamed_calls(client.chat.completions.create(**kw, temperature=1, seed=6, stream=True,
                                                                              extra_body=gemma))
     assert (content, finish) == ("ok", "tool_calls") and calls == {0: ("get_weather", tc.function.arguments)}
+    llama = {"structured_outputs": {"regex": r'\{"name": "add", "parameters": \{"a": [0-9], "b": [0-9]\}\}'}}
+    (tc,) = client.chat.completions.create(**kw, temperature=1, seed=7, extra_body=llama).choices[0].message.tool_calls
+    assert tc.function.name == "add" and re.fullmatch(r'\{"a": [0-9], "b": [0-9]\}', tc.function.arguments)  # Llama 3
     plain = client.chat.completions.create(**kw, temperature=1, seed=3,
                                            extra_body={"structured_outputs": {"regex": "[a-z]{5}"}}).choices[0]
     assert plain.finish_reason == "stop" and not plain.message.tool_calls and re.fullmatch("[a-z]{5}", plain.message.content)

@@ -101,7 +101,7 @@ def held(text: str, mode) -> int:
     if mode != "auto":
         return 0
     stripped = text.lstrip()
-    if stripped.startswith("{") or PYTHON_TAG.startswith(stripped[:len(PYTHON_TAG)]) and stripped:
+    if stripped.startswith("{") or (stripped and PYTHON_TAG.startswith(stripped[:len(PYTHON_TAG)])):
         return 0
     found = [i for i in (text.find(o) for o in OPENS) if i >= 0]
     if found:
