@@ -34,6 +34,8 @@ from starlette.routing import Route
 
 from quantkit.errors import InvalidInput
 from quantkit.runtime.engine import TOP_LOGPROBS, Engine, QueueFull, Request, Runner, Sampling, Update
+from quantkit.runtime.structured import COMPACT, KINDS, Constraints
+from quantkit.runtime.tools import call, held, parse, required_schema
 
 log = logging.getLogger("quantkit.serve")
 MAX_BODY = 8 << 20  # bytes of JSON a request may send
@@ -231,8 +233,6 @@ class Server:
             self.stop_ids = frozenset(i for i in (*model.cfg.eos_token_ids, self.codec.token_id("eos_token"))
                                       if i is not None)
             self.vocab = model.cfg.vocab_size
-            from quantkit.runtime.structured import Constraints
-
             self.constraints = Constraints(self.path / "tokenizer.json", self.vocab, self.stop_ids)
 
             def progress(done: int, total: int) -> None:
@@ -381,8 +381,6 @@ class Server:
             if grammar is not None:
                 raise ApiError(400, f"tool_choice {tool_mode!r} writes the answer as tool calls; drop "
                                     "'response_format' / 'structured_outputs'", param="tool_choice")
-            from quantkit.runtime.tools import required_schema
-
             schema = required_schema(tools) if tool_mode == "required" else next(
                 t["function"].get("parameters") or {"type": "object"} for t in tools
                 if t["function"]["name"] == tool_mode)
@@ -424,8 +422,6 @@ class Server:
         """The request's structured-output constraint as llguidance's grammar (compiled once here, so that a
         bad one is a 400 naming its field), from OpenAI's `response_format` or vLLM's `structured_outputs`;
         None without one."""
-        from quantkit.runtime.structured import COMPACT, KINDS
-
         fmt = _field(body, "response_format", (dict,), None)
         so = _field(body, "structured_outputs", (dict,), None)
         if fmt is not None and so is not None:
@@ -720,8 +716,6 @@ class _Shape:
         calls parsed from the finished text (runtime/tools.py; gpt-oss's from its harmony messages,
         tokenizer.Channels), content held back while it may be one."""
         if self.p.tool_mode is not None and (self.channels is None or self.p.tool_mode != "auto"):
-            from quantkit.runtime.tools import held, parse
-
             self.tokens[j] += u.tokens  # read with their special tokens (Gemma 4's call marks are some)
             text, sent = self.server.codec.decode(self.tokens[j], special=True), self.sent[j]
             if u.finish_reason is None:  # (a partial character waits)
@@ -739,8 +733,6 @@ class _Shape:
         reasoning, content = channels.feed(u.tokens, done=u.finish_reason is not None)
         msg = {**({"reasoning_content": reasoning} if reasoning else {}), **({"content": content} if content else {})}
         if u.finish_reason is not None and self.p.tool_mode == "auto":  # gpt-oss's own calls (tokenizer.Channels)
-            from quantkit.runtime.tools import call
-
             names = {t["function"]["name"] for t in self.p.tools}
             calls = [call(name, args) for name, args in channels.calls if name in names]
             if calls:

@@ -28,6 +28,7 @@ from quantkit.runtime.cache import CacheLayout, PagePool, cache_layout, kv_fp8_d
 from quantkit.runtime.models import forward_for
 from quantkit.runtime.models.common import logits as project
 from quantkit.runtime.sharding import AXIS, cache_sharding, make_mesh, place_row_major, row_major, shard_params
+from quantkit.runtime.structured import words
 
 TOP_LOGPROBS = 20  # the most alternatives a request may ask for (OpenAI's limit)
 STOP, STEP, LOGITS = 0, 1, 2  # what the first process of a multi-process run broadcasts (Runner._call)
@@ -210,7 +211,7 @@ def sampling_arrays(b: int, vocab: int) -> dict:
     """Greedy sampling parameters for b rows, every token allowed."""
     return {"temperature": np.zeros(b, np.float32), "top_k": np.zeros(b, np.int32),
             "top_p": np.ones(b, np.float32), "seed": np.zeros(b, np.uint32), "logprobs": np.zeros(b, bool),
-            "banned": np.full((b, BANNED), NO_TOKEN, np.int32), "allow": np.full((b, -(-vocab // 32)), -1, np.int32)}
+            "banned": np.full((b, BANNED), NO_TOKEN, np.int32), "allow": np.full((b, words(vocab)), -1, np.int32)}
 
 
 def empty_batch(t: int, s: int, layout: CacheLayout, max_num_seqs: int, vocab: int) -> dict:
