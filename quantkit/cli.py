@@ -266,6 +266,22 @@ CoordinatorOption = Annotated[str | None, typer.Option(
 NumProcessesOption = Annotated[int | None, typer.Option(min=1, help="Processes in the run.", show_default=False)]
 ProcessIdOption = Annotated[int | None, typer.Option(min=0, help="This process's index (0 schedules).",
                                                       show_default=False)]
+SpecOption = Annotated[str | None, typer.Option(
+    "--speculative-config", help="Speculative decoding as vLLM's JSON, e.g. '{\"method\": \"ngram\", "
+    "\"num_speculative_tokens\": 4}' (keys: method, num_speculative_tokens, prompt_lookup_min / _max; "
+    "docs/serving.md). Output unchanged: greedy token for token, sampled in distribution.", show_default=False)]
+
+
+def _speculative(text: str | None):
+    """--speculative-config parsed (runtime/speculative.py); a usage error (exit 2) naming what is wrong."""
+    from quantkit.runtime.speculative import parse
+
+    try:
+        return parse(text)
+    except ValueError as e:
+        raise typer.BadParameter(str(e), param_hint="--speculative-config") from None
+    except QuantkitError as e:
+        raise _fail(e) from None
 
 
 def _stdout_for_output_only() -> None:
@@ -310,12 +326,18 @@ def generate(
     coordinator_address: CoordinatorOption = None,
     num_processes: NumProcessesOption = None,
     process_id: ProcessIdOption = None,
+    speculative_config: SpecOption = None,
+    json_out: Annotated[bool, typer.Option("--json", help="No streaming: one JSON document on stdout (text, "
+                                                          "tokens, timings, speculative acceptance).")] = False,
 ) -> None:
     """Load PATH with the JAX runtime and stream a completion of PROMPT to stdout.
 
     Examples: quantkit generate ./Llama-3.2-1B-Instruct-W4A16 --prompt "Why is the sky blue?" --chat
               quantkit generate ./Qwen3-30B-A3B-W4A16 --prompt "Hi" --tp 4 --enable-expert-parallel
+              quantkit generate assets/tiny-llama --prompt "def add(a, b):" --json
+                  --speculative-config '{"method": "ngram", "num_speculative_tokens": 4}'
     """
+    speculative = _speculative(speculative_config)
     try:
         _choose_backend()
         from quantkit.generate import generate as run
@@ -328,18 +350,24 @@ def generate(
                   f"{_human_size(model.weight_bytes)} on {where}", file=sys.stderr)
 
         def stream(text: str) -> None:
-            sys.stdout.write(text)
-            sys.stdout.flush()
+            if not json_out:
+                sys.stdout.write(text)
+                sys.stdout.flush()
 
         r = run(path, prompt, max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, chat=chat,
                 stop=stop or (), max_model_len=max_model_len, kv_cache_dtype=kv_cache_dtype.value, tp=tp,
                 ep=enable_expert_parallel, distributed=(coordinator_address, num_processes, process_id),
-                on_text=stream, on_loaded=loaded)
-        if r is not None:  # None: a process other than the first of a multi-process run
+                on_text=stream, on_loaded=loaded, speculative=speculative)
+        if r is not None and json_out:
+            _emit(r.report(), True, None)
+        elif r is not None:  # None: a process other than the first of a multi-process run
             sys.stdout.write("\n")
+            spec = r.speculative
+            accepted = (f"; drafts accepted {spec['accepted_tokens']} / {spec['draft_tokens']}, "
+                        f"{spec['mean_tokens_per_step']:.2f} tokens a decode step" if spec else "")
             print(f"{r.prompt_tokens} prompt tokens; {len(r.tokens)} generated in {r.seconds:.2f} s, the first after "
-                  f"{r.first_token_seconds:.2f} s, then {r.tokens_per_second:.1f} tokens/s ({r.finish_reason})",
-                  file=sys.stderr)
+                  f"{r.first_token_seconds:.2f} s, then {r.tokens_per_second:.1f} tokens/s ({r.finish_reason})"
+                  f"{accepted}", file=sys.stderr)
     except (QuantkitError, KeyboardInterrupt, Exception) as e:  # noqa: BLE001 - one line, never a traceback
         raise _fail(e) from None
 
@@ -410,6 +438,10 @@ def eval_(
                                                               "auto). " + KV_HELP)] = KvCacheDtype.auto,
     tp: TpOption = 1,
     enable_expert_parallel: EpOption = False,
+    speculative_config: Annotated[str | None, typer.Option(
+        "--speculative-config", help="Accepted (and checked) so that serve's flags can be reused; eval scores "
+                                     "every position's logits in one pass, which speculation does not change.",
+        show_default=False)] = None,
     json_out: Annotated[bool, typer.Option("--json", help="One JSON document on stdout.")] = False,
 ) -> None:
     """Quality lost by CANDIDATE against REFERENCE on the same text: KL divergence of the next-token
@@ -419,6 +451,7 @@ def eval_(
     Examples: quantkit eval models/tiny-llama models/tiny-llama-W4A16 --text notes.txt
               quantkit eval models/tiny-llama models/tiny-llama --kv-cache-dtype fp8_e4m3   (FP8 KV vs bf16)
     """
+    _speculative(speculative_config)
     try:
         _choose_backend()
         from quantkit.evaluate import evaluate, print_report
@@ -466,6 +499,7 @@ def serve(
     coordinator_address: CoordinatorOption = None,
     num_processes: NumProcessesOption = None,
     process_id: ProcessIdOption = None,
+    speculative_config: SpecOption = None,
 ) -> None:
     """Serve PATH over an OpenAI-compatible HTTP API (completions and chat, streaming, logprobs).
 
@@ -474,9 +508,11 @@ def serve(
 
     Examples: quantkit serve models/tiny-llama-W4A16 --port 8000
               quantkit serve ./gemma-3-27b-it --tp 4      (one v6e:2x2 host)
+              quantkit serve assets/tiny-llama --speculative-config '{"method": "ngram", "num_speculative_tokens": 4}'
               curl localhost:8000/v1/completions -H 'Content-Type: application/json'
                    -d '{"model": "tiny-llama-W4A16", "prompt": "Hello", "max_tokens": 16}'
     """
+    speculative = _speculative(speculative_config)
     try:
         _choose_backend()
         from quantkit.runtime.server import serve as run
@@ -485,7 +521,7 @@ def serve(
                    max_num_seqs=max_num_seqs, api_key=api_key, max_num_batched_tokens=max_num_batched_tokens, max_waiting=max_waiting,
                    grace=grace, enable_prefix_caching=enable_prefix_caching,
                    kv_cache_dtype=kv_cache_dtype.value, tp=tp, ep=enable_expert_parallel,
-                   distributed=(coordinator_address, num_processes, process_id))
+                   distributed=(coordinator_address, num_processes, process_id), speculative=speculative)
     except (QuantkitError, Exception) as e:  # noqa: BLE001 - one line, never a traceback
         raise _fail(e) from None
     raise typer.Exit(code)

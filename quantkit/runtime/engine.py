@@ -31,6 +31,7 @@ import numpy as np
 
 from quantkit.errors import InvalidInput
 from quantkit.runtime.cache import page_hashes
+from quantkit.runtime.speculative import SpeculativeConfig, ngram
 from quantkit.runtime.step import BANNED, TOP_LOGPROBS, Row, Runner, Sampling  # noqa: F401 - re-exported
 
 
@@ -102,11 +103,22 @@ class Engine:
     """
 
     def __init__(self, runner: Runner, decode: Callable[[list[int]], str] | None = None, max_waiting: int = 256,
-                 prefix_caching: bool = True):
+                 prefix_caching: bool = True, speculative: SpeculativeConfig | None = None):
         """max_waiting: requests queued beyond the `runner.max_num_seqs` running ones before `submit` refuses.
         prefix_caching: reuse cached pages of earlier prompts (and outputs) that a prompt starts with; off for
-        models with Gated DeltaNet layers, whose per-sequence state no page holds (runtime/cache.py)."""
+        models with Gated DeltaNet layers, whose per-sequence state no page holds (runtime/cache.py).
+        speculative: draft tokens for decoding rows (runtime/speculative.py; the runner's `speculative` is its
+        k). Drafts follow the tokens so far, so each step's tokens are read back before the next is
+        scheduled (no step overlaps the host's work); a row under a structured-output constraint or before
+        its min_tokens gets none."""
+        if (speculative.k if speculative else 0) != runner.speculative:
+            raise ValueError(f"the runner verifies {runner.speculative} drafts a row, the config says {speculative}")
         self.runner, self.detokenize, self.max_waiting = runner, decode, max_waiting
+        self.speculative = speculative
+        # speculative decoding (vLLM's spec_decode metrics): rows that carried drafts, drafts, accepted ones,
+        # accepted ones by position
+        self.drafts = self.draft_tokens = self.accepted = 0
+        self.accepted_at = [0] * runner.speculative
         self.pool = runner.pool
         self.prefix_caching = prefix_caching and not runner.layout.states
         self.salt = f"quantkit kv {runner.kv_dtype}".encode()  # what else changes a page's keys and values
@@ -182,7 +194,10 @@ class Engine:
                 self._finish(r, "abort")
         for r in [r for r in self.running if r.id in aborts]:
             self._finish(r, "abort")
-        masks = self.masks
+        masks, collected = self.masks, self.speculative is not None and self.inflight is not None
+        if collected:  # drafts follow the tokens so far
+            self._collect(*self.inflight)
+            self.inflight = None
         rows = self._schedule()
         previous, self.inflight = self.inflight, None
         if rows:
@@ -199,33 +214,39 @@ class Engine:
                     s["allow"][k] = r.grammar.mask if r.finish_reason is None else -1
                 return s
 
+            if constrained and self.speculative is not None:  # already read back: the masks go in the batch
+                batch["sampling"] = sampling()
+                constrained = []
             out = self.runner.run_split(batch, sampling) if constrained else self.runner.run(batch)
-            self.inflight = (out, [(r, samples) for r, _, samples in rows])
+            self.inflight = (out, [(r, samples, row.drafts) for r, row, samples in rows])
         if previous is not None:
             self._collect(*previous)
         self.mask_steps += self.masks > masks
-        return bool(rows) or previous is not None
+        return bool(rows) or previous is not None or collected
 
     def _schedule(self) -> list[tuple[Request, Row, bool]]:
         """Decodes first, then prompt chunks (running requests, then newcomers) within the token budget.
         Returns (request, row, whether the row's last token is the request's newest, i.e. samples)."""
         budget, rows = self.budget, []
 
-        def add(r: Request, n: int, prompt: bool) -> bool:
-            if not self.pool.reserve(r.slot, r.done, r.done + n - 1):
-                return False  # out of pages: the request waits for a later step
-            toks = r.prompt[r.done:r.done + n] if prompt else None
+        def add(r: Request, n: int, prompt: bool, drafts: list = ()) -> bool:
+            if not self.pool.reserve(r.slot, r.done, r.done + n + len(drafts) - 1):
+                return bool(drafts) and add(r, n, prompt)  # out of pages: without drafts, or in a later step
+            toks = r.prompt[r.done:r.done + n] if prompt else [r.out[-1], *drafts] if self.speculative else None
             samples = not prompt or r.done + n == len(r.prompt)
             banned = tuple(r.stop_ids) if samples and len(r.out) + r.pending < r.min_tokens else ()
-            rows.append((r, Row(r.slot, r.done, n, toks, r.sampling, r.logprobs is not None, banned), samples))
-            r.done += n
+            rows.append((r, Row(r.slot, r.done, n + len(drafts), toks, r.sampling, r.logprobs is not None, banned,
+                                len(drafts)), samples))
+            r.done += n + len(drafts)
             r.pending += samples
             self._name(r)
             return True
 
-        for r in self.running:  # decodes: a fed-back token, if more tokens are wanted
+        for r in self.running:  # decodes: a fed-back token (and drafts), if more tokens are wanted
             if r.done >= len(r.prompt) and budget and len(r.out) + r.pending < r.max_tokens:
-                budget -= add(r, 1, False)
+                drafts = self._propose(r, budget - 1)
+                if add(r, 1, False, drafts):
+                    budget -= rows[-1][1].n
         for r in self.running:
             if r.done < len(r.prompt) and budget:
                 n = min(len(r.prompt) - r.done, budget)
@@ -243,6 +264,15 @@ class Engine:
                 n = min(len(r.prompt) - r.done, budget)
                 budget -= n if add(r, n, True) else 0
         return rows
+
+    def _propose(self, r: Request, room: int) -> list[int]:
+        """Drafts for r's next decode row: none without speculation, under a structured-output constraint or
+        before min_tokens; at most k, the tokens r may still write less one, and `room` (the step's budget)."""
+        spec = self.speculative
+        if spec is None or r.grammar is not None or len(r.out) < r.min_tokens:
+            return []
+        k = min(spec.k, r.max_tokens - len(r.out) - 1, room)
+        return ngram(np.asarray(r.prompt + r.out), k, spec.lookup_min, spec.lookup_max) if k > 0 else []
 
     def _reuse(self, r: Request) -> None:
         """Starts a newcomer from the cached pages its prompt begins with (all but its last token)."""
@@ -269,16 +299,29 @@ class Engine:
             r.named = full
 
     def _collect(self, out, rows: list) -> None:
-        """Delivers the tokens of a finished step to the rows that sampled one; then the next masks of the
-        constrained ones, all at once (a sequence whose constraint allows nothing more ends there)."""
-        toks, lps, top_ids, top_lps = jax.device_get(out)
-        for i, (r, samples) in enumerate(rows):
+        """Delivers the tokens of a finished step to the rows that sampled (with speculation, each row's
+        accepted drafts and the token after them; the cache then ends after the last accepted draft: what the
+        rejected ones wrote is overwritten later); then the next masks of the constrained rows, all at once
+        (a sequence whose constraint allows nothing more ends there)."""
+        out = jax.device_get(out)
+        if len(out) == 5:  # step.verify_rows: [S, k + 1] a row, `count` of them real
+            toks, counts, lps, top_ids, top_lps = out
+        else:
+            (toks, lps, top_ids, top_lps), counts = (x[:, None] for x in out), np.ones(len(out[0]), np.int32)
+        for i, (r, samples, drafts) in enumerate(rows):
             if samples:
                 r.pending -= 1
+                c = int(counts[i])
+                if drafts:
+                    r.done -= drafts + 1 - c
+                    self.drafts, self.draft_tokens, self.accepted = (self.drafts + 1, self.draft_tokens + drafts,
+                                                                     self.accepted + c - 1)
+                    for j in range(c - 1):
+                        self.accepted_at[j] += 1
                 if r.finish_reason is None:
-                    self._accept(r, toks[i:i + 1], lps[i:i + 1], top_ids[i:i + 1], top_lps[i:i + 1])
+                    self._accept(r, toks[i, :c], lps[i, :c], top_ids[i, :c], top_lps[i, :c])
                     self._name(r)
-        need = [r for r, samples in rows if samples and r.grammar is not None and r.finish_reason is None]
+        need = [r for r, samples, _ in rows if samples and r.grammar is not None and r.finish_reason is None]
         for r, live in zip(need, self._fill(need)):
             if not live:  # complete, or a dead end: nothing may follow
                 r.finish_reason = "stop"
@@ -392,6 +435,7 @@ class Engine:
     def warmup(self, progress: Callable[[int, int], None] | None = None, structured: bool = False) -> None:
         """Runs every bucket once on padding (writes only the scratch page), so nothing compiles later;
         `structured`: also the two programs of a split step (structured outputs), where the engine splits."""
+        structured = structured and self.speculative is None  # with speculation, steps are not split
         runs = [(t, False) for t in self.shapes()] + [(t, True) for t in self.shapes() if structured]
         for i, (t, split) in enumerate(runs):
             batch = self.runner.empty(t)
@@ -403,14 +447,15 @@ class Engine:
 
 def generate(runner: Runner, prompt: list[int], max_tokens: int, sampling: Sampling = Sampling(),
              stop_ids: tuple[int, ...] = (), stop_strings: tuple[str, ...] = (), decode=None,
-             on_update: Callable[[Update], None] | None = None) -> list[int]:
+             on_update: Callable[[Update], None] | None = None, engine: Engine | None = None) -> list[int]:
     """Generates up to max_tokens after `prompt` (one sequence, through the same engine as the server).
 
     Stops at a stop id (not included), or once the text (`decode(ids)`; needed for stop strings) contains a
     stop string: the text is cut before it and the tokens that complete it are dropped. `on_update` sees the
-    text as it grows.
+    text as it grows. `engine`: the Engine to run it on (speculative decoding, its counts); default a plain
+    one.
     """
-    engine = Engine(runner, decode=decode)
+    engine = engine or Engine(runner, decode=decode)
     req = engine.submit(Request(list(prompt), max_tokens, sampling, frozenset(stop_ids), tuple(stop_strings),
                                 on_update=on_update))
     while engine.busy():

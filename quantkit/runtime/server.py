@@ -136,12 +136,24 @@ class Metrics:
                  "Engine steps that computed at least one structured-output mask.", []),
                 (CounterMetricFamily, "structured_mask_seconds", e.mask_seconds if e else 0.0,
                  "Host seconds spent computing structured-output masks (per step: divide by structured_mask_steps).",
-                 [])):
+                 []),
+                (CounterMetricFamily, "spec_decode_num_drafts", e.drafts if e else 0,
+                 "Speculative decoding: sequence rows verified with drafts.", ["spec_decode_num_drafts"]),
+                (CounterMetricFamily, "spec_decode_num_draft_tokens", e.draft_tokens if e else 0,
+                 "Speculative decoding: draft tokens verified.", ["spec_decode_num_draft_tokens"]),
+                (CounterMetricFamily, "spec_decode_num_accepted_tokens", e.accepted if e else 0,
+                 "Speculative decoding: draft tokens accepted.", ["spec_decode_num_accepted_tokens"])):
             yield kind(f"quantkit_{name}", help_, value=v)
             for alias in vllm:
                 family = kind(f"vllm:{alias}", help_, labels=["model_name"])
                 family.add_metric([model], v)
                 yield family
+        per_pos = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                      "Speculative decoding: draft tokens accepted, by position in the draft.",
+                                      labels=["model_name", "position"])
+        for j, v in enumerate(e.accepted_at if e else []):
+            per_pos.add_metric([model, str(j)], v)
+        yield per_pos
 
 
 # ---- request parsing -------------------------------------------------------------------------------------
@@ -183,8 +195,9 @@ class Server:
     def __init__(self, path: Path, served_model_name: str | None = None, max_model_len: int | None = None,
                  max_num_seqs: int = 16, api_key: str | None = None, max_num_batched_tokens: int = 512,
                  max_waiting: int = 256, enable_prefix_caching: bool = True, kv_cache_dtype: str = "auto",
-                 mesh=None, ep: bool = False):
+                 mesh=None, ep: bool = False, speculative=None):
         self.prefix_caching, self.kv_cache_dtype = enable_prefix_caching, kv_cache_dtype
+        self.speculative = speculative  # runtime/speculative.SpeculativeConfig, or None
         self.mesh, self.ep = mesh, ep  # runtime/sharding.py
         self.path, self.name = Path(path), served_model_name or Path(path).name
         self.max_model_len, self.max_num_seqs, self.api_key = max_model_len, max_num_seqs, api_key
@@ -215,7 +228,8 @@ class Server:
         model = load(self.path, mesh=self.mesh, ep=self.ep)
         limit = min(self.max_model_len or 2048, model.cfg.max_position_embeddings)
         return model, Runner(model, max_model_len=limit, max_num_seqs=self.max_num_seqs,
-                             max_num_batched_tokens=self.max_num_batched_tokens, kv_cache_dtype=self.kv_cache_dtype)
+                             max_num_batched_tokens=self.max_num_batched_tokens, kv_cache_dtype=self.kv_cache_dtype,
+                             speculative=self.speculative.k if self.speculative else 0)
 
     def load(self) -> None:
         import jax
@@ -229,7 +243,7 @@ class Server:
             model, runner = self.runner()
             limit = runner.max_model_len
             engine = Engine(runner, decode=self.codec.decode, max_waiting=self.max_waiting,
-                            prefix_caching=self.prefix_caching)
+                            prefix_caching=self.prefix_caching, speculative=self.speculative)
             self.stop_ids = frozenset(i for i in (*model.cfg.eos_token_ids, self.codec.token_id("eos_token"))
                                       if i is not None)
             self.vocab = model.cfg.vocab_size
@@ -245,11 +259,12 @@ class Server:
             r = engine.runner
             devices = f"{r.tp} devices" + (" (experts split whole)" if r.ep else "") if r.mesh is not None else "1 device"
             log.warning("ready in %.1f s: %s on %s, max_model_len %d, max_num_seqs %d, KV cache %s, prefix caching "
-                        "%s, %d token buckets compiled (for structured outputs each also as two halves)",
+                        "%s, %d token buckets compiled (%s)",
                         time.monotonic() - t0, self.name, devices, limit,
                         self.max_num_seqs, r.kv_dtype, "on" if engine.prefix_caching else
                         "off (a recurrent state per sequence: Gated DeltaNet layers)" if self.prefix_caching else "off",
-                        len(engine.shapes()))
+                        len(engine.shapes()), "for structured outputs each also as two halves" if not self.speculative
+                        else f"each verifying up to {self.speculative.k} {self.speculative.method} drafts a sequence")
         except Exception as e:  # noqa: BLE001 - reported as one line, the process then exits 1
             self.failed = f"{type(e).__name__}: {e}" if not isinstance(e, InvalidInput) else str(e)
             self.status = "failed"

@@ -31,7 +31,7 @@ from quantkit.runtime.sharding import AXIS, cache_sharding, make_mesh, place_row
 from quantkit.runtime.structured import words
 
 TOP_LOGPROBS = 20  # the most alternatives a request may ask for (OpenAI's limit)
-STOP, STEP, LOGITS = 0, 1, 2  # what the first process of a multi-process run broadcasts (Runner._call)
+STOP, STEP, LOGITS, VERIFY = 0, 1, 2, 3  # what the first process of a multi-process run broadcasts (Runner._call)
 BANNED = 8  # the most token ids a row may forbid its sample (Row.banned); padding: NO_TOKEN, out of range
 NO_TOKEN = np.iinfo(np.int32).max
 
@@ -70,8 +70,8 @@ def _argmax(x: jax.Array) -> jax.Array:
     return jnp.min(jnp.where(hit, jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1), x.shape[-1] - 1), axis=-1)
 
 
-def sample(logits: jax.Array, keys: jax.Array, temperature, top_k, top_p) -> jax.Array:
-    """One token per row of logits [b, vocab] with per-row keys [b, 2] and parameters [b].
+def _filtered(logits: jax.Array, temperature, top_k, top_p) -> jax.Array:
+    """logits [b, vocab] over temperature with what top-k and then top-p drop at -inf.
 
     top-k keeps the tokens at least as likely as the k-th, top-p then the most likely tokens whose
     probability reaches top_p (the smallest such set; tokens tied at a cut-off are all kept). The cut-offs
@@ -86,10 +86,29 @@ def sample(logits: jax.Array, keys: jax.Array, temperature, top_k, top_p) -> jax
         floor = _cut(p, lambda keep: jnp.sum(jnp.where(keep, p, 0.0), -1) >= top_p)
         return jnp.where((top_p[:, None] < 1) & (p < floor[:, None]), -jnp.inf, x)
 
-    scaled = jax.lax.cond(jnp.any((top_k > 0) | (top_p < 1)), filtered, lambda: scaled)
+    return jax.lax.cond(jnp.any((top_k > 0) | (top_p < 1)), filtered, lambda: scaled)
+
+
+def sample(logits: jax.Array, keys: jax.Array, temperature, top_k, top_p, draft=None):
+    """One token per row of logits [b, vocab] with per-row keys [b, 2] and parameters [b] (`_filtered`).
+
+    draft [b] (NO_TOKEN: none): a token a drafter proposed with certainty. Then returns (token, accepted):
+    the draft accepted with probability p(draft) of the filtered distribution p (greedy: when it is the
+    argmax), else a token drawn from p without it (max(p - q, 0) renormalized for the one-hot q of a
+    certain draft), so the token that stands has exactly p's distribution (speculative sampling's rule).
+    """
+    scaled = _filtered(logits, temperature, top_k, top_p)
+    greedy = _argmax(logits)
+    if draft is not None:
+        live = draft < logits.shape[-1]
+        p = jnp.take_along_axis(jax.nn.softmax(scaled, axis=-1), jnp.where(live, draft, 0)[:, None], axis=-1)[:, 0]
+        u = jax.vmap(lambda k: jax.random.uniform(jax.random.fold_in(k, 1)))(keys)
+        accepted = live & jnp.where(temperature <= 0, greedy == draft, u < p)
+        scaled = jax.vmap(lambda row, d: row.at[d].set(-jnp.inf, mode="drop"))(scaled, draft)
     # jax.random.categorical's Gumbel-max draw, with the cheaper argmax
     drawn = _argmax(scaled + jax.vmap(lambda k: jax.random.gumbel(k, scaled.shape[-1:], scaled.dtype))(keys))
-    return jnp.where(temperature <= 0, _argmax(logits), drawn)
+    tok = jnp.where(temperature <= 0, greedy, drawn)
+    return tok if draft is None else (tok, accepted)
 
 
 def allowed_logits(logits: jax.Array, allow: jax.Array) -> jax.Array:
@@ -102,26 +121,34 @@ def allowed_logits(logits: jax.Array, allow: jax.Array) -> jax.Array:
     return jax.lax.cond(jnp.any(allow != -1), masked, lambda: logits)
 
 
-def pick(logits: jax.Array, s: dict, next_pos: jax.Array):
+def pick(logits: jax.Array, s: dict, next_pos: jax.Array, draft: jax.Array | None = None):
     """Token, its log-probability and the top alternatives for logits [b, vocab] (float32).
 
     The key of a draw depends only on the request's seed and the position of the drawn token, so a seeded
     request gives the same text whatever else shares its batch. A row's structured-output mask (`allow`)
     applies first, to the sample and to the log-probabilities (the masked distribution, as vLLM reports
     it); its banned ids [BANNED] are never drawn, its log-probabilities those of the unbanned logits
-    (vLLM's raw logprobs).
+    (vLLM's raw logprobs). With draft [b] (speculative decoding; NO_TOKEN: none) the token is the draft
+    where `sample`'s rule accepts it, and whether it did is a fifth output.
     """
     logits = allowed_logits(logits, s["allow"])
     keys = jax.vmap(lambda seed, p: jax.random.fold_in(jax.random.PRNGKey(seed), p))(s["seed"], next_pos)
     allowed = jax.lax.cond(jnp.any(s["banned"] != NO_TOKEN), lambda: jax.vmap(
         lambda row, ids: row.at[ids].set(-jnp.inf, mode="drop"))(logits, s["banned"]), lambda: logits)
-    tok = jax.lax.cond(jnp.all(s["temperature"] <= 0), lambda: _argmax(allowed),
-                       lambda: sample(allowed, keys, s["temperature"], s["top_k"], s["top_p"]))
+    greedy = jnp.all(s["temperature"] <= 0)
+    if draft is None:
+        tok = jax.lax.cond(greedy, lambda: _argmax(allowed),
+                           lambda: sample(allowed, keys, s["temperature"], s["top_k"], s["top_p"]))
+    else:
+        tok, accepted = jax.lax.cond(greedy, lambda: (_argmax(allowed), _argmax(allowed) == draft), lambda: sample(
+            allowed, keys, s["temperature"], s["top_k"], s["top_p"], draft))
+        tok = jnp.where(accepted, draft, tok)
     logp = jax.nn.log_softmax(logits, axis=-1)
     b = logits.shape[0]
     top = jax.lax.cond(jnp.any(s["logprobs"]), lambda: tuple(jax.lax.top_k(logp, TOP_LOGPROBS)),
                        lambda: (jnp.zeros((b, TOP_LOGPROBS), logp.dtype), jnp.zeros((b, TOP_LOGPROBS), jnp.int32)))
-    return tok.astype(jnp.int32), jnp.take_along_axis(logp, tok[:, None], axis=-1)[:, 0], top[1], top[0]
+    out = tok.astype(jnp.int32), jnp.take_along_axis(logp, tok[:, None], axis=-1)[:, 0], top[1], top[0]
+    return out if draft is None else (*out, accepted)
 
 
 def _slots(batch: dict, ps: int) -> dict:
@@ -141,8 +168,31 @@ def sample_rows(logits: jax.Array, last: jax.Array, batch: dict):
     return out, last.at[batch["slot"]].set(out[0], mode="drop")
 
 
+def verify_rows(logits: jax.Array, drafts: jax.Array, last: jax.Array, batch: dict):
+    """Speculative decoding's verification of each sequence row from the target's logits [S, k + 1, vocab]
+    at its last token and its drafts [S, k] (batch["drafts"] of them real, the rest NO_TOKEN).
+
+    Position j's token is drawn by `pick` with draft j (the bonus position k has none), under the row's
+    sampling and the key of the position it fills, as a step without drafts would draw it. A row keeps its
+    drafts up to the first one rejected, then the token drawn there: `count` = accepted + 1 tokens, the
+    same distribution as drawing them one step at a time (exactly the same tokens when greedy). Returns
+    ((tokens [S, k + 1], count [S], logprobs [S, k + 1], top ids, top logprobs [S, k + 1, TOP_LOGPROBS]),
+    `last` with each row's slot set to its last token)."""
+    rows, k1, vocab = logits.shape
+    sampling = jax.tree_util.tree_map(lambda x: jnp.repeat(x, k1, axis=0), batch["sampling"])
+    next_pos = (batch["kv_lens"] - batch["drafts"])[:, None] + jnp.arange(k1)  # of the token each draws
+    drafts = jnp.concatenate([drafts, jnp.full((rows, 1), NO_TOKEN, drafts.dtype)], axis=1)
+    tok, lp, top_ids, top_lps, accepted = pick(logits.reshape(rows * k1, vocab), sampling, next_pos.reshape(-1),
+                                               drafts.reshape(-1))
+    count = jnp.sum(jnp.cumprod(accepted.reshape(rows, k1), axis=1), axis=1) + 1
+    tok = tok.reshape(rows, k1)
+    last = last.at[batch["slot"]].set(jnp.take_along_axis(tok, count[:, None] - 1, axis=1)[:, 0], mode="drop")
+    shape = lambda x: x.reshape(rows, k1, *x.shape[1:])  # noqa: E731
+    return (tok, count, shape(lp), shape(top_ids), shape(top_lps)), last
+
+
 def step_function(cfg, page_size: int, all_logits: bool = False, mesh=None, unroll: bool = False, kv_fp8=None,
-                  ep: bool = False, sample: bool = True):
+                  ep: bool = False, sample: bool = True, spec: int = 0):
     """step(params, kv, last, batch) -> (outputs, kv, last).
 
     kv: per kind stacked pages; last [max_num_seqs + 1]: the last token sampled per slot. outputs: (token,
@@ -152,7 +202,9 @@ def step_function(cfg, page_size: int, all_logits: bool = False, mesh=None, unro
     structured-output masks are computed while the device runs the first). mesh: the tensor-parallel mesh, if any; unroll: layers as a
     Python loop (CPU serving, plan's cost analysis) instead of the scan. kv_fp8: the float8 dtype of an
     FP8 cache (params then carry each layer's `kv_scale`, cache.with_kv_scales). ep: MoE experts split
-    whole over the mesh (expert parallelism, runtime/sharding.py).
+    whole over the mesh (expert parallelism, runtime/sharding.py). spec: speculative decoding with up to
+    `spec` drafts a row: a row's last batch["drafts"] tokens are drafts following its real last token, and
+    the outputs are `verify_rows`'s.
     """
     fwd = forward_for(cfg.family)
 
@@ -163,8 +215,16 @@ def step_function(cfg, page_size: int, all_logits: bool = False, mesh=None, unro
         h, kv = fwd(params, cfg, tokens, kv, meta)
         if all_logits:
             return project(params, h, cfg), kv, last
-        rows = jnp.maximum(batch["cu_q_lens"][1:] - 1, 0)  # each sequence's last token
-        logits = project(params, h[rows], cfg)
+        ends = batch["cu_q_lens"][1:] - 1  # each sequence's last token
+        if spec:  # its last token before the drafts, each draft, then padding (repeats of its last token)
+            at = jnp.maximum(jnp.minimum(ends[:, None] - batch["drafts"][:, None] + jnp.arange(spec + 1),
+                                         ends[:, None]), 0)
+            drafts = jnp.where(jnp.arange(spec) < batch["drafts"][:, None],
+                               tokens[jnp.minimum(at[:, :spec] + 1, tokens.shape[0] - 1)], NO_TOKEN)
+            logits = project(params, h[at.reshape(-1)], cfg)
+            out, last = verify_rows(logits.reshape(*at.shape, -1), drafts, last, batch)
+            return out, kv, last
+        logits = project(params, h[jnp.maximum(ends, 0)], cfg)
         if not sample:
             return logits, kv, last
         out, last = sample_rows(logits, last, batch)
@@ -181,7 +241,7 @@ def _frozen(tree) -> tuple:
 
 @functools.lru_cache(maxsize=16)
 def jitted_step(cfg, page_size: int, mesh, unroll: bool, kv_fp8, ep: bool, formats: tuple, out_shardings,
-                all_logits: bool, sample: bool = True):
+                all_logits: bool, sample: bool = True, spec: int = 0):
     """The jitted step of one static configuration, shared by every Runner that has it: a second Runner of
     the same model (a test, a server restarting its engine, eval's second checkpoint of the same shapes)
     reuses the compiled programs instead of compiling each token bucket again. `formats`: the weights'
@@ -189,7 +249,8 @@ def jitted_step(cfg, page_size: int, mesh, unroll: bool, kv_fp8, ep: bool, forma
     pinned = dict(in_shardings=(jax.tree_util.tree_unflatten(*formats), None, None, None), donate_argnums=(1, 2))
     if out_shardings is not None:
         pinned["out_shardings"] = jax.tree_util.tree_unflatten(*out_shardings)
-    fn = step_function(cfg, page_size, all_logits, mesh=mesh, unroll=unroll, kv_fp8=kv_fp8, ep=ep, sample=sample)
+    fn = step_function(cfg, page_size, all_logits, mesh=mesh, unroll=unroll, kv_fp8=kv_fp8, ep=ep, sample=sample,
+                       spec=spec)
     return jax.jit(fn, **pinned)
 
 
@@ -218,7 +279,7 @@ def empty_batch(t: int, s: int, layout: CacheLayout, max_num_seqs: int, vocab: i
     """A step of t padding tokens and no sequence (s rows): the host arrays `Batch.build` fills."""
     return {"tokens": np.zeros(t, np.int32), "prev_slot": np.full(t, -1, np.int32),
             "positions": np.zeros(t, np.int32), "cu_q_lens": np.zeros(s + 1, np.int32),
-            "kv_lens": np.zeros(s, np.int32), "num_seqs": np.zeros(1, np.int32),
+            "kv_lens": np.zeros(s, np.int32), "num_seqs": np.zeros(1, np.int32), "drafts": np.zeros(s, np.int32),
             "tables": {k: np.zeros((s, layout.pages_per_seq), np.int32) for k in layout.layers},
             "slot": np.full(s, max_num_seqs, np.int32), "sampling": sampling_arrays(s, vocab)}
 
@@ -227,7 +288,8 @@ def empty_batch(t: int, s: int, layout: CacheLayout, max_num_seqs: int, vocab: i
 class Row:
     """One sequence's part of a step: `n` tokens from position `start`; `tokens` given (prompt), or None
     for one decode token that the device takes from the slot's last sampled token. `banned`: token ids
-    its sample must not be (at most BANNED)."""
+    its sample must not be (at most BANNED). `drafts`: how many of its tokens (the last) are drafts that
+    the step verifies (speculative decoding; a Runner with `speculative`)."""
 
     slot: int
     start: int
@@ -236,6 +298,7 @@ class Row:
     sampling: Sampling = Sampling()
     logprobs: bool = False
     banned: tuple = ()
+    drafts: int = 0
 
 
 @dataclass
@@ -252,7 +315,10 @@ class Runner:
     2.2 ms scanned, 1.2 ms unrolled) and compile time is not the constraint.
     kv_cache_dtype: auto | bf16 | fp8 | fp8_e4m3 | fp8_e5m2 (cache.kv_fp8_dtype); `kv_dtype` is the result.
     tp, ep: tensor-parallel devices and expert parallelism (runtime/sharding.py); a model the loader placed
-    on a mesh brings its own (its weights stay where they are)."""
+    on a mesh brings its own (its weights stay where they are).
+    speculative: the most drafts a row verifies (speculative decoding, runtime/speculative.py); every step
+    then runs the verifying program (`verify_rows`: one program per token bucket, whatever a step's
+    drafts), whose outputs carry speculative + 1 tokens a row."""
 
     model: object  # loader.LoadedModel
     max_model_len: int = 2048
@@ -264,6 +330,7 @@ class Runner:
     weights: str = "auto"
     scan: bool | None = None
     kv_cache_dtype: str = "auto"
+    speculative: int = 0
     compiled: set = field(default_factory=set)
 
     def __post_init__(self):
@@ -271,6 +338,9 @@ class Runner:
         self.buckets = token_buckets(self.max_num_batched_tokens)
         self.layout = cache_layout(cfg, self.max_model_len, self.max_num_seqs, self.page_size,
                                    self.max_num_batched_tokens)
+        if self.speculative and self.layout.states:
+            raise InvalidInput(f"speculative decoding is not available for {cfg.family} yet: its Gated DeltaNet "
+                               f"layers would need their state rolled back past rejected drafts")
         self.pool = PagePool(self.layout, self.max_num_seqs)
         fp8 = kv_fp8_dtype(self.kv_cache_dtype, self.model.kv_scales is not None)
         self.kv_dtype = jnp.dtype(fp8 or self.model.dtype).name
@@ -316,6 +386,9 @@ class Runner:
         key = (cfg, self.page_size, mesh, unroll, fp8, self.ep, _frozen(formats), outs)
         self._step, self._logits = jitted_step(*key, False), jitted_step(*key, True)
         self._forward, self._sample = jitted_step(*key, False, False), jitted_sampler(rep)
+        self._programs = {STEP: self._step, LOGITS: self._logits}
+        if self.speculative:
+            self._programs[VERIFY] = jitted_step(*key, False, True, self.speculative)
 
     def bucket(self, n: int) -> int:
         return next(b for b in self.buckets if b >= n) if n <= self.buckets[-1] else -(-n // 8) * 8
@@ -335,7 +408,7 @@ class Runner:
             b["positions"][at:at + r.n] = np.arange(r.start, r.start + r.n)
             at += r.n
             b["cu_q_lens"][i + 1] = at
-            b["kv_lens"][i], b["slot"][i] = r.start + r.n, r.slot
+            b["kv_lens"][i], b["slot"][i], b["drafts"][i] = r.start + r.n, r.slot, r.drafts
             for k, tab in self.pool.tables.items():
                 b["tables"][k][i] = tab[r.slot]
             s, p = b["sampling"], r.sampling
@@ -352,9 +425,9 @@ class Runner:
 
     def run(self, batch: dict):
         """Dispatches one step (asynchronously); returns the device outputs (token, logprob, top ids, top
-        logprobs), each [S, ...]."""
+        logprobs), each [S, ...]; with `speculative`, `verify_rows`'s."""
         self.compiled.add(batch["tokens"].shape[0])
-        return self._call(STEP, batch)
+        return self._call(VERIFY if self.speculative else STEP, batch)
 
     def run_split(self, batch: dict, sampling: Callable[[], dict]):
         """One step as two programs: the forward (dispatched at once), then the sampling with the arrays
@@ -389,7 +462,7 @@ class Runner:
         inputs. Returns the outputs as this process's local arrays."""
         if jax.process_count() > 1:
             op, batch = self._broadcast(op, batch)
-        out, self.kv, self.last = (self._step if op == STEP else self._logits)(self.params, self.kv, self.last, batch)
+        out, self.kv, self.last = self._programs[op](self.params, self.kv, self.last, batch)
         return out if jax.process_count() == 1 else jax.tree_util.tree_map(lambda x: x.addressable_data(0), out)
 
     def _broadcast(self, op: int, batch: dict | None) -> tuple[int, dict | None]:
@@ -413,8 +486,7 @@ class Runner:
             op, batch = self._broadcast(STOP, None)
             if batch is None:
                 return
-            _, self.kv, self.last = (self._step if op == STEP else self._logits)(self.params, self.kv, self.last,
-                                                                                   batch)
+            _, self.kv, self.last = self._programs[op](self.params, self.kv, self.last, batch)
 
     def stop(self) -> None:
         """The first process: ends the other processes' `follow` loops (a no-op in a single process)."""

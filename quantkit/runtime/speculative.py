@@ -1,0 +1,92 @@
+"""Speculative decoding: vLLM's `--speculative-config`, and the drafters that propose tokens.
+
+A decoding row then carries its last token and up to `k` drafts; the one ragged step verifies them all
+(step.verify_rows: greedy rows keep the drafts equal to the target's argmax, sampled rows the standard
+rejection rule) and returns the accepted drafts plus the target's next token, so the output is the one the
+target alone would give (greedy: token for token; sampled: in distribution). Drafters:
+
+- `ngram` (prompt lookup): the tokens that followed the latest earlier occurrence of the sequence's last n
+  tokens (prompt and output so far), for the longest n in [prompt_lookup_min, prompt_lookup_max] that
+  occurs. Host-side, a few numpy comparisons per row a step.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import numpy as np
+from numpy.lib.stride_tricks import sliding_window_view
+
+from quantkit.errors import Unsupported
+
+KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model")
+BUILT = ("ngram",)
+PLANNED = ("mtp", "eagle3")  # vLLM's methods quantkit will serve; any other is a usage error
+MAX_TOKENS = 16  # drafts a row at most: each bucket's program verifies k + 1 positions a row
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    method: str
+    k: int  # num_speculative_tokens: drafts a row at most
+    lookup_min: int = 5  # ngram: the shortest suffix looked up (vLLM's defaults: 5 and 5)
+    lookup_max: int = 5
+
+
+def parse(text: str | dict | None) -> SpeculativeConfig | None:
+    """The JSON of `--speculative-config` (vLLM's keys) as a SpeculativeConfig; None for None / "" / {}.
+    Raises ValueError naming what is wrong (a usage error), Unsupported for a method not built yet."""
+    if text is None or text == "":
+        return None
+    try:
+        spec = json.loads(text) if isinstance(text, str) else text
+    except json.JSONDecodeError as e:
+        raise ValueError(f"not JSON: {e}") from None
+    if not isinstance(spec, dict):
+        raise ValueError(f"must be a JSON object, got {type(spec).__name__}")
+    if not spec:
+        return None
+    unknown = sorted(set(spec) - set(KEYS))
+    if unknown:
+        raise ValueError(f"unknown key(s) {', '.join(map(repr, unknown))}; accepted: {', '.join(KEYS)}")
+    method = spec.get("method")
+    if method == "[ngram]":
+        method = "ngram"
+    if method not in BUILT + PLANNED:
+        raise ValueError(f"unknown method {method!r}; quantkit serves {', '.join(BUILT)}")
+    if method in PLANNED:
+        raise Unsupported(f"speculative method {method!r} is not built yet; quantkit serves {', '.join(BUILT)}")
+    if spec.get("model") is not None:
+        raise ValueError("'model' names a draft checkpoint, which method 'ngram' does not use")
+
+    def count(key: str, default):
+        v = spec.get(key, default)
+        if v is None:
+            return None
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{key!r} must be a positive integer, got {v!r}")
+        return v
+
+    k = count("num_speculative_tokens", None)
+    if k is None:
+        raise ValueError("'num_speculative_tokens' is required (drafts a step verifies per sequence)")
+    if k > MAX_TOKENS:
+        raise ValueError(f"'num_speculative_tokens' {k} is above {MAX_TOKENS}")
+    lo, hi = count("prompt_lookup_min", None), count("prompt_lookup_max", None)
+    lo, hi = lo or hi or 5, hi or lo or 5
+    if lo > hi:
+        raise ValueError(f"'prompt_lookup_min' {lo} is above 'prompt_lookup_max' {hi}")
+    return SpeculativeConfig(method, k, lo, hi)
+
+
+def ngram(tokens: np.ndarray, k: int, lo: int, hi: int) -> list[int]:
+    """Up to k tokens that followed the latest earlier occurrence of the last n of `tokens`, for the
+    largest n in [lo, hi] that occurs; [] when none does."""
+    size = len(tokens)
+    for n in range(min(hi, size - 1), lo - 1, -1):
+        hits = np.flatnonzero((sliding_window_view(tokens[:size - 1], n) == tokens[size - n:]).all(axis=1))
+        if hits.size:
+            start = hits[-1] + n
+            return tokens[start:start + k].tolist()
+    return []

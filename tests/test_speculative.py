@@ -1,0 +1,246 @@
+"""Speculative decoding (runtime/speculative.py, step.verify_rows): vLLM's --speculative-config, the n-gram
+drafter, and verification in the one ragged step.
+
+Oracles: greedy output against the plain forward step run one token at a time (float32: identical token
+ids, not merely close); the sampled rule against the target distribution computed here with numpy (a
+chi-square test over thousands of seeds); the program count from jax's own compile cache.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import scipy.stats
+import torch
+import transformers as T
+
+from quantkit.errors import Unsupported
+from quantkit.runtime.engine import Engine, Request, Runner, Sampling
+from quantkit.runtime.loader import load
+from quantkit.runtime.speculative import SpeculativeConfig, ngram, parse
+from quantkit.runtime.step import NO_TOKEN, VERIFY, sampling_arrays, verify_rows
+
+NGRAM = SpeculativeConfig("ngram", 4, 2, 4)
+
+
+@pytest.mark.parametrize("text, error", [
+    ('{"method": "ngram", "num_speculative_tokens": 3, "foo": 1}', "unknown key(s) 'foo'"),
+    ('{"method": "medusa", "num_speculative_tokens": 3}', "unknown method 'medusa'"),
+    ('{"method": "ngram"}', "'num_speculative_tokens' is required"),
+    ('{"method": "ngram", "num_speculative_tokens": 0}', "'num_speculative_tokens' must be a positive integer"),
+    ('{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2}',
+     "'prompt_lookup_min' 4 is above 'prompt_lookup_max' 2"),
+    ('[1]', "must be a JSON object"), ('{"method": ', "not JSON")])
+def test_config_errors_name_the_problem(text, error):
+    with pytest.raises(ValueError, match=error.replace("(", "\\(").replace(")", "\\)")):
+        parse(text)
+
+
+def test_config_defaults_as_vllm():
+    assert parse('{"method": "ngram", "num_speculative_tokens": 3}') == SpeculativeConfig("ngram", 3, 5, 5)
+    assert parse('{"method": "[ngram]", "num_speculative_tokens": 3, "prompt_lookup_max": 4}') == \
+        SpeculativeConfig("ngram", 3, 4, 4)
+    assert parse('{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2}') == \
+        SpeculativeConfig("ngram", 3, 2, 2)
+    assert parse(None) is None and parse("{}") is None
+    with pytest.raises(Unsupported, match="'mtp' is not built yet"):
+        parse('{"method": "mtp", "num_speculative_tokens": 1}')
+
+
+def test_ngram_prompt_lookup():
+    t = np.array([7, 1, 2, 3, 9, 8, 1, 2, 3, 5, 6, 4, 1, 2, 3])
+    # the last 3 tokens (1 2 3) occurred twice before: the latest occurrence's followers
+    assert ngram(t, 3, 2, 3) == [5, 6, 4]
+    assert ngram(t, 8, 2, 3) == [5, 6, 4, 1, 2, 3]  # up to the end of what is known
+    # the longest suffix wins: "4 1 2 3" occurs nowhere else, "2 3" ... "9 2 3" prefers n = 3 over n = 2
+    assert ngram(np.array([2, 3, 0, 9, 2, 3, 1, 5, 9, 2, 3]), 2, 2, 3) == [1, 5]
+    assert ngram(np.array([1, 2, 3, 4]), 2, 1, 3) == []  # no earlier occurrence
+    assert ngram(np.array([5, 5, 5]), 2, 2, 2) == [5]  # overlapping occurrences count
+
+
+# ---- greedy: the same tokens as the target alone --------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    path = tmp_path_factory.mktemp("spec") / "llama"
+    torch.manual_seed(0)
+    T.LlamaForCausalLM(T.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, vocab_size=128, head_dim=16,
+                                     max_position_embeddings=256)).save_pretrained(path)
+    return load(path, dtype=jnp.float32)
+
+
+@pytest.fixture(scope="module")
+def gemma(tmp_path_factory):
+    """Gemma 3 with an 8-token window: pages leave the window while drafts are rolled back."""
+    path = tmp_path_factory.mktemp("spec") / "gemma"
+    torch.manual_seed(0)
+    T.Gemma3ForCausalLM(T.Gemma3TextConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=128, head_dim=16, max_position_embeddings=256, sliding_window=8,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"])).save_pretrained(path)
+    return load(path, dtype=jnp.float32)
+
+
+def _reference(model, prompt, n):
+    """Greedy tokens one at a time through the plain forward step (no engine, no sampling code)."""
+    r = Runner(model, max_model_len=128, page_size=8)
+    logits = r.forward([(0, prompt, 0)])[0][-1]
+    out = []
+    for i in range(n):
+        out.append(int(np.argmax(logits)))
+        logits = r.forward([(0, [out[-1]], len(prompt) + i)])[0][-1]
+    return out
+
+
+def _prompts():
+    rng = np.random.default_rng(0)
+    return [rng.integers(3, 128, int(rng.integers(3, 40))).tolist() for _ in range(6)]
+
+
+def _run(model, budget, spec, reqs, page_size=8):
+    """reqs: Request kwargs; one newcomer every other step into 4 slots."""
+    engine = Engine(Runner(model, max_model_len=128, max_num_seqs=4, page_size=page_size,
+                           max_num_batched_tokens=budget, speculative=spec.k if spec else 0),
+                    decode=lambda ids: " ".join(map(str, ids)), speculative=spec)
+    out = []
+    for kw in reqs:
+        out.append(engine.submit(Request(**kw)))
+        engine.step()
+        engine.step()
+    while engine.busy():
+        engine.step()
+    assert engine.pages_used == 0 and sorted(engine.free_slots) == [0, 1, 2, 3]
+    return out, engine
+
+
+@pytest.mark.parametrize("name, budget", [("llama", 512), ("llama", 16), ("gemma", 16)])
+def test_greedy_ngram_gives_the_targets_tokens(request, name, budget):
+    """Staggered requests, prompts chunked by a 16-token budget beside others' drafted decodes: every
+    request's tokens equal the target's own one at a time; drafts were both accepted and rejected."""
+    model = request.getfixturevalue(name)
+    prompts, lengths = _prompts(), [40, 12, 33, 20, 3, 45]
+    reqs, engine = _run(model, budget, NGRAM, [dict(prompt=p, max_tokens=n) for p, n in zip(prompts, lengths)])
+    for r, p, n in zip(reqs, prompts, lengths):
+        assert r.out == _reference(model, p, n) and r.finish_reason == "length"
+    assert 0 < engine.accepted < engine.draft_tokens and engine.drafts > 0
+    assert engine.accepted == sum(engine.accepted_at) and engine.accepted_at == sorted(engine.accepted_at)[::-1]
+
+
+def test_stops_inside_an_accepted_run(llama):
+    """Stop ids, stop strings and max_tokens that fall among accepted drafts cut the output exactly where the
+    target alone stops; min_tokens holds (no drafts before it)."""
+    prompts = _prompts()
+    greedy = [_reference(llama, p, 40) for p in prompts[:4]]
+    early = next(t for t in greedy[3][:12] if t in greedy[3][12:])  # a stop id min_tokens must skip
+    plain = [dict(prompt=prompts[0], max_tokens=40, stop_ids=frozenset({greedy[0][25]})),
+             dict(prompt=prompts[1], max_tokens=40, stop_strings=(" ".join(map(str, greedy[1][21:24])),)),
+             dict(prompt=prompts[2], max_tokens=27),
+             dict(prompt=prompts[3], max_tokens=40, stop_ids=frozenset({early}), min_tokens=12)]
+    spec, engine = _run(llama, 512, NGRAM, plain)
+    alone, _ = _run(llama, 512, None, plain)
+    assert [r.out for r in spec] == [r.out for r in alone] and [r.text for r in spec] == [r.text for r in alone]
+    assert [r.finish_reason for r in spec][:3] == ["stop", "stop", "length"]
+    assert spec[0].out == greedy[0][:greedy[0].index(greedy[0][25])] and len(spec[2].out) == 27
+    assert len(spec[3].out) >= 12 and early not in spec[3].out  # banned, not sampled, before min_tokens
+    assert engine.accepted > 0
+
+
+def test_one_program_per_bucket_whatever_the_drafts(llama):
+    """Rows with 0 to 4 drafts, prompt chunks beside them: the verifying program compiles once per token
+    bucket used (jax's own cache count), and the plain step never."""
+    _, engine = _run(llama, 16, NGRAM, [dict(prompt=p, max_tokens=30) for p in _prompts()], page_size=4)
+    r = engine.runner
+    assert r._programs[VERIFY]._cache_size() == len(r.compiled) <= len(r.buckets) == 2
+    assert r._step._cache_size() == 0
+
+
+# ---- the sampled rule ------------------------------------------------------------------------------------
+
+def _target(logits, temperature, top_k):
+    """The distribution a sampled row draws from, computed here: softmax over temperature of the top k."""
+    x = logits.astype(np.float64) / temperature
+    x = np.where(x >= np.sort(x)[-top_k], x, -np.inf) if top_k else x
+    p = np.exp(x - x.max())
+    return p / p.sum()
+
+
+@pytest.mark.parametrize("top_k", [0, 5])
+def test_rejection_rule_keeps_the_targets_distribution(top_k):
+    """8000 seeds, the same target logits, an adversarial draft (a token the target finds unlikely) and a
+    likely one: the first token's empirical distribution matches the target's (chi-square, significance
+    0.001); drafts are accepted about p(draft) of the time and the residual draw is exercised."""
+    rng = np.random.default_rng(1)
+    vocab, rows, k = 32, 8000, 2
+    logits = rng.normal(0, 1.5, vocab).astype(np.float32)
+    p = _target(logits, 0.8, top_k)
+    order = np.argsort(p)
+    for draft in (order[-top_k or 0] if top_k else order[0], order[-1]):  # unlikely (or filtered out), likely
+        s = sampling_arrays(rows, vocab)
+        s["temperature"][:] = 0.8
+        s["top_k"][:] = top_k
+        s["seed"][:] = np.arange(rows)
+        batch = {"sampling": s, "kv_lens": np.full(rows, 10 + k, np.int32), "drafts": np.full(rows, k, np.int32),
+                 "slot": np.zeros(rows, np.int32)}
+        drafts = np.tile(np.array([draft, order[-2]], np.int32), (rows, 1))
+        last = jnp.full(2, -7, jnp.int32)
+        (tok, count, _, _, _), _ = jax.jit(verify_rows)(jnp.broadcast_to(logits, (rows, k + 1, vocab)),
+                                                        drafts, last, batch)
+        first, count = np.asarray(tok[:, 0]), np.asarray(count)
+        seen = np.bincount(first, minlength=vocab)
+        live = p > 0
+        assert seen[~live].sum() == 0
+        assert scipy.stats.chisquare(seen[live], p[live] * rows).pvalue > 1e-3
+        accepted = (count > 1).mean()
+        assert abs(accepted - p[draft]) < 4 * np.sqrt(p[draft] * (1 - p[draft]) / rows) + 1e-9
+        assert (count == 1).sum() > 0  # rejected at the first draft: the residual draw ran
+
+
+def test_greedy_verification_against_numpy():
+    """Greedy rows keep the drafts equal to the argmax of each position, then the argmax after them; a row
+    with fewer drafts than k ignores the padding; `last` gets each row's final token."""
+    rng = np.random.default_rng(2)
+    rows, k, vocab = 3, 3, 32
+    logits = rng.normal(size=(rows, k + 1, vocab)).astype(np.float32)
+    best = logits.argmax(-1)
+    drafts = np.array([[best[0, 0], best[0, 1], (best[0, 2] + 1) % vocab],  # third rejected
+                       [best[1, 0], best[1, 1], best[1, 2]],  # all accepted, the bonus token after
+                       [best[2, 0], NO_TOKEN, NO_TOKEN]], np.int32)  # one draft
+    batch = {"sampling": sampling_arrays(rows, vocab), "kv_lens": np.array([20, 30, 40], np.int32),
+             "drafts": np.array([3, 3, 1], np.int32), "slot": np.array([2, 0, 1], np.int32)}
+    (tok, count, lp, _, _), last = verify_rows(jnp.asarray(logits), jnp.asarray(drafts), jnp.zeros(4, jnp.int32),
+                                               batch)
+    assert np.asarray(count).tolist() == [3, 4, 2]
+    for i, c in enumerate([3, 4, 2]):
+        assert np.asarray(tok)[i, :c].tolist() == best[i, :c].tolist()
+    ref = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+    np.testing.assert_allclose(np.asarray(lp)[0, :3], ref[0, np.arange(3), best[0, :3]], rtol=1e-5)
+    assert np.asarray(last).tolist() == [best[1, 3], best[2, 1], best[0, 2], 0]
+
+
+# ---- the command line ----------------------------------------------------------------------------------
+
+def test_generate_json_reports_acceptance():
+    """`quantkit generate --json` with n-gram drafts on the default model, a prompt whose answer repeats
+    it: the same tokens as without, and the acceptance counts."""
+    prompt = "def add(a, b):\n    return a + b\n\n\ndef add(a, b):"
+    base = [sys.executable, "-m", "quantkit.cli", "generate", "assets/tiny-llama", "--prompt", prompt,
+            "--max-tokens", "40", "--json"]
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    plain = json.loads(subprocess.run(base, capture_output=True, text=True, check=True, env=env).stdout)
+    spec = json.loads(subprocess.run(base + ["--speculative-config", json.dumps(
+        {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2})], capture_output=True, text=True,
+        check=True, env=env).stdout)
+    assert spec["tokens"] == plain["tokens"] and spec["text"] == plain["text"] and plain["speculative"] is None
+    s = spec["speculative"]
+    assert s["method"] == "ngram" and s["num_speculative_tokens"] == 4 and 0 < s["accepted_tokens"] <= s[
+        "draft_tokens"] <= 4 * s["drafts"]
+    assert s["acceptance_rate"] == pytest.approx(s["accepted_tokens"] / s["draft_tokens"])
+    bad = subprocess.run(base + ["--speculative-config", '{"method": "ngram", "k": 2}'], capture_output=True,
+                         text=True, env=env)
+    assert bad.returncode == 2 and "unknown key(s) 'k'" in bad.stderr and "Traceback" not in bad.stderr
