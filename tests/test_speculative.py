@@ -244,3 +244,36 @@ def test_generate_json_reports_acceptance():
     bad = subprocess.run(base + ["--speculative-config", '{"method": "ngram", "k": 2}'], capture_output=True,
                          text=True, env=env)
     assert bad.returncode == 2 and "unknown key(s) 'k'" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_server_streams_verified_tokens_and_reports_vllm_metrics(tmp_path):
+    """`serve --speculative-config` with the official openai client, greedy on the default model: every
+    token is the top-1 of the target's own log-probabilities at its position (an accepted draft that
+    the target would not have chosen breaks this), streamed == whole, and vLLM's spec_decode counters."""
+    import openai
+
+    from helpers import ServerProc
+
+    prompt = "def add(a, b):\n    return a + b\n\n\ndef add(a, b):"
+    s = ServerProc("assets/tiny-llama", tmp_path / "log", tmp_path / "cache", "--max-model-len", "256",
+                   "--max-num-seqs", "4", "--max-num-batched-tokens", "64", "--speculative-config",
+                   '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2}')
+    try:
+        client = openai.OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0)
+        whole = client.completions.create(model="tiny", prompt=prompt, max_tokens=48, temperature=0, logprobs=1)
+        lp = whole.choices[0].logprobs
+        assert len(lp.tokens) == 48 and whole.choices[0].finish_reason == "length"
+        for tok, top in zip(lp.tokens, lp.top_logprobs):
+            assert max(top, key=top.get) == tok
+        streamed = "".join(c.choices[0].text for c in client.completions.create(
+            model="tiny", prompt=prompt, max_tokens=48, temperature=0, stream=True) if c.choices)
+        assert streamed == whole.choices[0].text
+        m = s.metrics()
+        drafts, accepted = (m['vllm:spec_decode_num_draft_tokens_total{model_name="tiny"}'],
+                            m['vllm:spec_decode_num_accepted_tokens_total{model_name="tiny"}'])
+        assert 0 < accepted <= drafts <= 3 * m['vllm:spec_decode_num_drafts_total{model_name="tiny"}']
+        per_pos = [m[f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{model_name="tiny",position="{j}"}}']
+                   for j in range(3)]
+        assert sum(per_pos) == accepted and per_pos == sorted(per_pos, reverse=True)
+    finally:
+        assert s.stop() == 0
