@@ -162,6 +162,15 @@ def test_one_program_per_bucket_whatever_the_drafts(llama):
 
 # ---- the sampled rule ------------------------------------------------------------------------------------
 
+def _verify(logits, drafts, last, batch):
+    """step.verify_rows on logits [S, k + 1, vocab] of every row's positions, drafts [S, k]."""
+    rows, k1, vocab = logits.shape
+    draft = jnp.concatenate([jnp.asarray(drafts), jnp.full((rows, 1), NO_TOKEN, jnp.int32)], axis=1).reshape(-1)
+    next_pos = ((batch["kv_lens"] - batch["drafts"])[:, None] + np.arange(k1)).reshape(-1)
+    return verify_rows(jnp.reshape(logits, (-1, vocab)), jnp.repeat(jnp.arange(rows), k1), draft, next_pos,
+                       jnp.arange(rows * k1).reshape(rows, k1), last, batch)
+
+
 def _target(logits, temperature, top_k):
     """The distribution a sampled row draws from, computed here: softmax over temperature of the top k."""
     x = logits.astype(np.float64) / temperature
@@ -189,7 +198,7 @@ def test_rejection_rule_keeps_the_targets_distribution(top_k):
                  "slot": np.zeros(rows, np.int32)}
         drafts = np.tile(np.array([draft, order[-2]], np.int32), (rows, 1))
         last = jnp.full(2, -7, jnp.int32)
-        (tok, count, _, _, _), _ = jax.jit(verify_rows)(jnp.broadcast_to(logits, (rows, k + 1, vocab)),
+        (tok, count, _, _, _), _ = jax.jit(_verify)(jnp.broadcast_to(logits, (rows, k + 1, vocab)),
                                                         drafts, last, batch)
         first, count = np.asarray(tok[:, 0]), np.asarray(count)
         seen = np.bincount(first, minlength=vocab)
@@ -213,8 +222,7 @@ def test_greedy_verification_against_numpy():
                        [best[2, 0], NO_TOKEN, NO_TOKEN]], np.int32)  # one draft
     batch = {"sampling": sampling_arrays(rows, vocab), "kv_lens": np.array([20, 30, 40], np.int32),
              "drafts": np.array([3, 3, 1], np.int32), "slot": np.array([2, 0, 1], np.int32)}
-    (tok, count, lp, _, _), last = verify_rows(jnp.asarray(logits), jnp.asarray(drafts), jnp.zeros(4, jnp.int32),
-                                               batch)
+    (tok, count, lp, _, _), last = _verify(jnp.asarray(logits), drafts, jnp.zeros(4, jnp.int32), batch)
     assert np.asarray(count).tolist() == [3, 4, 2]
     for i, c in enumerate([3, 4, 2]):
         assert np.asarray(tok)[i, :c].tolist() == best[i, :c].tolist()

@@ -168,27 +168,38 @@ def sample_rows(logits: jax.Array, last: jax.Array, batch: dict):
     return out, last.at[batch["slot"]].set(out[0], mode="drop")
 
 
-def verify_rows(logits: jax.Array, drafts: jax.Array, last: jax.Array, batch: dict):
-    """Speculative decoding's verification of each sequence row from the target's logits [S, k + 1, vocab]
-    at its last token and its drafts [S, k] (batch["drafts"] of them real, the rest NO_TOKEN).
+def verify_rows(logits: jax.Array, row: jax.Array, draft: jax.Array, next_pos: jax.Array, grid: jax.Array,
+                last: jax.Array, batch: dict):
+    """Speculative decoding's verification, from the target's logits [R, vocab] at R positions: per position
+    its sequence row [R], the draft that follows it [R] (NO_TOKEN: none) and the position of the token it
+    draws [R]; grid [S, k + 1]: each row's positions in R, its last token before the drafts, each draft,
+    then repeats of its last one (drafts: batch["drafts"] a row).
 
-    Position j's token is drawn by `pick` with draft j (the bonus position k has none), under the row's
-    sampling and the key of the position it fills, as a step without drafts would draw it. A row keeps its
-    drafts up to the first one rejected, then the token drawn there: `count` = accepted + 1 tokens, the
-    same distribution as drawing them one step at a time (exactly the same tokens when greedy). Returns
-    ((tokens [S, k + 1], count [S], logprobs [S, k + 1], top ids, top logprobs [S, k + 1, TOP_LOGPROBS]),
-    `last` with each row's slot set to its last token)."""
-    rows, k1, vocab = logits.shape
-    sampling = jax.tree_util.tree_map(lambda x: jnp.repeat(x, k1, axis=0), batch["sampling"])
-    next_pos = (batch["kv_lens"] - batch["drafts"])[:, None] + jnp.arange(k1)  # of the token each draws
-    drafts = jnp.concatenate([drafts, jnp.full((rows, 1), NO_TOKEN, drafts.dtype)], axis=1)
-    tok, lp, top_ids, top_lps, accepted = pick(logits.reshape(rows * k1, vocab), sampling, next_pos.reshape(-1),
-                                               drafts.reshape(-1))
-    count = jnp.sum(jnp.cumprod(accepted.reshape(rows, k1), axis=1), axis=1) + 1
-    tok = tok.reshape(rows, k1)
+    Each position's token is drawn by `pick` with its draft, under the row's sampling and the key of the
+    position it fills, as a step without drafts would draw it. A row keeps its drafts up to the first one
+    rejected, then the token drawn there: `count` = accepted + 1 tokens, the same distribution as drawing
+    them one step at a time (exactly the same tokens when greedy). Returns ((tokens [S, k + 1], count [S],
+    logprobs [S, k + 1], top ids, top logprobs [S, k + 1, TOP_LOGPROBS]), `last` with each row's slot set to
+    its last token)."""
+    sampling = jax.tree_util.tree_map(lambda x: x[row], batch["sampling"])
+    tok, lp, top_ids, top_lps, accepted = (x[grid] for x in pick(logits, sampling, next_pos, draft))
+    count = jnp.sum(jnp.cumprod(accepted, axis=1), axis=1) + 1
     last = last.at[batch["slot"]].set(jnp.take_along_axis(tok, count[:, None] - 1, axis=1)[:, 0], mode="drop")
-    shape = lambda x: x.reshape(rows, k1, *x.shape[1:])  # noqa: E731
-    return (tok, count, shape(lp), shape(top_ids), shape(top_lps)), last
+    return (tok, count, lp, top_ids, top_lps), last
+
+
+def verify_positions(batch: dict, tokens: jax.Array, k: int):
+    """The positions a step with up to k drafts a row verifies (`verify_rows`' row, draft, next_pos and
+    grid, and the token index of each): every token when the step has no more tokens than its rows have
+    positions (one logits row per token; a decode step), else each row's k + 1 (prompt chunks)."""
+    t, cu, drafts = tokens.shape[0], batch["cu_q_lens"], batch["drafts"]
+    ends = cu[1:] - 1  # each sequence's last token
+    at = jnp.maximum(jnp.minimum(ends[:, None] - drafts[:, None] + jnp.arange(k + 1), ends[:, None]), 0)
+    src, grid = (jnp.arange(t), at) if t <= at.size else (at.reshape(-1), jnp.arange(at.size).reshape(at.shape))
+    row = jnp.minimum(jnp.searchsorted(cu[1:], src, side="right"), drafts.shape[0] - 1)
+    j = src - (ends - drafts)[row]  # 0: the row's last token before its drafts
+    draft = jnp.where((j >= 0) & (j < drafts[row]), tokens[jnp.minimum(src + 1, t - 1)], NO_TOKEN)
+    return src, row, draft, batch["positions"][src] + 1, grid
 
 
 def step_function(cfg, page_size: int, all_logits: bool = False, mesh=None, unroll: bool = False, kv_fp8=None,
@@ -215,15 +226,11 @@ def step_function(cfg, page_size: int, all_logits: bool = False, mesh=None, unro
         h, kv = fwd(params, cfg, tokens, kv, meta)
         if all_logits:
             return project(params, h, cfg), kv, last
-        ends = batch["cu_q_lens"][1:] - 1  # each sequence's last token
-        if spec:  # its last token before the drafts, each draft, then padding (repeats of its last token)
-            at = jnp.maximum(jnp.minimum(ends[:, None] - batch["drafts"][:, None] + jnp.arange(spec + 1),
-                                         ends[:, None]), 0)
-            drafts = jnp.where(jnp.arange(spec) < batch["drafts"][:, None],
-                               tokens[jnp.minimum(at[:, :spec] + 1, tokens.shape[0] - 1)], NO_TOKEN)
-            logits = project(params, h[at.reshape(-1)], cfg)
-            out, last = verify_rows(logits.reshape(*at.shape, -1), drafts, last, batch)
+        if spec:
+            src, *verified = verify_positions(batch, tokens, spec)
+            out, last = verify_rows(project(params, h[src], cfg), *verified, last, batch)
             return out, kv, last
+        ends = batch["cu_q_lens"][1:] - 1  # each sequence's last token
         logits = project(params, h[jnp.maximum(ends, 0)], cfg)
         if not sample:
             return logits, kv, last
