@@ -15,6 +15,14 @@ Usage: .venv/bin/python benchmarks/serve_load.py --vllm /tmp/vllmvenv/bin/vllm [
 64 requests of 64 tokens, unconstrained and under a JSON schema (an array of at least 64 short strings, so
 both kinds write exactly 64 tokens), the two kinds alternating over --runs runs in one server; reported:
 median output tokens/s of each and their ratio, and the server's mask time per step (/metrics).
+
+--speculative: speculative decoding on the default model, two servers side by side (plain, and with
+--spec-config, default n-gram with 4 drafts), the same load alternating between them over --runs runs, at
+concurrency 1 (8 requests) and 16 (64 requests) of 64 tokens, temperature 0, on two workloads:
+`code-edit`, a prompt that quotes code the answer repeats (a held-out stdlib function, the model's own
+greedy continuation of it, then the function's first lines again: a model that copies continues with the
+quoted code), and `random`, random syllables (drafts mostly rejected); reported: median output tokens/s
+of each server, their ratio, and the acceptance counts from the speculative server's /metrics.
 """
 
 from __future__ import annotations
@@ -170,9 +178,14 @@ def main() -> None:
     ap.add_argument("--dir", default="/tmp/qk-serve-bench")
     ap.add_argument("--port", type=int, default=8311)
     ap.add_argument("--structured", action="store_true", help="structured outputs vs unconstrained (see above)")
+    ap.add_argument("--speculative", action="store_true", help="speculative decoding vs plain (see above)")
+    ap.add_argument("--spec-config", default='{"method": "ngram", "num_speculative_tokens": 4, '
+                                             '"prompt_lookup_min": 2, "prompt_lookup_max": 5}')
     args = ap.parse_args()
     if args.structured:
         return structured(args)
+    if args.speculative:
+        return speculative(args)
     work = Path(args.dir)
     work.mkdir(parents=True, exist_ok=True)
     report = {"machine": f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}",
@@ -255,6 +268,91 @@ def structured(args) -> None:
               f"{r['tokens']} | {sum(x['errors'] for x in rs)} |")
     print(f"json_schema / unconstrained: {med['json_schema'] / med['unconstrained']:.2f}x; masks: {masks:.0f} in "
           f"{steps:.0f} steps, {secs / max(steps, 1) * 1e3:.2f} ms a step, {secs / max(masks, 1) * 1e6:.0f} us a row")
+
+
+def code_prompts(n: int) -> list[str]:
+    """n top-level functions of 200-1500 characters from the held-out stdlib files (the default model never
+    trained on them), in file order."""
+    import re
+
+    import train_default_model
+
+    out = []
+    for f in train_default_model.heldout_files():
+        for m in re.finditer(r"^def .*?(?=^\S)", f.read_text(encoding="utf-8", errors="replace"), re.M | re.S):
+            if 200 < len(m.group(0)) < 1500:
+                out.append(m.group(0).rstrip() + "\n")
+                if len(out) == n:
+                    return out
+    raise RuntimeError(f"only {len(out)} functions found")
+
+
+def speculative(args) -> None:
+    """The --speculative mode (module docstring)."""
+    import re
+
+    name, model = "tiny-llama", str(ROOT / "assets/tiny-llama")
+    ports = {"plain": args.port, "speculative": args.port + 1}
+    flags = {"plain": [], "speculative": ["--speculative-config", args.spec_config]}
+    procs, caches = {}, []
+    for kind, port in ports.items():
+        caches.append(Path(tempfile.mkdtemp(prefix="qk-jax-cache-")))
+        procs[kind] = Proc([str(ROOT / ".venv/bin/quantkit"), "serve", model, "--port", str(port), "--max-model-len",
+                            "2048", "--max-num-seqs", "16", "--served-model-name", name, *flags[kind]],
+                           {"JAX_PLATFORMS": "cpu", "QUANTKIT_JAX_CACHE": str(caches[-1])},
+                           f"http://127.0.0.1:{port}/ready", Path(args.dir) / f"quantkit-{kind}.log")
+    spec_base = f"http://127.0.0.1:{ports['speculative']}"
+
+    def metric(key: str) -> float:
+        m = re.search(rf"^{re.escape(key)}(?:{{[^}}]*}})? ([0-9.e+-]+)$", httpx.get(spec_base + "/metrics").text, re.M)
+        return float(m.group(1))
+
+    def counts() -> tuple[float, float, float]:
+        return tuple(metric(f"vllm:spec_decode_num_{k}_total") for k in ("drafts", "draft_tokens", "accepted_tokens"))
+
+    try:
+        base = code_prompts(64)
+        # each function, the model's own greedy continuation of it, then the function's start again
+        plain = f"http://127.0.0.1:{ports['plain']}/v1/completions"
+        edits = []
+        for text in base:
+            r = httpx.post(plain, json={"model": name, "prompt": text, "max_tokens": OUT_TOKENS, "temperature": 0},
+                           timeout=600)
+            head = "\n".join(text.splitlines()[:2]) + "\n"
+            edits.append(text + r.json()["choices"][0]["text"] + "\n\n\n" + head)
+        workloads = {"code-edit": edits, "random": prompts(64)}
+        for kind, port in ports.items():  # warm-up traffic
+            asyncio.run(load(f"http://127.0.0.1:{port}", name, 4, edits[:8]))
+        rows = []
+        for wl, texts in workloads.items():
+            for conc, n in ((1, 8), (16, 64)):
+                runs = {k: [] for k in ports}
+                before = counts()
+                for _ in range(args.runs):
+                    for kind, port in ports.items():
+                        runs[kind].append(asyncio.run(load(f"http://127.0.0.1:{port}", name, conc, texts[:n])))
+                after = counts()
+                med = {k: sorted(rs, key=lambda r: r["tok_s"])[len(rs) // 2] for k, rs in runs.items()}
+                d = [a - b for a, b in zip(after, before)]
+                rows.append((wl, conc, med, runs, d))
+                print(json.dumps({"workload": wl, "concurrency": conc, **{k: [round(r["tok_s"]) for r in rs]
+                                                                          for k, rs in runs.items()}}), flush=True)
+    finally:
+        for p in procs.values():
+            p.stop()
+        for c in caches:
+            shutil.rmtree(c, ignore_errors=True)
+    print(f"machine: {platform.machine()}, {os.cpu_count()} cores; {name}, {OUT_TOKENS} output tokens a request, "
+          f"temperature 0, {args.runs} runs alternating; speculative: {args.spec_config}")
+    print("| workload | concurrency | plain tok/s (median; runs) | speculative tok/s (median; runs) | ratio | "
+          "accepted / drafted tokens | tokens a drafted step |")
+    print("|---|---|---|---|---|---|---|")
+    for wl, conc, med, runs, (drafts, drafted, accepted) in rows:
+        each = {k: ", ".join(f"{r['tok_s']:.0f}" for r in rs) for k, rs in runs.items()}
+        print(f"| {wl} | {conc} | {med['plain']['tok_s']:.0f} ({each['plain']}) | {med['speculative']['tok_s']:.0f} "
+              f"({each['speculative']}) | {med['speculative']['tok_s'] / med['plain']['tok_s']:.2f}x | "
+              f"{accepted:.0f} / {drafted:.0f} ({accepted / max(drafted, 1):.0%}) | "
+              f"{1 + accepted / max(drafts, 1):.2f} |")
 
 
 def print_table(report: dict) -> None:

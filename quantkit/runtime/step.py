@@ -295,8 +295,9 @@ def empty_batch(t: int, s: int, layout: CacheLayout, max_num_seqs: int, vocab: i
 class Row:
     """One sequence's part of a step: `n` tokens from position `start`; `tokens` given (prompt), or None
     for one decode token that the device takes from the slot's last sampled token. `banned`: token ids
-    its sample must not be (at most BANNED). `drafts`: how many of its tokens (the last) are drafts that
-    the step verifies (speculative decoding; a Runner with `speculative`)."""
+    its sample must not be (at most BANNED). `drafts`: token ids following a decode row's device-side token
+    (its last len(drafts) of n), which the step verifies (speculative decoding; a Runner with
+    `speculative`)."""
 
     slot: int
     start: int
@@ -305,7 +306,7 @@ class Row:
     sampling: Sampling = Sampling()
     logprobs: bool = False
     banned: tuple = ()
-    drafts: int = 0
+    drafts: tuple = ()
 
 
 @dataclass
@@ -410,12 +411,13 @@ class Runner:
         for i, r in enumerate(rows):
             if r.tokens is None:
                 b["prev_slot"][at] = r.slot
+                b["tokens"][at + 1:at + r.n] = r.drafts
             else:
                 b["tokens"][at:at + r.n] = r.tokens
             b["positions"][at:at + r.n] = np.arange(r.start, r.start + r.n)
             at += r.n
             b["cu_q_lens"][i + 1] = at
-            b["kv_lens"][i], b["slot"][i], b["drafts"][i] = r.start + r.n, r.slot, r.drafts
+            b["kv_lens"][i], b["slot"][i], b["drafts"][i] = r.start + r.n, r.slot, len(r.drafts)
             for k, tab in self.pool.tables.items():
                 b["tables"][k][i] = tab[r.slot]
             s, p = b["sampling"], r.sampling
