@@ -112,9 +112,9 @@ class Engine:
         scheduled, and the step after a drafted one too (its positions follow the accepted count); other
         steps overlap as without speculation. A row under a structured-output constraint or before its
         min_tokens gets none. How many a step takes (`_room`): on XLA:CPU, where a step's time grows with
-        its tokens, only the padding of the token bucket the step runs anyway (measured: drafts beyond it
-        made 16 concurrent streams 0.42x as fast); on a TPU, whose decode step is bound by reading the
-        weights, up to the token budget."""
+        its tokens, only the padding of the token bucket a step of decodes alone runs anyway (measured:
+        drafts beyond it made 16 concurrent streams 0.42x as fast); on a TPU, whose decode step is bound by
+        reading the weights, up to the token budget."""
         if (speculative.k if speculative else 0) != runner.speculative:
             raise ValueError(f"the runner verifies {runner.speculative} drafts a row, the config says {speculative}")
         self.runner, self.detokenize, self.max_waiting = runner, decode, max_waiting
@@ -123,6 +123,7 @@ class Engine:
         # accepted ones by position
         self.drafts = self.draft_tokens = self.accepted = 0
         self.accepted_at = [0] * runner.speculative
+        self.fill_only = jax.default_backend() == "cpu"  # drafts only in a decode step's padding (`_room`)
         self.pool = runner.pool
         self.prefix_caching = prefix_caching and not runner.layout.states
         self.salt = f"quantkit kv {runner.kv_dtype}".encode()  # what else changes a page's keys and values
@@ -275,7 +276,9 @@ class Engine:
         if self.speculative is None or not any(row.tokens is None for _, row, _ in rows):
             return 0
         n = sum(row.n for _, row, _ in rows)
-        return (self.runner.bucket(n) if jax.default_backend() == "cpu" else self.budget) - n
+        if not self.fill_only:
+            return self.budget - n
+        return 0 if any(row.tokens is not None for _, row, _ in rows) else self.runner.bucket(n) - n
 
     @staticmethod
     def _may_draft(r: Request, row: Row) -> bool:
@@ -460,11 +463,15 @@ class Engine:
 
     def warmup(self, progress: Callable[[int, int], None] | None = None, structured: bool = False) -> None:
         """Runs every bucket once on padding (writes only the scratch page), so nothing compiles later;
-        `structured`: also the two programs of a split step (structured outputs), where the engine splits."""
-        runs = [(t, False) for t in self.shapes()] + [(t, True) for t in self.shapes() if structured]
-        for i, (t, split) in enumerate(runs):
+        `structured`: also the two programs of a split step (structured outputs), where the engine splits;
+        with speculation the verifying program too."""
+        runs = [(t, "step") for t in self.shapes()] + [(t, "split") for t in self.shapes() if structured] + [
+            (t, "verify") for t in self.shapes() if self.speculative is not None]
+        for i, (t, kind) in enumerate(runs):
             batch = self.runner.empty(t)
-            jax.block_until_ready(self.runner.run_split(batch, lambda: batch["sampling"]) if split else
+            if kind == "verify":
+                batch["drafts"][0] = 1  # the verifying program (on padding: the scratch page)
+            jax.block_until_ready(self.runner.run_split(batch, lambda: batch["sampling"]) if kind == "split" else
                                   self.runner.run(batch))
             if progress is not None:
                 progress(i + 1, len(runs))

@@ -324,9 +324,9 @@ class Runner:
     kv_cache_dtype: auto | bf16 | fp8 | fp8_e4m3 | fp8_e5m2 (cache.kv_fp8_dtype); `kv_dtype` is the result.
     tp, ep: tensor-parallel devices and expert parallelism (runtime/sharding.py); a model the loader placed
     on a mesh brings its own (its weights stay where they are).
-    speculative: the most drafts a row verifies (speculative decoding, runtime/speculative.py); every step
-    then runs the verifying program (`verify_rows`: one program per token bucket, whatever a step's
-    drafts), whose outputs carry speculative + 1 tokens a row."""
+    speculative: the most drafts a row verifies (speculative decoding, runtime/speculative.py); a step with
+    drafts then runs the verifying program (`verify_rows`, outputs of speculative + 1 tokens a row; one
+    program per token bucket, whatever its drafts), a step without the plain one."""
 
     model: object  # loader.LoadedModel
     max_model_len: int = 2048
@@ -434,9 +434,9 @@ class Runner:
 
     def run(self, batch: dict):
         """Dispatches one step (asynchronously); returns the device outputs (token, logprob, top ids, top
-        logprobs), each [S, ...]; with `speculative`, `verify_rows`'s."""
+        logprobs), each [S, ...]; for a step with drafts `verify_rows`'s."""
         self.compiled.add(batch["tokens"].shape[0])
-        return self._call(VERIFY if self.speculative else STEP, batch)
+        return self._call(VERIFY if batch["drafts"].any() else STEP, batch)
 
     def run_split(self, batch: dict, sampling: Callable[[], dict]):
         """One step as two programs: the forward (dispatched at once), then the sampling with the arrays
