@@ -21,8 +21,9 @@ median output tokens/s of each and their ratio, and the server's mask time per s
 concurrency 1 (8 requests) and 16 (64 requests) of 64 tokens, temperature 0, on two workloads:
 `code-edit`, a prompt that quotes code the answer repeats (a held-out stdlib function, the model's own
 greedy continuation of it, then the function's first lines again: a model that copies continues with the
-quoted code), and `random`, random syllables (drafts mostly rejected); reported: median output tokens/s
-of each server, their ratio, and the acceptance counts from the speculative server's /metrics.
+quoted code), `random`, random syllables (the model falls into loops that drafts predict), and the same at
+temperature 1 (drafts mostly rejected); reported: median output tokens/s of each server, their ratio, and
+the acceptance counts from the speculative server's /metrics.
 """
 
 from __future__ import annotations
@@ -312,25 +313,28 @@ def speculative(args) -> None:
 
     try:
         base = code_prompts(64)
-        # each function, the model's own greedy continuation of it, then the function's start again
-        plain = f"http://127.0.0.1:{ports['plain']}/v1/completions"
+        # each function, the model's own greedy continuation of it, then the function's start again; asked of
+        # both servers, so that both hold the same prefixes in their caches
         edits = []
         for text in base:
-            r = httpx.post(plain, json={"model": name, "prompt": text, "max_tokens": OUT_TOKENS, "temperature": 0},
-                           timeout=600)
+            made = {httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=600, json={
+                "model": name, "prompt": text, "max_tokens": OUT_TOKENS, "temperature": 0}).json()["choices"][0]["text"]
+                for port in ports.values()}
             head = "\n".join(text.splitlines()[:2]) + "\n"
-            edits.append(text + r.json()["choices"][0]["text"] + "\n\n\n" + head)
-        workloads = {"code-edit": edits, "random": prompts(64)}
+            edits.append(text + min(made) + "\n\n\n" + head)
+        workloads = {"code-edit": (edits, None), "random": (prompts(64), None),
+                     "random, temperature 1": (prompts(64), {"temperature": 1.0, "seed": 0})}
         for kind, port in ports.items():  # warm-up traffic
             asyncio.run(load(f"http://127.0.0.1:{port}", name, 4, edits[:8]))
         rows = []
-        for wl, texts in workloads.items():
+        for wl, (texts, extra) in workloads.items():
             for conc, n in ((1, 8), (16, 64)):
                 runs = {k: [] for k in ports}
                 before = counts()
                 for _ in range(args.runs):
                     for kind, port in ports.items():
-                        runs[kind].append(asyncio.run(load(f"http://127.0.0.1:{port}", name, conc, texts[:n])))
+                        runs[kind].append(asyncio.run(load(f"http://127.0.0.1:{port}", name, conc, texts[:n],
+                                                           extra=extra)))
                 after = counts()
                 med = {k: sorted(rs, key=lambda r: r["tok_s"])[len(rs) // 2] for k, rs in runs.items()}
                 d = [a - b for a, b in zip(after, before)]
@@ -343,7 +347,7 @@ def speculative(args) -> None:
         for c in caches:
             shutil.rmtree(c, ignore_errors=True)
     print(f"machine: {platform.machine()}, {os.cpu_count()} cores; {name}, {OUT_TOKENS} output tokens a request, "
-          f"temperature 0, {args.runs} runs alternating; speculative: {args.spec_config}")
+          f"{args.runs} runs alternating; speculative: {args.spec_config}")
     print("| workload | concurrency | plain tok/s (median; runs) | speculative tok/s (median; runs) | ratio | "
           "accepted / drafted tokens | tokens a drafted step |")
     print("|---|---|---|---|---|---|---|")
