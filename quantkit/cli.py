@@ -396,6 +396,7 @@ def plan(
     enable_expert_parallel: EpOption = False,
     cost: Annotated[bool, typer.Option(help="Also XLA's cost analysis of the decode step (bytes, FLOPs, "
                                             "collectives): a few more, smaller compiles.")] = True,
+    speculative_config: SpecOption = None,
     json_out: Annotated[bool, typer.Option("--json", help="One JSON document on stdout.")] = False,
 ) -> None:
     """Compile the serving steps for a TPU without one (libtpu, deviceless) and report HBM for weights, KV
@@ -405,9 +406,12 @@ def plan(
                quantkit plan ./gemma-3-27b-it --scheme DENSE --tp 4 --json
                quantkit plan ./Qwen3-30B-A3B/config.json --scheme W4A16 --tp 4 --enable-expert-parallel
                quantkit plan ./Qwen3.5-397B-A17B --scheme W4A16 --target v7x --tp 4 --enable-expert-parallel
+               quantkit plan ./Llama-3.1-8B/config.json --scheme W4A16 --speculative-config
+                   '{"method": "ngram", "num_speculative_tokens": 4}'   (the verifying step's cost too)
     """
     if tp not in (1, 2, 4, 8):
         raise typer.BadParameter(f"{tp} devices: plans cover 1, 2, 4 or 8", param_hint="--tp")
+    speculative = _speculative(speculative_config)
     try:
         from quantkit.plan import plan as run, print_plan
 
@@ -417,7 +421,7 @@ def plan(
 
         report = run(path, target.value, max_model_len, max_num_seqs, tp,
                      scheme.value if scheme is not None else None, group_size, search, note, kv_cache_dtype.value,
-                     enable_expert_parallel, cost)
+                     enable_expert_parallel, cost, speculative=speculative.k if speculative else 0)
         _emit(report, json_out, print_plan)
     except (QuantkitError, Exception) as e:  # noqa: BLE001 - one line, never a traceback
         raise _fail(e) from None

@@ -56,7 +56,8 @@ def _nbytes(leaf, layout, chip) -> int:
 
 def plan(path: str | Path, target: str = "v6e", max_model_len: int = 2048, max_num_seqs: int = 16, tp: int = 1,
          scheme: str | None = None, group_size: int = 128, search: bool = True, progress=None,
-         kv_cache_dtype: str = "auto", ep: bool = False, cost: bool = True, prefill_cost: bool = True) -> dict:
+         kv_cache_dtype: str = "auto", ep: bool = False, cost: bool = True, prefill_cost: bool = True,
+         speculative: int = 0) -> dict:
     """Compiles the serving steps for `tp` chips of `target` and reports HBM (per chip), VMEM, compile time and
     fit (docs/cli.md keys).
 
@@ -146,12 +147,14 @@ def plan(path: str | Path, target: str = "v6e", max_model_len: int = 2048, max_n
 
     weight_shapes = _quantized_shapes(params)
 
-    def compile_program(c, weights, t: int, n: int, unroll: bool = False):
-        """Compiles the step of config c (weights: its abstract pytree) at t tokens for n sequences."""
+    def compile_program(c, weights, t: int, n: int, unroll: bool = False, spec: int = 0):
+        """Compiles the step of config c (weights: its abstract pytree) at t tokens for n sequences (spec:
+        the verifying step of speculative decoding with up to that many drafts a row)."""
         batch = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
                                        empty_batch(t, min(t, n), cache_layout(c, max_model_len, n, PAGE_SIZE, budget), n,
                                                    c.vocab_size))
-        return compile_for(target, step_function(c, PAGE_SIZE, mesh=mesh, unroll=unroll, kv_fp8=fp8, ep=ep and mesh is not None), weights, cache(n, c),
+        return compile_for(target, step_function(c, PAGE_SIZE, mesh=mesh, unroll=unroll, kv_fp8=fp8,
+                                                 ep=ep and mesh is not None, spec=spec), weights, cache(n, c),
                            jax.ShapeDtypeStruct((n + 1,), jnp.int32), batch, donate=(1, 2), pinned=(0,), tp=tp)
 
     def compile_step(t: int, n: int):
@@ -187,10 +190,13 @@ def plan(path: str | Path, target: str = "v6e", max_model_len: int = 2048, max_n
     if progress:
         progress(f"compiling the step for {target} ({max_num_seqs} sequences of {max_model_len})")
     fits, temp, seconds, message, found = fits_at(max_num_seqs)
-    def step_cost(t: int) -> dict:
-        return _step_cost(cfg, lambda c: compile_program(c, weights_of(c), t, max_num_seqs, unroll=True)[0])
+    def step_cost(t: int, spec: int = 0) -> dict:
+        return _step_cost(cfg, lambda c: compile_program(c, weights_of(c), t, max_num_seqs, unroll=True,
+                                                         spec=spec)[0])
 
     cost = step_cost(decode_bucket(max_num_seqs)) if cost and not message else None
+    verify_tokens = decode_bucket(max_num_seqs * (1 + speculative))
+    verify = step_cost(verify_tokens, speculative) if speculative and cost is not None else None
     prefill = cost if cost is None or decode_bucket(max_num_seqs) == budget else \
         step_cost(budget) if prefill_cost else None
     weights, best = weight_bytes(), None
@@ -234,7 +240,12 @@ def plan(path: str | Path, target: str = "v6e", max_model_len: int = 2048, max_n
         # the full-budget program (a prompt's chunk of `tokens`), costed the same way: compute-bound for long
         # prompts, where 8-bit MXU types pay
         "prefill_step_cost": None if prefill is None else {"tokens": budget, **_program_cost(prefill, chip)},
-        "step_programs": len(buckets),
+        # speculative decoding: the verifying step of max_num_seqs rows of 1 + k tokens each, costed as the
+        # decode step is, against it (its weights are read once for every drafted position)
+        "verify_step_cost": None if verify is None else {
+            "drafts_a_row": speculative, "tokens": verify_tokens, **_program_cost(verify, chip),
+            "ratio_to_decode_step": round(verify.get("bytes_accessed", 0) / max(cost.get("bytes_accessed", 0), 1), 3)},
+        "step_programs": len(buckets) * (2 if speculative else 1),
         # the buffers the compiled decode step reduces or gathers across chips (bytes per chip, per op kind),
         # beside the least a tensor-parallel step with replicated activations needs: one all-reduce of the
         # [tokens, hidden] activations after each layer's attention and one after its MLP / experts, and one
@@ -528,6 +539,10 @@ def print_plan(r: dict, out=sys.stdout) -> None:
         print(f"  decode step (compiled, XLA cost analysis): {c['bytes_accessed'] / 1e9:.2f} GB accessed "
               f"({c['ratio_to_floor']:.2f}x the {c['floor_bytes'] / 1e9:.2f} GB of weights + KV), "
               f"{c['flops'] / 1e9:.1f} GFLOP", file=out)
+    if (c := r.get("verify_step_cost")) is not None:
+        print(f"  verifying step, {r['max_num_seqs']} rows x (1 + {c['drafts_a_row']}) tokens (speculative decoding, "
+              f"compiled): {c['bytes_accessed'] / 1e9:.2f} GB accessed, {c['ratio_to_decode_step']:.2f}x the decode "
+              f"step's, {c['flops'] / 1e9:.1f} GFLOP", file=out)
     if (c := r["prefill_step_cost"]) is not None:
         by = ", ".join(f"{t} {f / 1e12:.2f}" for t, f in c["flops_by_mxu_type"].items() if f)
         print(f"  prefill step of {c['tokens']} tokens (compiled; roofline estimate, not measured): "

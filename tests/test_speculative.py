@@ -290,3 +290,30 @@ def test_server_streams_verified_tokens_and_reports_vllm_metrics(tmp_path):
         assert sum(per_pos) == accepted and per_pos == sorted(per_pos, reverse=True)
     finally:
         assert s.stop() == 0
+
+
+def test_verifying_step_compiles_deviceless_for_v6e():
+    """The verifying step (16 rows x (1 + 4) tokens: the 128-token bucket) compiles for a v6e with its
+    quantized matmuls on gmm_v2 and attention on the paged-attention kernel, like the plain step."""
+    from quantkit.formats.compressed_tensors import parse_quantization_config
+    from quantkit.formats.ct_writer import writable_config
+    from quantkit.runtime.aot import compile_for
+    from quantkit.runtime.cache import cache_layout
+    from quantkit.runtime.loader import abstract
+    from quantkit.runtime.models import from_hf
+    from quantkit.runtime.step import empty_batch, step_function
+
+    c = from_hf({"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 1024,
+                 "intermediate_size": 2048, "num_hidden_layers": 2, "num_attention_heads": 8,
+                 "num_key_value_heads": 4, "head_dim": 128, "vocab_size": 4096, "max_position_embeddings": 4096,
+                 "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": False})
+    params = abstract(c, parse_quantization_config(writable_config("W4A16", 128, ["lm_head"])))
+    layout = cache_layout(c, 2048, 16)
+    kv = layout.cache(lambda k, s, d: jax.ShapeDtypeStruct(s, d or jnp.bfloat16))
+    batch = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
+                                   empty_batch(128, 16, layout, 16, c.vocab_size))
+    compiled, _ = compile_for("v6e", step_function(c, 16, spec=4), params, kv, jax.ShapeDtypeStruct((17,), jnp.int32),
+                              batch, donate=(1, 2), pinned=(0,))
+    assert compiled.as_text().count("custom_call_target=\"tpu_custom_call\"") >= 2
+    out = jax.tree_util.tree_leaves(compiled.out_info[0])
+    assert [o.shape for o in out] == [(16, 5), (16,), (16, 5), (16, 5, 20), (16, 5, 20)]
