@@ -283,11 +283,15 @@ class Engine:
         pad = self.runner.bucket(n) - n
         return 0 if any(row.tokens is not None for _, row, _ in rows) or pad < n else pad
 
-    @staticmethod
-    def _may_draft(r: Request, row: Row) -> bool:
+    def _may_draft(self, r: Request, row: Row) -> bool:
         """Whether r's row may carry drafts: a decode row without a constraint or banned ids (min_tokens),
-        of a request that wants more than this row's token."""
-        return row.tokens is None and r.grammar is None and not row.banned and len(r.out) + r.pending < r.max_tokens
+        of a request that wants more than this row's token, whose n-gram lookup can find something once
+        its token in flight is known: every match ending in that token needs an earlier occurrence of the
+        prompt_lookup_min - 1 known tokens before it (so a step is not read back for nothing)."""
+        if row.tokens is not None or r.grammar is not None or row.banned or len(r.out) + r.pending >= r.max_tokens:
+            return False
+        n = self.speculative.lookup_min - 1
+        return r.pending < 2 or n == 0 or bool(ngram(np.asarray(r.prompt + r.out), 1, n, n))
 
     def _draft(self, rows: list, room: int) -> None:
         """Extends decode rows with drafts (read back: r.out is current), in order, within `room` tokens and
