@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -317,3 +318,35 @@ def test_verifying_step_compiles_deviceless_for_v6e():
     assert compiled.as_text().count("custom_call_target=\"tpu_custom_call\"") >= 2
     out = jax.tree_util.tree_leaves(compiled.out_info[0])
     assert [o.shape for o in out] == [(16, 5), (16,), (16, 5), (16, 5, 20), (16, 5, 20)]
+
+
+def test_constrained_row_beside_drafted_ones():
+    """A regex-constrained request shares drafted steps with two unconstrained ones (the default model,
+    float32): its text matches the regex (re.fullmatch, not quantkit's code) and every request's tokens
+    equal those of the same requests without speculation."""
+    import re
+
+    from quantkit.runtime.structured import Constraints
+    from quantkit.runtime.tokenizer import TextCodec
+
+    path = "assets/tiny-llama"
+    model, codec = load(path, dtype=jnp.float32), TextCodec(path)
+    cons = Constraints(Path(path) / "tokenizer.json", model.cfg.vocab_size, {2})
+    pattern = "(def|class) [a-z_]{1,12}\\(self(, [a-z]{1,6}){0,3}\\):"
+    prompts = [codec.encode(t) for t in ("def add(a, b):\n    return a + b\n\n\ndef add(a, b):",
+                                         "import os\nimport os\nimport os\nimport", "    def __init__(self")]
+
+    def run(spec):
+        engine = Engine(Runner(model, max_model_len=256, max_num_seqs=4, page_size=8, max_num_batched_tokens=64,
+                               speculative=spec.k if spec else 0), decode=codec.decode, speculative=spec)
+        reqs = [engine.submit(Request(p, 40, ignore_eos=True)) for p in prompts[:2]]
+        reqs.append(engine.submit(Request(prompts[2], 40, grammar=cons.matcher(cons.grammar("regex", pattern)))))
+        while engine.busy():
+            engine.step()
+        return reqs, engine
+
+    spec, engine = run(NGRAM)
+    alone, _ = run(None)
+    assert [r.out for r in spec] == [r.out for r in alone]
+    assert re.fullmatch(pattern, spec[2].text) and spec[2].finish_reason == "stop"
+    assert engine.accepted > 0 and engine.masks > 0

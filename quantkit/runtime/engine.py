@@ -228,6 +228,8 @@ class Engine:
                     s["allow"][k] = r.grammar.mask if r.finish_reason is None else -1
                 return s
 
+            if constrained and batch["drafts"].any():  # read back for the drafts: the masks go in the batch
+                batch["sampling"], constrained = sampling(), []
             out = self.runner.run_split(batch, sampling) if constrained else self.runner.run(batch)
             self.inflight = (out, [(r, samples, len(row.drafts)) for r, row, samples in rows])
         if previous is not None:
