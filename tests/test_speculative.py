@@ -157,6 +157,18 @@ def test_stops_inside_an_accepted_run(llama):
     assert engine.accepted > 0
 
 
+def test_seeded_sampling_gives_the_same_tokens(llama):
+    """Sampled requests with seeds (temperature 0.3, top-k 5 on some): the same tokens with drafts as
+    without (each position is drawn with the key a step without drafts uses, and a draft stands only where
+    it is that token), with drafts both accepted and rejected."""
+    reqs = [dict(prompt=p, max_tokens=40, sampling=Sampling(0.3, 5 * (i % 2), 1.0, seed=i))
+            for i, p in enumerate(_prompts())]
+    spec, engine = _run(llama, 16, SpeculativeConfig("ngram", 4, 1, 4), reqs)
+    alone, _ = _run(llama, 16, None, reqs)
+    assert [r.out for r in spec] == [r.out for r in alone]
+    assert 0 < engine.accepted < engine.draft_tokens
+
+
 def test_one_program_per_bucket_whatever_the_drafts(llama):
     """Rows with 1 to 4 drafts, steps without: at most two programs per token bucket (the verifying one and
     the plain one; jax's own cache counts), whatever the drafts."""

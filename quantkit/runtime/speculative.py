@@ -1,9 +1,10 @@
 """Speculative decoding: vLLM's `--speculative-config`, and the drafters that propose tokens.
 
 A decoding row then carries its last token and up to `k` drafts; the one ragged step verifies them all
-(step.verify_rows: greedy rows keep the drafts equal to the target's argmax, sampled rows the standard
-rejection rule) and returns the accepted drafts plus the target's next token, so the output is the one the
-target alone would give (greedy: token for token; sampled: in distribution). Drafters:
+(step.verify_rows: each position's token is drawn as a step without drafts draws it, with the same key,
+and a draft stands where it is that token: the standard rejection rule for a certain drafter) and returns
+the accepted drafts plus the target's next token, so the output is the one the target alone gives, token
+for token when greedy or seeded. Drafters:
 
 - `ngram` (prompt lookup): the tokens that followed the latest earlier occurrence of the sequence's last n
   tokens (prompt and output so far), for the longest n in [prompt_lookup_min, prompt_lookup_max] that

@@ -89,26 +89,12 @@ def _filtered(logits: jax.Array, temperature, top_k, top_p) -> jax.Array:
     return jax.lax.cond(jnp.any((top_k > 0) | (top_p < 1)), filtered, lambda: scaled)
 
 
-def sample(logits: jax.Array, keys: jax.Array, temperature, top_k, top_p, draft=None):
-    """One token per row of logits [b, vocab] with per-row keys [b, 2] and parameters [b] (`_filtered`).
-
-    draft [b] (NO_TOKEN: none): a token a drafter proposed with certainty. Then returns (token, accepted):
-    the draft accepted with probability p(draft) of the filtered distribution p (greedy: when it is the
-    argmax), else a token drawn from p without it (max(p - q, 0) renormalized for the one-hot q of a
-    certain draft), so the token that stands has exactly p's distribution (speculative sampling's rule).
-    """
+def sample(logits: jax.Array, keys: jax.Array, temperature, top_k, top_p) -> jax.Array:
+    """One token per row of logits [b, vocab] with per-row keys [b, 2] and parameters [b] (`_filtered`)."""
     scaled = _filtered(logits, temperature, top_k, top_p)
-    greedy = _argmax(logits)
-    if draft is not None:
-        live = draft < logits.shape[-1]
-        p = jnp.take_along_axis(jax.nn.softmax(scaled, axis=-1), jnp.where(live, draft, 0)[:, None], axis=-1)[:, 0]
-        u = jax.vmap(lambda k: jax.random.uniform(jax.random.fold_in(k, 1)))(keys)
-        accepted = live & jnp.where(temperature <= 0, greedy == draft, u < p)
-        scaled = jax.vmap(lambda row, d: row.at[d].set(-jnp.inf, mode="drop"))(scaled, draft)
     # jax.random.categorical's Gumbel-max draw, with the cheaper argmax
     drawn = _argmax(scaled + jax.vmap(lambda k: jax.random.gumbel(k, scaled.shape[-1:], scaled.dtype))(keys))
-    tok = jnp.where(temperature <= 0, greedy, drawn)
-    return tok if draft is None else (tok, accepted)
+    return jnp.where(temperature <= 0, _argmax(logits), drawn)
 
 
 def allowed_logits(logits: jax.Array, allow: jax.Array) -> jax.Array:
@@ -128,27 +114,24 @@ def pick(logits: jax.Array, s: dict, next_pos: jax.Array, draft: jax.Array | Non
     request gives the same text whatever else shares its batch. A row's structured-output mask (`allow`)
     applies first, to the sample and to the log-probabilities (the masked distribution, as vLLM reports
     it); its banned ids [BANNED] are never drawn, its log-probabilities those of the unbanned logits
-    (vLLM's raw logprobs). With draft [b] (speculative decoding; NO_TOKEN: none) the token is the draft
-    where `sample`'s rule accepts it, and whether it did is a fifth output.
+    (vLLM's raw logprobs). With draft [b] (speculative decoding; NO_TOKEN: none), whether the token drawn
+    is the draft is a fifth output: so the draft is accepted with probability p(draft), and where it is
+    not, the token drawn is distributed as p without it: speculative sampling's rule for a drafter that is
+    certain (max(p - q, 0) renormalized for a one-hot q), drawn with the very key a step without drafts
+    uses, so that a seeded request's tokens do not depend on its drafts.
     """
     logits = allowed_logits(logits, s["allow"])
     keys = jax.vmap(lambda seed, p: jax.random.fold_in(jax.random.PRNGKey(seed), p))(s["seed"], next_pos)
     allowed = jax.lax.cond(jnp.any(s["banned"] != NO_TOKEN), lambda: jax.vmap(
         lambda row, ids: row.at[ids].set(-jnp.inf, mode="drop"))(logits, s["banned"]), lambda: logits)
-    greedy = jnp.all(s["temperature"] <= 0)
-    if draft is None:
-        tok = jax.lax.cond(greedy, lambda: _argmax(allowed),
-                           lambda: sample(allowed, keys, s["temperature"], s["top_k"], s["top_p"]))
-    else:
-        tok, accepted = jax.lax.cond(greedy, lambda: (_argmax(allowed), _argmax(allowed) == draft), lambda: sample(
-            allowed, keys, s["temperature"], s["top_k"], s["top_p"], draft))
-        tok = jnp.where(accepted, draft, tok)
+    tok = jax.lax.cond(jnp.all(s["temperature"] <= 0), lambda: _argmax(allowed),
+                       lambda: sample(allowed, keys, s["temperature"], s["top_k"], s["top_p"]))
     logp = jax.nn.log_softmax(logits, axis=-1)
     b = logits.shape[0]
     top = jax.lax.cond(jnp.any(s["logprobs"]), lambda: tuple(jax.lax.top_k(logp, TOP_LOGPROBS)),
                        lambda: (jnp.zeros((b, TOP_LOGPROBS), logp.dtype), jnp.zeros((b, TOP_LOGPROBS), jnp.int32)))
     out = tok.astype(jnp.int32), jnp.take_along_axis(logp, tok[:, None], axis=-1)[:, 0], top[1], top[0]
-    return out if draft is None else (*out, accepted)
+    return out if draft is None else (*out, tok == draft)
 
 
 def _slots(batch: dict, ps: int) -> dict:
@@ -175,10 +158,11 @@ def verify_rows(logits: jax.Array, row: jax.Array, draft: jax.Array, next_pos: j
     draws [R]; grid [S, k + 1]: each row's positions in R, its last token before the drafts, each draft,
     then repeats of its last one (drafts: batch["drafts"] a row).
 
-    Each position's token is drawn by `pick` with its draft, under the row's sampling and the key of the
-    position it fills, as a step without drafts would draw it. A row keeps its drafts up to the first one
-    rejected, then the token drawn there: `count` = accepted + 1 tokens, the same distribution as drawing
-    them one step at a time (exactly the same tokens when greedy). Returns ((tokens [S, k + 1], count [S],
+    Each position's token is drawn by `pick` under the row's sampling and the key of the position it fills,
+    as a step without drafts draws it, and its draft accepted where they agree (`pick`: speculative
+    sampling's rule). A row keeps its drafts up to the first one rejected, then the token drawn there:
+    `count` = accepted + 1 tokens, the very tokens of drawing them one step at a time (greedy, or sampled
+    with the request's seed). Returns ((tokens [S, k + 1], count [S],
     logprobs [S, k + 1], top ids, top logprobs [S, k + 1, TOP_LOGPROBS]), `last` with each row's slot set to
     its last token)."""
     sampling = jax.tree_util.tree_map(lambda x: x[row], batch["sampling"])
