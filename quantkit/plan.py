@@ -133,7 +133,7 @@ def plan(path: str | Path, target: str = "v6e", max_model_len: int = 2048, max_n
             sh = None if mesh is None else cache_sharding(c, mesh, k) if k != "linear" else NamedSharding(mesh, P())
             return jax.ShapeDtypeStruct(s, d or kv_dtype, sharding=sh)
 
-        return cache_layout(c, max_model_len, n, PAGE_SIZE, budget).cache(leaf)
+        return cache_layout(c, max_model_len, n, PAGE_SIZE, budget, speculative).cache(leaf)
 
     def weight_bytes(only_experts: bool = False) -> int:
         return sum(_nbytes(x, lay, chip) for x, lay, e in zip(param_leaves, layouts["params"], experts)
@@ -151,7 +151,7 @@ def plan(path: str | Path, target: str = "v6e", max_model_len: int = 2048, max_n
         """Compiles the step of config c (weights: its abstract pytree) at t tokens for n sequences (spec:
         the verifying step of speculative decoding with up to that many drafts a row)."""
         batch = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
-                                       empty_batch(t, min(t, n), cache_layout(c, max_model_len, n, PAGE_SIZE, budget), n,
+                                       empty_batch(t, min(t, n), cache_layout(c, max_model_len, n, PAGE_SIZE, budget, speculative), n,
                                                    c.vocab_size))
         return compile_for(target, step_function(c, PAGE_SIZE, mesh=mesh, unroll=unroll, kv_fp8=fp8,
                                                  ep=ep and mesh is not None, spec=spec), weights, cache(n, c),

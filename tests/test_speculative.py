@@ -362,3 +362,22 @@ def test_constrained_row_beside_drafted_ones():
     assert [r.out for r in spec] == [r.out for r in alone]
     assert re.fullmatch(pattern, spec[2].text) and spec[2].finish_reason == "stop"
     assert engine.accepted > 0 and engine.masks > 0
+
+
+def test_qwen3_5_gdn_state_follows_the_kept_drafts(tmp_path):
+    """Qwen3.5 (Gated DeltaNet layers): greedy n-gram drafts, partly rejected, give the same tokens as
+    without speculation, and each slot's GDN conv and recurrent states at the end equal those of the same
+    requests without speculation to 1e-5 (float32)."""
+    from helpers import qwen3_5_model
+
+    qwen3_5_model(False).save_pretrained(tmp_path / "qwen")
+    model = load(tmp_path / "qwen", dtype=jnp.float32)
+    reqs = [dict(prompt=p, max_tokens=n) for p, n in zip(_prompts()[:4], [30, 20, 24, 12])]
+    spec, engine = _run(model, 64, SpeculativeConfig("ngram", 4, 1, 4), reqs, fill_only=False)
+    alone, plain = _run(model, 64, None, reqs)
+    slots = [0, 1, 2, 3]  # each request's state stays in its slot after it finished
+    for a, b in zip(engine.runner.kv["linear"][:2], plain.runner.kv["linear"]):
+        ref = np.asarray(b)[:, slots]
+        assert np.abs(np.asarray(a)[:, slots] - ref).max() <= 1e-5 * max(1.0, np.abs(ref).max())
+    assert [r.out for r in alone] == [r.out for r in spec]
+    assert 0 < engine.accepted < engine.draft_tokens

@@ -77,7 +77,7 @@ class CacheLayout:
     layers: dict  # kind -> layers
     widths: dict  # kind -> kv_heads * 2 * head_dim of its layers
     window: int | None  # sliding window of the "sliding" kind
-    states: tuple = ()  # Gated DeltaNet layers: (conv, recurrent) state shapes, float32 (see `cache_layout`)
+    states: tuple = ()  # Gated DeltaNet layers: (conv, recurrent[, their checkpoints]) state shapes, float32
 
     def shapes(self) -> dict:
         """kind -> shape of its stacked pages."""
@@ -93,7 +93,9 @@ class CacheLayout:
 
 
 def cache_layout(cfg: ModelConfig, max_model_len: int, max_num_seqs: int, page_size: int = 16,
-                 max_num_batched_tokens: int = 512) -> CacheLayout:
+                 max_num_batched_tokens: int = 512, speculative: int = 0) -> CacheLayout:
+    """speculative: drafts a row at most; Gated DeltaNet layers then also keep each slot's states after
+    each of its first `speculative` tokens of a step (gdn.gdn_block), k times the state memory."""
     ps = page_size
     per_seq = -(-max_model_len // ps)
     kinds = cfg.layer_kinds
@@ -109,6 +111,8 @@ def cache_layout(cfg: ModelConfig, max_model_len: int, max_num_seqs: int, page_s
         conv = cfg.gdn_dims[0]
         states = ((n, slots, cfg.conv_kernel - 1, conv),
                   (n, slots, cfg.linear_v_heads, cfg.linear_k_dim, cfg.linear_v_dim))
+        if speculative:
+            states += tuple((n, slots, speculative, *shape[2:]) for shape in states)
     return CacheLayout(ps, per_seq, {k: pages[k] for k in layers}, layers, widths, window, states)
 
 

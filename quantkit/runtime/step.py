@@ -27,6 +27,7 @@ from quantkit.quant.qtensor import QTensor
 from quantkit.runtime.cache import CacheLayout, PagePool, cache_layout, kv_fp8_dtype, with_kv_scales
 from quantkit.runtime.models import forward_for
 from quantkit.runtime.models.common import logits as project
+from quantkit.runtime.models.gdn import keep_checkpoints
 from quantkit.runtime.sharding import AXIS, cache_sharding, make_mesh, place_row_major, row_major, shard_params
 from quantkit.runtime.structured import words
 
@@ -206,13 +207,15 @@ def step_function(cfg, page_size: int, all_logits: bool = False, mesh=None, unro
     def step(params, kv, last, batch):
         tokens = jnp.where(batch["prev_slot"] >= 0, last[jnp.maximum(batch["prev_slot"], 0)], batch["tokens"])
         meta = {**batch, "slots": _slots(batch, page_size), "mesh": mesh, "unroll": unroll, "kv_fp8": kv_fp8,
-                "ep_mesh": mesh if ep else None}
+                "ep_mesh": mesh if ep else None, "verify": bool(spec)}
         h, kv = fwd(params, cfg, tokens, kv, meta)
         if all_logits:
             return project(params, h, cfg), kv, last
         if spec:
             src, *verified = verify_positions(batch, tokens, spec)
             out, last = verify_rows(project(params, h[src], cfg), *verified, last, batch)
+            if len(kv.get("linear", ())) == 4:  # GDN states: each row's after the tokens it kept
+                kv = {**kv, "linear": keep_checkpoints(kv["linear"], batch, out[1])}
             return out, kv, last
         ends = batch["cu_q_lens"][1:] - 1  # each sequence's last token
         logits = project(params, h[jnp.maximum(ends, 0)], cfg)
@@ -329,10 +332,7 @@ class Runner:
         cfg = self.model.cfg
         self.buckets = token_buckets(self.max_num_batched_tokens)
         self.layout = cache_layout(cfg, self.max_model_len, self.max_num_seqs, self.page_size,
-                                   self.max_num_batched_tokens)
-        if self.speculative and self.layout.states:
-            raise InvalidInput(f"speculative decoding is not available for {cfg.family} yet: its Gated DeltaNet "
-                               f"layers would need their state rolled back past rejected drafts")
+                                   self.max_num_batched_tokens, self.speculative)
         self.pool = PagePool(self.layout, self.max_num_seqs)
         fp8 = kv_fp8_dtype(self.kv_cache_dtype, self.model.kv_scales is not None)
         self.kv_dtype = jnp.dtype(fp8 or self.model.dtype).name

@@ -93,12 +93,31 @@ def _conv(qkv: jax.Array, w: jax.Array, c0: jax.Array, row, j, first, n):
         x = jnp.where((back >= 0)[:, None], qkv[jnp.maximum(jnp.arange(t) - m, 0)],
                       c0[row, jnp.clip(kk - 1 + back, 0, kk - 2)])
         out = out + x.astype(jnp.float32) * w[:, 0, kk - 1 - m].astype(jnp.float32)
-    # the last K - 1 of (c0 ++ the row's tokens)
-    at = n[:, None] + jnp.arange(kk - 1)  # [rows, K - 1] index into that concatenation
-    mine = qkv[jnp.clip(first[:, None] + at - (kk - 1), 0, t - 1)]
-    c1 = jnp.where((at >= kk - 1)[..., None], mine.astype(c0.dtype),
-                   jnp.take_along_axis(c0, jnp.minimum(at, kk - 2)[..., None], axis=1))
-    return jax.nn.silu(out).astype(qkv.dtype), c1
+    return jax.nn.silu(out).astype(qkv.dtype), _conv_tail(qkv, c0, first, n)
+
+
+def _conv_tail(qkv: jax.Array, c0: jax.Array, first, n):
+    """Each row's conv state after its first n [rows] tokens of qkv [T, C]: the last K - 1 of (c0 ++ them)."""
+    kk1, t = c0.shape[1], qkv.shape[0]
+    at = n[:, None] + jnp.arange(kk1)  # [rows, K - 1] index into that concatenation
+    mine = qkv[jnp.clip(first[:, None] + at - kk1, 0, t - 1)]
+    return jnp.where((at >= kk1)[..., None], mine.astype(c0.dtype),
+                     jnp.take_along_axis(c0, jnp.minimum(at, kk1 - 1)[..., None], axis=1))
+
+
+def _checkpoints(raw, c0, s0, q, k, v, g, beta, first, n, drafts: int):
+    """Speculative decoding: each row's (conv, recurrent) state after its first 1, 2, ... `drafts` tokens
+    ([rows, drafts, ...] each; raw: the conv's input [T, C]), the token-by-token delta rule from s0, so
+    that a row whose drafts are partly rejected continues from the state after the ones it kept."""
+    t = q.shape[0]
+    convs, recs, s = [], [], s0
+    for m in range(drafts):
+        at, ok = jnp.minimum(first + m, t - 1), (m < n)
+        one = lambda a: jnp.where(ok.reshape(-1, *[1] * (a.ndim - 1)), a[at], 0)[:, :, None]  # noqa: E731
+        s = delta_rule_chunk(s, one(q), one(k), one(v), one(g), one(beta))[1]
+        convs.append(_conv_tail(raw, c0, first, jnp.minimum(n, m + 1)))
+        recs.append(s)
+    return jnp.stack(convs, axis=1), jnp.stack(recs, axis=1)
 
 
 def _recurrence(q, k, v, g, beta, s0, first, n):
@@ -128,8 +147,10 @@ def _recurrence(q, k, v, g, beta, s0, first, n):
 
 def gdn_block(p: dict, x: jax.Array, state: tuple, i, batch: dict, cfg: ModelConfig) -> tuple[jax.Array, tuple]:
     """A Gated DeltaNet layer on x [T, hidden] (already normed); state: the "linear" cache (conv [L, slots,
-    K - 1, C], recurrent [L, slots, Hv, dk, dv]), layer i read and written at the rows' slots."""
-    conv_all, rec_all = state
+    K - 1, C], recurrent [L, slots, Hv, dk, dv]; with speculative decoding also their checkpoints [L,
+    slots, k, ...] after each of a row's first k tokens, `_checkpoints`), layer i read and written at the
+    rows' slots."""
+    conv_all, rec_all, *ckpt = state
     t = x.shape[0]
     hk, hv, dk, dv = cfg.linear_k_heads, cfg.linear_v_heads, cfg.linear_k_dim, cfg.linear_v_dim
     row, j, first, n = _rows(batch, t)
@@ -137,7 +158,8 @@ def gdn_block(p: dict, x: jax.Array, state: tuple, i, batch: dict, cfg: ModelCon
     fresh = (batch["kv_lens"] - n == 0)[:, None, None]  # rows starting at position 0 start from zeros
     c0 = jnp.where(fresh, 0, conv_all[i, slot])
     s0 = jnp.where(fresh[..., None], 0, rec_all[i, slot])
-    qkv, c1 = _conv(linear(x, p["in_qkv"]), p["conv"], c0, row, j, first, n)
+    raw = linear(x, p["in_qkv"])
+    qkv, c1 = _conv(raw, p["conv"], c0, row, j, first, n)
     qkv = qkv.astype(jnp.float32)
     rep = hv // hk
     q = jnp.repeat(_l2norm(qkv[:, :hk * dk].reshape(t, hk, dk)), rep, axis=1) * dk ** -0.5
@@ -149,4 +171,23 @@ def gdn_block(p: dict, x: jax.Array, state: tuple, i, batch: dict, cfg: ModelCon
     z = linear(x, p["in_z"]).reshape(t, hv, dv)
     o = rms_norm(o.astype(x.dtype), p["gdn_norm"], cfg.rms_norm_eps) * jax.nn.silu(z.astype(jnp.float32))
     out = linear(o.astype(x.dtype).reshape(t, hv * dv), p["out"])
-    return out, (conv_all.at[i, slot].set(c1.astype(conv_all.dtype)), rec_all.at[i, slot].set(s1))
+    state = (conv_all.at[i, slot].set(c1.astype(conv_all.dtype)), rec_all.at[i, slot].set(s1))
+    if ckpt and batch.get("verify"):  # (a step without drafts passes them on)
+        c, r = _checkpoints(raw, c0, s0, q, k, v, g, beta, first, n, ckpt[1].shape[2])
+        ckpt = (ckpt[0].at[i, slot].set(c.astype(ckpt[0].dtype)), ckpt[1].at[i, slot].set(r))
+    return out, (*state, *ckpt)
+
+
+def keep_checkpoints(state: tuple, batch: dict, count: jax.Array) -> tuple:
+    """After a verifying step: each drafted row's GDN state set to its checkpoint after the `count` [S]
+    tokens it kept (unchanged where it kept them all: the step's own state after its tokens)."""
+    conv_all, rec_all, conv_ck, rec_ck = state
+    slot, drafts = batch["slot"], batch["drafts"]
+    use = count <= drafts  # kept fewer than its 1 + drafts tokens
+    at = jnp.clip(count - 1, 0, rec_ck.shape[2] - 1)
+
+    def pick(now, ck):
+        keep = use.reshape(1, -1, *[1] * (now.ndim - 2))
+        return now.at[:, slot].set(jnp.where(keep, ck[:, slot, at], now[:, slot]), mode="drop")
+
+    return pick(conv_all, conv_ck), pick(rec_all, rec_ck), conv_ck, rec_ck
