@@ -317,3 +317,41 @@ def pack_native(model, path, seed: int = 0) -> dict:
                "quantization_config": {"quant_method": "mxfp4", "modules_to_not_convert": NOT_CONVERTED}}
     (path / "config.json").write_text(json.dumps(config))
     return intended
+
+
+def tiny_llama(path):
+    """A tiny random Llama (2 layers, hidden 64, vocabulary 128), saved at path (seed 0)."""
+    import torch
+    import transformers as T
+
+    torch.manual_seed(0)
+    T.LlamaForCausalLM(T.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, vocab_size=128, head_dim=16,
+                                     max_position_embeddings=256)).save_pretrained(path)
+    return path
+
+
+def tiny_gemma3(path):
+    """A tiny random Gemma 3 with an 8-token window (two local layers, then a global one), saved at path."""
+    import torch
+    import transformers as T
+
+    torch.manual_seed(0)
+    T.Gemma3ForCausalLM(T.Gemma3TextConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=128, head_dim=16, max_position_embeddings=256, sliding_window=8,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"])).save_pretrained(path)
+    return path
+
+
+def greedy_reference(model, prompt, n):
+    """Greedy tokens one at a time through the plain forward step (no engine, no sampling code)."""
+    from quantkit.runtime.engine import Runner
+
+    r = Runner(model, max_model_len=128, page_size=8)
+    logits = r.forward([(0, prompt, 0)])[0][-1]
+    out = []
+    for i in range(n):
+        out.append(int(np.argmax(logits)))
+        logits = r.forward([(0, [out[-1]], len(prompt) + i)])[0][-1]
+    return out

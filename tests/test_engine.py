@@ -15,26 +15,14 @@ from quantkit.errors import InvalidInput
 from quantkit.runtime.engine import Engine, QueueFull, Request, Runner, Sampling
 from quantkit.runtime.loader import load
 
+from helpers import greedy_reference, tiny_gemma3, tiny_llama
+
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
     path = tmp_path_factory.mktemp("engine") / "llama"
-    torch.manual_seed(0)
-    T.LlamaForCausalLM(T.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                     num_attention_heads=4, num_key_value_heads=2, vocab_size=128, head_dim=16,
-                                     max_position_embeddings=256)).save_pretrained(path)
+    tiny_llama(path)
     return load(path, dtype=jnp.float32)
-
-
-def _reference(model, prompt, n):
-    """Greedy tokens one at a time through the plain forward step (no engine, no sampling code)."""
-    r = Runner(model, max_model_len=128, page_size=8)
-    logits = r.forward([(0, prompt, 0)])[0][-1]
-    out = []
-    for i in range(n):
-        out.append(int(np.argmax(logits)))
-        logits = r.forward([(0, [out[-1]], len(prompt) + i)])[0][-1]
-    return out
 
 
 def _prompts(k, seed=0):
@@ -51,11 +39,7 @@ def test_staggered_requests_match_each_alone(model, budget):
 def gemma(tmp_path_factory):
     """Gemma 3 with an 8-token window."""
     path = tmp_path_factory.mktemp("engine") / "gemma"
-    torch.manual_seed(0)
-    T.Gemma3ForCausalLM(T.Gemma3TextConfig(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
-        vocab_size=128, head_dim=16, max_position_embeddings=256, sliding_window=8,
-        layer_types=["sliding_attention", "sliding_attention", "full_attention"])).save_pretrained(path)
+    tiny_gemma3(path)
     return load(path, dtype=jnp.float32)
 
 
@@ -81,7 +65,7 @@ def _staggered(model, budget):
     while engine.busy():
         engine.step()
     for r, p, n in zip(reqs, prompts, lengths):
-        assert r.out == _reference(model, p, n) and r.finish_reason == "length"
+        assert r.out == greedy_reference(model, p, n) and r.finish_reason == "length"
     assert engine.pages_used == 0 and sorted(engine.free_slots) == [0, 1, 2, 3]
     return engine.runner
 
@@ -100,7 +84,7 @@ def test_long_prompt_is_prefilled_in_chunks_while_others_decode(model):
     # kept producing a token every iteration
     chunked = [(n, d) for n, d in seen if 0 < d < 90]
     assert len(chunked) >= 5 and all(n2 == n1 + 1 for (n1, _), (n2, _) in zip(chunked, chunked[1:]))
-    assert a.out == _reference(model, short, 30) and b.out == _reference(model, long, 5)
+    assert a.out == greedy_reference(model, short, 30) and b.out == greedy_reference(model, long, 5)
 
 
 def test_abort_frees_pages_and_slot_at_once(model):
@@ -133,7 +117,7 @@ def test_limits_queue_and_stops(model):
         engine.submit(Request([5, 6, 7], 4))
     while engine.busy():
         engine.step()
-    greedy = _reference(model, [5, 6, 7], 8)
+    greedy = greedy_reference(model, [5, 6, 7], 8)
     stop = engine.submit(Request([5, 6, 7], 8, stop_ids=frozenset({greedy[3]})))
     while engine.busy():
         engine.step()
@@ -153,7 +137,7 @@ def test_seeded_sampling_does_not_depend_on_batch_neighbours(model):
         return r.out
 
     alone, crowded = run(0), run(3)
-    assert alone == crowded and alone != _reference(model, [9, 8, 7], 16)
+    assert alone == crowded and alone != greedy_reference(model, [9, 8, 7], 16)
 
 
 @pytest.mark.parametrize("k,p", [(5, 1.0), (0, 0.5), (40, 0.9)])
@@ -246,7 +230,7 @@ def test_prefix_caching_reuses_shared_pages_and_outputs_match(model):
     assert engine.prefix_hits == sum(expected)
     assert engine.prefix_queries == sum(map(len, prompts + follow))
     for r, p in zip(reqs + more, prompts + follow):
-        assert r.out == _reference(model, p, 6)
+        assert r.out == greedy_reference(model, p, 6)
     assert engine.pages_used == 0 and engine.pool.cached_pages > 0
 
 
@@ -271,7 +255,7 @@ def test_prefix_caching_with_staggered_overlapping_requests(model, budget):
             engine.step()
         outs[caching] = [r.out for r in reqs]
         assert (engine.prefix_hits > 0) == caching and engine.pages_used == 0
-    assert outs[True] == outs[False] == [_reference(model, p, 5) for p in prompts]
+    assert outs[True] == outs[False] == [greedy_reference(model, p, 5) for p in prompts]
 
 
 def test_prefix_caching_off_recomputes_everything(model):
@@ -280,7 +264,7 @@ def test_prefix_caching_off_recomputes_everything(model):
     engine = Engine(Runner(model, max_model_len=128, max_num_seqs=2, page_size=8), prefix_caching=False)
     reqs, _ = _run_one_by_one(engine, [p, p], 4)
     assert engine.prefix_hits == 0 and engine.pool.cached_pages == 0
-    assert reqs[0].out == reqs[1].out == _reference(model, p, 4)
+    assert reqs[0].out == reqs[1].out == greedy_reference(model, p, 4)
 
 
 def test_abort_mid_prefill_keeps_pages_another_request_shares(model):
@@ -307,7 +291,7 @@ def test_abort_mid_prefill_keeps_pages_another_request_shares(model):
     assert engine.pages_used == held()  # b's own pages went back, a's (shared ones included) are held
     while engine.busy():
         engine.step()
-    assert a.out == _reference(model, long, 20) and engine.pages_used == 0
+    assert a.out == greedy_reference(model, long, 20) and engine.pages_used == 0
 
 
 def test_eviction_under_page_pressure_is_least_recently_used(model):
@@ -325,7 +309,7 @@ def test_eviction_under_page_pressure_is_least_recently_used(model):
     again += _run_one_by_one(engine, [prompts[-1]], 4)[0]
     assert engine.prefix_hits == hits + 24  # 3 pages of the most recent prompt
     for r, p in zip(reqs + again, prompts + [prompts[0], prompts[-1]]):
-        assert r.out == _reference(model, p, 4)
+        assert r.out == greedy_reference(model, p, 4)
     assert engine.pages_used == 0 and engine.pool.cached_pages <= engine.pool.total
 
 
@@ -340,7 +324,7 @@ def test_prefix_caching_with_sliding_window_layers(gemma):
     reqs, _ = _run_one_by_one(engine, prompts, 5)
     assert engine.prefix_hits == 24
     for r, p in zip(reqs, prompts):
-        assert r.out == _reference(gemma, p, 5)
+        assert r.out == greedy_reference(gemma, p, 5)
     assert engine.pages_used == 0
 
 

@@ -17,14 +17,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import scipy.stats
-import torch
-import transformers as T
 
 from quantkit.errors import Unsupported
 from quantkit.runtime.engine import Engine, Request, Runner, Sampling
 from quantkit.runtime.loader import load
 from quantkit.runtime.speculative import SpeculativeConfig, ngram, parse
 from quantkit.runtime.step import NO_TOKEN, VERIFY, sampling_arrays, verify_rows
+
+from helpers import greedy_reference, tiny_gemma3, tiny_llama
 
 NGRAM = SpeculativeConfig("ngram", 4, 2, 4)
 
@@ -69,10 +69,7 @@ def test_ngram_prompt_lookup():
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory):
     path = tmp_path_factory.mktemp("spec") / "llama"
-    torch.manual_seed(0)
-    T.LlamaForCausalLM(T.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                     num_attention_heads=4, num_key_value_heads=2, vocab_size=128, head_dim=16,
-                                     max_position_embeddings=256)).save_pretrained(path)
+    tiny_llama(path)
     return load(path, dtype=jnp.float32)
 
 
@@ -80,23 +77,8 @@ def llama(tmp_path_factory):
 def gemma(tmp_path_factory):
     """Gemma 3 with an 8-token window: pages leave the window while drafts are rolled back."""
     path = tmp_path_factory.mktemp("spec") / "gemma"
-    torch.manual_seed(0)
-    T.Gemma3ForCausalLM(T.Gemma3TextConfig(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
-        vocab_size=128, head_dim=16, max_position_embeddings=256, sliding_window=8,
-        layer_types=["sliding_attention", "sliding_attention", "full_attention"])).save_pretrained(path)
+    tiny_gemma3(path)
     return load(path, dtype=jnp.float32)
-
-
-def _reference(model, prompt, n):
-    """Greedy tokens one at a time through the plain forward step (no engine, no sampling code)."""
-    r = Runner(model, max_model_len=128, page_size=8)
-    logits = r.forward([(0, prompt, 0)])[0][-1]
-    out = []
-    for i in range(n):
-        out.append(int(np.argmax(logits)))
-        logits = r.forward([(0, [out[-1]], len(prompt) + i)])[0][-1]
-    return out
 
 
 def _prompts():
@@ -133,7 +115,7 @@ def test_greedy_ngram_gives_the_targets_tokens(request, name, budget, fill_only)
     reqs, engine = _run(model, budget, NGRAM, [dict(prompt=p, max_tokens=n) for p, n in zip(prompts, lengths)],
                         fill_only=fill_only)
     for r, p, n in zip(reqs, prompts, lengths):
-        assert r.out == _reference(model, p, n) and r.finish_reason == "length"
+        assert r.out == greedy_reference(model, p, n) and r.finish_reason == "length"
     assert 0 < engine.accepted < engine.draft_tokens and engine.drafts > 0
     assert engine.accepted == sum(engine.accepted_at) and engine.accepted_at == sorted(engine.accepted_at)[::-1]
 
@@ -142,7 +124,7 @@ def test_stops_inside_an_accepted_run(llama):
     """Stop ids, stop strings and max_tokens that fall among accepted drafts cut the output exactly where the
     target alone stops; min_tokens holds (no drafts before it)."""
     prompts = _prompts()
-    greedy = [_reference(llama, p, 40) for p in prompts[:4]]
+    greedy = [greedy_reference(llama, p, 40) for p in prompts[:4]]
     early = next(t for t in greedy[3][:12] if t in greedy[3][12:])  # a stop id min_tokens must skip
     plain = [dict(prompt=prompts[0], max_tokens=40, stop_ids=frozenset({greedy[0][25]})),
              dict(prompt=prompts[1], max_tokens=40, stop_strings=(" ".join(map(str, greedy[1][21:24])),)),
