@@ -174,9 +174,9 @@ def verify_rows(logits: jax.Array, row: jax.Array, draft: jax.Array, next_pos: j
 
 
 def verify_positions(batch: dict, tokens: jax.Array, k: int):
-    """The positions a step with up to k drafts a row verifies (`verify_rows`' row, draft, next_pos and
-    grid, and the token index of each): every token when the step has no more tokens than its rows have
-    positions (one logits row per token; a decode step), else each row's k + 1 (prompt chunks)."""
+    """The positions a step with up to k drafts a row verifies: (the token index of each, then
+    `verify_rows`' row, draft, next_pos and grid). Every token when the step has no more tokens than its
+    rows have positions (one logits row per token: a decode step), else each row's k + 1 (prompt chunks)."""
     t, cu, drafts = tokens.shape[0], batch["cu_q_lens"], batch["drafts"]
     ends = cu[1:] - 1  # each sequence's last token
     at = jnp.maximum(jnp.minimum(ends[:, None] - drafts[:, None] + jnp.arange(k + 1), ends[:, None]), 0)
