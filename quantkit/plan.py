@@ -121,7 +121,7 @@ def plan(path: str | Path, target: str = "v6e", max_model_len: int = 2048, max_n
     experts = [path[0].key == "layers" and is_expert(cfg, path[2].key) for path, _ in flat]
     layouts = {"params": [None] * len(param_leaves), "cache": None}  # from the first compiled decode step
     budget = min(BUDGET, max_model_len)
-    buckets = token_buckets(budget)
+    buckets = token_buckets(budget, verify=max_num_seqs * (1 + speculative) if speculative else 0)
 
     def decode_bucket(n: int) -> int:
         """The token bucket a decode step of n sequences runs in."""

@@ -158,6 +158,9 @@ def test_one_program_per_bucket_whatever_the_drafts(llama):
     r = engine.runner
     assert 0 < r._programs[VERIFY]._cache_size() <= len(r.buckets) == 2
     assert 0 < r._step._cache_size() <= len(r.buckets)
+    # every sequence with all its drafts gets a bucket of its own (rounded up to 16), not the next power of 2
+    assert Runner(llama, max_num_seqs=16, speculative=4).buckets == (8, 16, 32, 64, 80, 128, 256, 512)
+    assert Runner(llama, max_num_seqs=6, speculative=3).buckets == (8, 16, 32, 64, 128, 256, 512)
 
 
 # ---- the sampled rule ------------------------------------------------------------------------------------

@@ -254,12 +254,15 @@ def jitted_sampler(rep):
     return jax.jit(sample_rows, donate_argnums=(1,), **({} if rep is None else {"out_shardings": (rep, rep)}))
 
 
-def token_buckets(max_num_batched_tokens: int, lo: int = 8) -> tuple[int, ...]:
-    """8, 16, 32, ... below the budget, then the budget: the step's token counts."""
+def token_buckets(max_num_batched_tokens: int, lo: int = 8, verify: int = 0) -> tuple[int, ...]:
+    """8, 16, 32, ... below the budget, then the budget: the step's token counts; `verify` (speculative
+    decoding: max_num_seqs x (1 + k)) adds the bucket of every sequence with all its drafts, rounded up to
+    16, so that such a step does not pad to the next power of two (16 x 5 = 80 tokens, not 128)."""
     out = [lo]
     while out[-1] < max_num_batched_tokens:
         out.append(min(out[-1] * 2, max_num_batched_tokens))
-    return tuple(out)
+    extra = -(-verify // 16) * 16
+    return tuple(sorted({*out, extra})) if 0 < extra < max_num_batched_tokens else tuple(out)
 
 
 def sampling_arrays(b: int, vocab: int) -> dict:
@@ -330,7 +333,8 @@ class Runner:
 
     def __post_init__(self):
         cfg = self.model.cfg
-        self.buckets = token_buckets(self.max_num_batched_tokens)
+        self.buckets = token_buckets(self.max_num_batched_tokens,
+                                     verify=self.max_num_seqs * (1 + self.speculative) if self.speculative else 0)
         self.layout = cache_layout(cfg, self.max_model_len, self.max_num_seqs, self.page_size,
                                    self.max_num_batched_tokens, self.speculative)
         self.pool = PagePool(self.layout, self.max_num_seqs)
