@@ -269,7 +269,7 @@ ProcessIdOption = Annotated[int | None, typer.Option(min=0, help="This process's
 SpecOption = Annotated[str | None, typer.Option(
     "--speculative-config", help="Speculative decoding as vLLM's JSON, e.g. '{\"method\": \"ngram\", "
     "\"num_speculative_tokens\": 4}' (keys: method, num_speculative_tokens, prompt_lookup_min / _max; "
-    "docs/serving.md). Output unchanged: greedy token for token, sampled in distribution.", show_default=False)]
+    "docs/serving.md). Output unchanged: token for token when greedy or seeded.", show_default=False)]
 
 
 def _speculative(text: str | None):
