@@ -89,6 +89,7 @@ def generate(path: str | Path, prompt: str, max_tokens: int = 128, *, temperatur
     """
     from quantkit.runtime.engine import Engine, Runner, Sampling, enable_compilation_cache, generate as run
     from quantkit.runtime.loader import load
+    from quantkit.runtime.speculative import drafter_for
     from quantkit.runtime.sharding import start
     from quantkit.runtime.tokenizer import TextCodec
 
@@ -104,7 +105,8 @@ def generate(path: str | Path, prompt: str, max_tokens: int = 128, *, temperatur
     ids = codec.encode(text, special=not chat)  # a chat template writes its own special tokens
     stop_ids = tuple(i for i in (*model.cfg.eos_token_ids, codec.token_id("eos_token")) if i is not None)
     runner = Runner(model, max_model_len=min(max_model_len, model.cfg.max_position_embeddings),
-                    kv_cache_dtype=kv_cache_dtype, speculative=speculative.k if speculative else 0)
+                    kv_cache_dtype=kv_cache_dtype, speculative=speculative.k if speculative else 0,
+                    drafter=drafter_for(speculative, model))
     if not leader:
         runner.follow()
         return None

@@ -2,7 +2,11 @@
 with the runtime's model code (`runtime/models/llama.py`) under `jax.grad`, on CPU, deterministically.
 
 Usage: .venv/bin/python scripts/train_default_model.py [OUT_DIR] [--steps N] [--minutes M]
+       .venv/bin/python scripts/train_default_model.py --eagle3 [--steps N] [--minutes M]
 Default OUT_DIR: assets/tiny-llama (committed; README's set-up converts and serves it).
+`--eagle3`: trains an EAGLE-3 draft head (runtime/models/eagle3.py) for the model already in OUT_DIR, on the
+same training files, and writes it to OUT_DIR-eagle3 (committed: assets/tiny-llama-eagle3, served with
+`--speculative-config '{"method": "eagle3", "model": "assets/tiny-llama-eagle3", "num_speculative_tokens": 3}'`).
 
 Data: every `*.py` under the stdlib directory except tests, idlelib and lib2to3, in sorted path order;
 every 20th file is held out (`heldout_files()`) for `quantkit eval` (docs/quality.md). Tokenizer: a
@@ -126,12 +130,182 @@ def save(params: dict, out: Path) -> None:
     (out / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2}) + "\n")
 
 
+# ---- the EAGLE-3 draft head ----------------------------------------------------------------------------
+
+DRAFT_PASSES = 3  # training-time test: the head also learns from its own outputs, DRAFT_PASSES - 1 deep
+AUX_LAYERS = (1, 2, 3)  # the hidden states entering these target layers feed the head's fc
+
+
+def target_features(params, cfg, tokens):
+    """The target's (the runtime's Llama forward, one ragged step of b sequences) logits [b, n, vocab] and
+    fused hidden states entering AUX_LAYERS [b, n, 3 * hidden] for tokens [b, n]."""
+    from quantkit.runtime.models.common import logits
+
+    b, n = tokens.shape
+    pages = -(-n // 16)
+    tables = 1 + jnp.arange(b * pages, dtype=jnp.int32).reshape(b, pages)
+    pos = jnp.tile(jnp.arange(n, dtype=jnp.int32), b)
+    seq = jnp.repeat(jnp.arange(b), n)
+    meta = {"positions": pos, "tables": {"full": tables}, "slots": {"full": tables[seq, pos // 16] * 16 + pos % 16},
+            "cu_q_lens": jnp.arange(b + 1, dtype=jnp.int32) * n, "kv_lens": jnp.full(b, n, jnp.int32),
+            "num_seqs": jnp.array([b], jnp.int32), "unroll": True, "aux_layers": AUX_LAYERS}
+    width = 2 * cfg.num_kv_heads * cfg.head_dim
+    kv = {"full": jnp.zeros((cfg.num_layers, 1 + b * pages, 16, width), jnp.float32)}
+    h, _, aux = forward(params, cfg, tokens.reshape(-1), kv, meta)
+    return logits(params, h, cfg).reshape(b, n, -1), aux.reshape(b, n, -1)
+
+
+def init_draft(key, target: dict) -> dict:
+    h, i, hd = CONFIG["hidden_size"], CONFIG["intermediate_size"], CONFIG["head_dim"]
+    q, kv = CONFIG["num_attention_heads"] * hd, CONFIG["num_key_value_heads"] * hd
+    keys = iter(jax.random.split(key, 16))
+
+    def w(n_in, n_out, scale=1.0):
+        return jax.random.normal(next(keys), (n_in, n_out), jnp.float32) * scale / math.sqrt(n_in)
+
+    return {"fc": w(3 * h, h), "q": w(2 * h, q), "k": w(2 * h, kv), "v": w(2 * h, kv), "o": w(q, h, 0.5),
+            "gate": w(h, i), "up": w(h, i), "down": w(i, h, 0.5), "attn_norm": jnp.ones(h), "hidden_norm": jnp.ones(h),
+            "mlp_norm": jnp.ones(h), "norm": jnp.ones(h), "lm_head": jnp.asarray(target["lm_head"], jnp.float32)}
+
+
+def draft_passes(dp, dcfg, embed, tokens, aux):
+    """The head's logits [passes, b, n, vocab] under the training-time test: pass 0 at position t takes the
+    target's fused hidden at t and token t + 1; pass j the head's own pass j - 1 output at t - 1 and token t + 1,
+    attending to pass 0's keys up to t - j and pass m's key at t - j + m (m = 1..j): the keys a draft j
+    positions past the last verified token sees when drafting (runtime/step.py draft_rows)."""
+    from quantkit.runtime.models import eagle3
+    from quantkit.runtime.models.common import apply_rope, linear, rope_frequencies
+
+    b, n, _ = aux.shape
+    nh, kvh, d = dcfg.num_heads, dcfg.num_kv_heads, dcfg.head_dim
+    inv = rope_frequencies(dcfg)
+    pos = jnp.tile(jnp.arange(n), b)
+    emb = embed[jnp.concatenate([tokens[:, 1:], tokens[:, -1:]], axis=1)]  # token t + 1 at t
+    hidden = linear(aux, dp["fc"])
+    keys, values, out = [], [], []
+    t = jnp.arange(n)
+    for j in range(DRAFT_PASSES):
+        def attend(x):
+            q = apply_rope(linear(x, dp["q"]).reshape(b * n, nh, d), pos, inv).reshape(b, n, kvh, nh // kvh, d)
+            keys.append(apply_rope(linear(x, dp["k"]).reshape(b * n, kvh, d), pos, inv).reshape(b, n, kvh, d))
+            values.append(linear(x, dp["v"]).reshape(b, n, kvh, d))
+            s = jnp.arange(n)
+            mask = jnp.concatenate([s[None] <= t[:, None] - j] + [s[None] == t[:, None] - j + m for m in range(1, j + 1)],
+                                   axis=1)  # [n, (j + 1) n]
+            k, v = jnp.concatenate(keys, axis=1), jnp.concatenate(values, axis=1)
+            w = jnp.einsum("bthgd,bshd->bhgts", q, k) * dcfg.scale
+            w = jax.nn.softmax(jnp.where(mask, w, -jnp.inf), axis=-1)
+            o = jnp.einsum("bhgts,bshd->bthgd", w, v).reshape(b, n, nh * d)
+            return linear(o, dp["o"])
+
+        g = eagle3.layer(dp, dcfg, emb, hidden, attend)
+        out.append(eagle3.scores(dp, dcfg, g))
+        hidden = jnp.concatenate([jnp.zeros_like(g[:, :1]), g[:, :-1]], axis=1)
+    return jnp.stack(out)
+
+
+def make_draft_step(params, cfg, dcfg):
+    embed = params["embed"]
+
+    def loss_fn(dp, tokens):  # tokens [b, n]: pass j's position t predicts the target's distribution at t + 1
+        target, aux = jax.lax.stop_gradient(target_features(params, cfg, tokens))
+        p = jax.nn.softmax(target[:, 1:], axis=-1)
+        logits = draft_passes(dp, dcfg, embed, tokens, aux)[:, :, :-1]
+        n = tokens.shape[1] - 1
+        losses, agree = [], []
+        for j in range(DRAFT_PASSES):
+            valid = (jnp.arange(n) >= j)[None, :]
+            ce = -jnp.sum(p * jax.nn.log_softmax(logits[j], axis=-1), axis=-1)
+            losses.append(jnp.sum(jnp.where(valid, ce, 0.0)) / (valid.sum() * tokens.shape[0]))
+            same = jnp.argmax(logits[j], -1) == jnp.argmax(target[:, 1:], -1)
+            agree.append(jnp.sum(jnp.where(valid, same, False)) / (valid.sum() * tokens.shape[0]))
+        return sum(0.8 ** j * l for j, l in enumerate(losses)), jnp.stack(agree)
+
+    @jax.jit
+    def step(dp, opt, tokens, lr):
+        (loss, agree), grads = jax.value_and_grad(loss_fn, has_aux=True)(dp, tokens)
+        dp, opt = adam(dp, opt, grads, lr)
+        return dp, opt, loss, agree
+
+    return step, jax.jit(loss_fn)
+
+
+def adam(params, opt, grads, lr):
+    """One AdamW step (gradients clipped at norm 1, weight decay on matrices only)."""
+    t = opt["t"] + 1
+    norm = jnp.sqrt(sum(jnp.sum(g * g) for g in jax.tree_util.tree_leaves(grads)))
+    grads = jax.tree_util.tree_map(lambda g: g * jnp.minimum(1.0, 1.0 / (norm + 1e-6)), grads)
+    m = jax.tree_util.tree_map(lambda m, g: 0.9 * m + 0.1 * g, opt["m"], grads)
+    v = jax.tree_util.tree_map(lambda v, g: 0.95 * v + 0.05 * g * g, opt["v"], grads)
+
+    def update(p, m, v):
+        u = (m / (1 - 0.9 ** t)) / (jnp.sqrt(v / (1 - 0.95 ** t)) + 1e-8)
+        return p - lr * (u + (0.1 * p if p.ndim == 2 else 0.0))
+
+    return jax.tree_util.tree_map(update, params, m, v), {"m": m, "v": v, "t": t}
+
+
+def train_draft(model_dir: Path, steps: int, minutes: float | None) -> None:
+    from tokenizers import Tokenizer
+
+    from quantkit.runtime.loader import load
+
+    model = load(model_dir, dtype=jnp.float32)
+    params, cfg = model.params, model.cfg
+    out = Path(str(model_dir).rstrip("/") + "-eagle3")
+    out.mkdir(parents=True, exist_ok=True)
+    hf = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "num_hidden_layers": 1,
+          "draft_vocab_size": CONFIG["vocab_size"], "eagle_aux_hidden_state_layer_ids": list(AUX_LAYERS),
+          **{k: CONFIG[k] for k in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+                                    "head_dim", "vocab_size", "max_position_embeddings", "rms_norm_eps",
+                                    "rope_theta", "hidden_act", "tie_word_embeddings", "torch_dtype")}}
+    dcfg = from_hf({**hf, "architectures": ["LlamaForCausalLM"]})
+    tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    ids = np.concatenate([np.array(e.ids + [2], np.int32) for e in tok.encode_batch(_read(training_files()))])
+    held = np.concatenate([np.array(e.ids, np.int32) for e in tok.encode_batch(_read(heldout_files()))])
+    dp = init_draft(jax.random.PRNGKey(1), params)
+    print(f"draft head: {sum(x.size for x in jax.tree_util.tree_leaves(dp)) / 1e6:.2f}M parameters", flush=True)
+    opt = {"m": jax.tree_util.tree_map(jnp.zeros_like, dp), "v": jax.tree_util.tree_map(jnp.zeros_like, dp),
+           "t": jnp.zeros((), jnp.int32)}
+    step, loss_fn = make_draft_step(params, cfg, dcfg)
+    rng = np.random.default_rng(1)
+    n, b = 128, 16
+    eval_batch = jnp.asarray(np.stack([held[i:i + n] for i in range(0, 16 * n, n)]))
+    t0 = time.perf_counter()
+    for s in range(steps):
+        lr = LR * min(1.0, (s + 1) / WARMUP) * 0.5 * (1 + math.cos(math.pi * s / steps))
+        batch = jnp.asarray(np.stack([ids[i:i + n] for i in rng.integers(0, len(ids) - n, b)]))
+        dp, opt, loss, agree = step(dp, opt, batch, lr)
+        if s % 50 == 0 or s == steps - 1:
+            _, held_agree = loss_fn(dp, eval_batch)
+            print(f"step {s} loss {float(loss):.3f} held-out top-1 agreement by pass "
+                  f"{np.round(np.asarray(held_agree), 3).tolist()} {time.perf_counter() - t0:.0f}s", flush=True)
+        if minutes and time.perf_counter() - t0 > 60 * minutes:
+            print(f"stopped after {s + 1} steps ({minutes} min)", flush=True)
+            break
+
+    def bf16(x):
+        return np.asarray(x, np.float32).astype(ml_dtypes.bfloat16)
+
+    from quantkit.runtime.models.eagle3 import NAMES
+
+    t = {"fc.weight": bf16(dp["fc"].T), "norm.weight": bf16(dp["norm"]), "lm_head.weight": bf16(dp["lm_head"].T)}
+    t |= {"midlayer." + name: bf16(dp[k].T if dp[k].ndim == 2 else dp[k]) for k, name in NAMES.items()}
+    write_safetensors(out / "model.safetensors", t, {"format": "pt"})
+    (out / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
+    print(out)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out", nargs="?", default="assets/tiny-llama")
     ap.add_argument("--steps", type=int, default=1200)
     ap.add_argument("--minutes", type=float, default=None, help="stop early after this much training time")
+    ap.add_argument("--eagle3", action="store_true", help="train the EAGLE-3 draft head of the model in OUT")
     args = ap.parse_args()
+    if args.eagle3:
+        train_draft(Path(args.out), args.steps, args.minutes)
+        return
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     texts = _read(training_files())

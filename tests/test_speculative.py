@@ -36,6 +36,8 @@ NGRAM = SpeculativeConfig("ngram", 4, 2, 4)
     ('{"method": "ngram", "num_speculative_tokens": 0}', "'num_speculative_tokens' must be a positive integer"),
     ('{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2}',
      "'prompt_lookup_min' 4 is above 'prompt_lookup_max' 2"),
+    ('{"method": "eagle3", "num_speculative_tokens": 3}', "method 'eagle3' needs 'model'"),
+    ('{"method": "ngram", "num_speculative_tokens": 3, "model": "x"}', "which method 'ngram' does not use"),
     ('[1]', "must be a JSON object"), ('{"method": ', "not JSON")])
 def test_config_errors_name_the_problem(text, error):
     with pytest.raises(ValueError, match=error.replace("(", "\\(").replace(")", "\\)")):
@@ -48,6 +50,8 @@ def test_config_defaults_as_vllm():
         SpeculativeConfig("ngram", 3, 4, 4)
     assert parse('{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2}') == \
         SpeculativeConfig("ngram", 3, 2, 2)
+    assert parse('{"method": "eagle3", "num_speculative_tokens": 2, "model": "d"}') == \
+        SpeculativeConfig("eagle3", 2, 5, 5, "d")
     assert parse(None) is None and parse("{}") is None
     with pytest.raises(Unsupported, match="'mtp' is not built yet"):
         parse('{"method": "mtp", "num_speculative_tokens": 1}')
@@ -238,7 +242,8 @@ def test_greedy_verification_against_numpy():
 
 def test_generate_json_reports_acceptance():
     """`quantkit generate --json` with n-gram drafts on the default model, a prompt whose answer repeats
-    it: the same tokens as without, and the acceptance counts."""
+    it: the same tokens as without, and the acceptance counts; the same with the default model's EAGLE-3
+    head, and a draft path that does not exist: one line."""
     prompt = "def add(a, b):\n    return a + b\n\n\ndef add(a, b):"
     base = [sys.executable, "-m", "quantkit.cli", "generate", "assets/tiny-llama", "--prompt", prompt,
             "--max-tokens", "40", "--json"]
@@ -252,6 +257,14 @@ def test_generate_json_reports_acceptance():
     assert s["method"] == "ngram" and s["num_speculative_tokens"] == 4 and 0 < s["accepted_tokens"] <= s[
         "draft_tokens"] <= 4 * s["drafts"]
     assert s["acceptance_rate"] == pytest.approx(s["accepted_tokens"] / s["draft_tokens"])
+    eagle = json.loads(subprocess.run(base + ["--speculative-config", json.dumps(
+        {"method": "eagle3", "model": "assets/tiny-llama-eagle3", "num_speculative_tokens": 3})],
+        capture_output=True, text=True, check=True, env=env).stdout)
+    assert eagle["tokens"] == plain["tokens"] and eagle["speculative"]["accepted_tokens"] > 0
+    missing = subprocess.run(base + ["--speculative-config", '{"method": "eagle3", "model": "/nonexistent", '
+                                     '"num_speculative_tokens": 3}'], capture_output=True, text=True, env=env)
+    assert missing.returncode == 1 and "draft model /nonexistent: cannot read config.json" in missing.stderr
+    assert "Traceback" not in missing.stderr
     bad = subprocess.run(base + ["--speculative-config", '{"method": "ngram", "k": 2}'], capture_output=True,
                          text=True, env=env)
     assert bad.returncode == 2 and "unknown key(s) 'k'" in bad.stderr and "Traceback" not in bad.stderr

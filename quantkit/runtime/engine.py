@@ -88,6 +88,7 @@ class Request:
     offsets: tuple[int, int] = (0, 0)  # incremental detokenization window
     hashes: list = field(default_factory=list)  # chained hashes of its full pages (prefix caching)
     named: int = 0  # pages registered in the prefix cache
+    proposed: tuple = ()  # a draft model's tokens to follow out[-1] (speculative decoding, EAGLE-3)
     finish_reason: str | None = None
     arrived: float = field(default_factory=time.monotonic)
     first_token_at: float | None = None
@@ -251,6 +252,9 @@ class Engine:
             rows.append((r, Row(r.slot, r.done, n, toks, r.sampling, r.logprobs is not None, banned), samples))
             r.done += n
             r.pending += samples
+            if samples and self.runner.drafter is not None:  # the head's drafts write up to k - 1 further
+                self.pool.reserve(r.slot, r.done - n, min(r.done + self.runner.speculative - 2,
+                                                          self.runner.max_model_len - 1))
             self._name(r)
             return True
 
@@ -292,6 +296,8 @@ class Engine:
         prompt_lookup_min - 1 known tokens before it (so a step is not read back for nothing)."""
         if row.tokens is not None or r.grammar is not None or row.banned or len(r.out) + r.pending >= r.max_tokens:
             return False
+        if self.speculative.method != "ngram":  # the step in flight drafts for it
+            return True
         n = self.speculative.lookup_min - 1
         return r.pending < 2 or n == 0 or bool(ngram(np.asarray(r.prompt + r.out), 1, n, n))
 
@@ -305,7 +311,10 @@ class Engine:
             if not self._may_draft(r, row):
                 continue
             k = min(spec.k, r.max_tokens - len(r.out) - 1, room)
-            drafts = ngram(np.asarray(r.prompt + r.out), k, spec.lookup_min, spec.lookup_max) if k > 0 else []
+            if spec.method != "ngram":
+                drafts = list(r.proposed[:max(k, 0)])
+            else:
+                drafts = ngram(np.asarray(r.prompt + r.out), k, spec.lookup_min, spec.lookup_max) if k > 0 else []
             # from the row's first position: a sliding window's pages are kept for its first query
             if drafts and self.pool.reserve(r.slot, row.start, row.start + row.n + len(drafts) - 1):
                 row.n, row.drafts = row.n + len(drafts), tuple(drafts)
@@ -342,13 +351,15 @@ class Engine:
         rejected ones wrote is overwritten later); then the next masks of the constrained rows, all at once
         (a sequence whose constraint allows nothing more ends there)."""
         out = jax.device_get(out)
-        if len(out) == 5:  # step.verify_rows: [S, k + 1] a row, `count` of them real
-            toks, counts, lps, top_ids, top_lps = out
+        proposals = out[5] if len(out) == 6 else None  # a draft model's tokens for the next step
+        if len(out) >= 5:  # step.verify_rows: [S, k + 1] a row, `count` of them real
+            toks, counts, lps, top_ids, top_lps = out[:5]
         else:
             (toks, lps, top_ids, top_lps), counts = (x[:, None] for x in out), np.ones(len(out[0]), np.int32)
         for i, (r, samples, drafts) in enumerate(rows):
             if samples:
                 r.pending -= 1
+                r.proposed = () if proposals is None else tuple(int(t) for t in proposals[i])
                 c = int(counts[i])
                 if drafts:
                     r.done -= drafts + 1 - c
@@ -474,7 +485,8 @@ class Engine:
         """Runs every bucket once on padding (writes only the scratch page), so nothing compiles later;
         `structured`: also the two programs of a split step (structured outputs), where the engine splits;
         with speculation the verifying program too."""
-        runs = [(t, "step") for t in self.shapes()] + [(t, "split") for t in self.shapes() if structured] + [
+        plain = self.runner.drafter is None  # with a draft model every step runs the verifying program
+        runs = [(t, "step") for t in self.shapes() if plain] + [(t, "split") for t in self.shapes() if structured] + [
             (t, "verify") for t in self.shapes() if self.speculative is not None]
         for i, (t, kind) in enumerate(runs):
             batch = self.runner.empty(t)

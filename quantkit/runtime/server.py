@@ -223,13 +223,15 @@ class Server:
         """(model, Runner) as the flags say; every process of a multi-process run builds the same."""
         from quantkit.runtime.engine import enable_compilation_cache
         from quantkit.runtime.loader import load
+        from quantkit.runtime.speculative import drafter_for
 
         enable_compilation_cache()
         model = load(self.path, mesh=self.mesh, ep=self.ep)
         limit = min(self.max_model_len or 2048, model.cfg.max_position_embeddings)
         return model, Runner(model, max_model_len=limit, max_num_seqs=self.max_num_seqs,
                              max_num_batched_tokens=self.max_num_batched_tokens, kv_cache_dtype=self.kv_cache_dtype,
-                             speculative=self.speculative.k if self.speculative else 0)
+                             speculative=self.speculative.k if self.speculative else 0,
+                             drafter=drafter_for(self.speculative, model))
 
     def load(self) -> None:
         import jax

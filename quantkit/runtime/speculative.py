@@ -9,6 +9,8 @@ for token when greedy or seeded. Drafters:
 - `ngram` (prompt lookup): the tokens that followed the latest earlier occurrence of the sequence's last n
   tokens (prompt and output so far), for the longest n in [prompt_lookup_min, prompt_lookup_max] that
   occurs. Host-side, a few numpy comparisons per row a step.
+- `eagle3`: an EAGLE-3 draft head (`"model": PATH`, models/eagle3.py) run on device inside each step, after
+  the target's forward, drafting the next step's tokens from the target's hidden states.
 """
 
 from __future__ import annotations
@@ -22,8 +24,8 @@ from numpy.lib.stride_tricks import sliding_window_view
 from quantkit.errors import Unsupported
 
 KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model")
-BUILT = ("ngram",)
-PLANNED = ("mtp", "eagle3")  # vLLM's methods quantkit will serve; any other is a usage error
+BUILT = ("ngram", "eagle3")
+PLANNED = ("mtp",)  # vLLM's methods quantkit will serve; any other is a usage error
 MAX_TOKENS = 16  # drafts a row at most: each bucket's program verifies k + 1 positions a row
 
 
@@ -33,6 +35,7 @@ class SpeculativeConfig:
     k: int  # num_speculative_tokens: drafts a row at most
     lookup_min: int = 5  # ngram: the shortest suffix looked up (vLLM's defaults: 5 and 5)
     lookup_max: int = 5
+    model: str | None = None  # eagle3: the draft checkpoint
 
 
 def parse(text: str | dict | None) -> SpeculativeConfig | None:
@@ -58,8 +61,11 @@ def parse(text: str | dict | None) -> SpeculativeConfig | None:
         raise ValueError(f"unknown method {method!r}; quantkit serves {', '.join(BUILT)}")
     if method in PLANNED:
         raise Unsupported(f"speculative method {method!r} is not built yet; quantkit serves {', '.join(BUILT)}")
-    if spec.get("model") is not None:
+    model = spec.get("model")
+    if method == "ngram" and model is not None:
         raise ValueError("'model' names a draft checkpoint, which method 'ngram' does not use")
+    if method == "eagle3" and (not isinstance(model, str) or not model):
+        raise ValueError("method 'eagle3' needs 'model': the path of an EAGLE-3 draft checkpoint")
 
     def count(key: str, default):
         v = spec.get(key, default)
@@ -78,7 +84,17 @@ def parse(text: str | dict | None) -> SpeculativeConfig | None:
     lo, hi = lo or hi or 5, hi or lo or 5
     if lo > hi:
         raise ValueError(f"'prompt_lookup_min' {lo} is above 'prompt_lookup_max' {hi}")
-    return SpeculativeConfig(method, k, lo, hi)
+    return SpeculativeConfig(method, k, lo, hi, model)
+
+
+def drafter_for(spec: SpeculativeConfig | None, model):
+    """The draft model `spec` names, loaded for the target `model` (a loader.LoadedModel) in its dtype;
+    None for n-gram lookup or no speculation."""
+    if spec is None or spec.method == "ngram":
+        return None
+    from quantkit.runtime.models.eagle3 import load
+
+    return load(spec.model, model.cfg, model.dtype)
 
 
 def ngram(tokens: np.ndarray, k: int, lo: int, hi: int) -> list[int]:

@@ -187,8 +187,54 @@ def verify_positions(batch: dict, tokens: jax.Array, k: int):
     return src, row, draft, batch["positions"][src] + 1, grid
 
 
+def draft_rows(params: dict, drafter, tokens: jax.Array, aux: jax.Array, out: tuple, kv: jax.Array, meta: dict,
+               page_size: int, k: int):
+    """EAGLE-3 drafts for the next step (models/eagle3.py): k token ids a row [S, k] and the head's cache.
+
+    The head runs over the step's tokens, position i taking the target's fused hidden states aux [T, 3H] at
+    i and the token at i + 1, where a row's last kept position (its last accepted draft, or its last token)
+    takes the token the target just chose (`verify_rows`' out); positions past it are computed too and
+    overwritten later, as rejected drafts' KV is. Its output there gives the first draft; each further draft
+    runs the head on the previous one and the head's own output, one position further (one query a row)."""
+    from quantkit.runtime.models import eagle3
+    from quantkit.runtime.models.common import attention_block, linear
+
+    dp, dcfg = params["draft"], drafter.cfg
+    embed = dp["embed"] if "embed" in dp else params["embed"]
+    tok, count = out[0], out[1]
+    t, s = tokens.shape[0], count.shape[0]
+    cu, n = meta["cu_q_lens"], meta["num_seqs"]
+    live = jnp.arange(s) < n[0]
+    last = jnp.maximum(cu[1:] - 1 - meta["drafts"] + count - 1, 0)  # each row's last kept token
+    chosen = jnp.take_along_axis(tok, count[:, None] - 1, axis=1)[:, 0]
+    nxt = jnp.concatenate([tokens[1:], tokens[:1]]).at[jnp.where(live, last, t)].set(chosen, mode="drop")
+    meta = {**meta, "kv_fp8": None}
+
+    def run(emb, hidden, kv, m):
+        def attend(x):
+            nonlocal kv
+            a, kv = attention_block(dp, x, kv, 0, m, dcfg, "full")
+            return a
+        return eagle3.layer(dp, dcfg, emb, hidden, attend), kv
+
+    g, kv = run(embed[nxt], linear(aux, dp["fc"]), kv, meta)
+    g = g[last]
+    drafts = [eagle3.tokens_of(dp, dcfg, g)]
+    tables = meta["tables"]["full"]
+    pos = meta["positions"][last]
+    for j in range(1, k):
+        p = pos + j
+        slots = jnp.where(live, tables[jnp.arange(s), jnp.minimum(p // page_size, tables.shape[1] - 1)] * page_size
+                          + p % page_size, 0)
+        m = {**meta, "positions": p, "slots": {"full": slots}, "kv_lens": p + 1,
+             "cu_q_lens": jnp.minimum(jnp.arange(s + 1, dtype=jnp.int32), n[0])}
+        g, kv = run(embed[drafts[-1]], g, kv, m)
+        drafts.append(eagle3.tokens_of(dp, dcfg, g))
+    return jnp.stack(drafts, axis=1), kv
+
+
 def step_function(cfg, page_size: int, all_logits: bool = False, mesh=None, unroll: bool = False, kv_fp8=None,
-                  ep: bool = False, sample: bool = True, spec: int = 0):
+                  ep: bool = False, sample: bool = True, spec: int = 0, drafter=None):
     """step(params, kv, last, batch) -> (outputs, kv, last).
 
     kv: per kind stacked pages; last [max_num_seqs + 1]: the last token sampled per slot. outputs: (token,
@@ -200,7 +246,8 @@ def step_function(cfg, page_size: int, all_logits: bool = False, mesh=None, unro
     FP8 cache (params then carry each layer's `kv_scale`, cache.with_kv_scales). ep: MoE experts split
     whole over the mesh (expert parallelism, runtime/sharding.py). spec: speculative decoding with up to
     `spec` drafts a row: a row's last batch["drafts"] tokens are drafts following its real last token, and
-    the outputs are `verify_rows`'s.
+    the outputs are `verify_rows`'s; drafter (an eagle3.Eagle3, its weights params["draft"], its cache
+    kv["draft"]): the outputs gain the next step's drafts [S, spec] (`draft_rows`).
     """
     fwd = forward_for(cfg.family)
 
@@ -208,7 +255,9 @@ def step_function(cfg, page_size: int, all_logits: bool = False, mesh=None, unro
         tokens = jnp.where(batch["prev_slot"] >= 0, last[jnp.maximum(batch["prev_slot"], 0)], batch["tokens"])
         meta = {**batch, "slots": _slots(batch, page_size), "mesh": mesh, "unroll": unroll, "kv_fp8": kv_fp8,
                 "ep_mesh": mesh if ep else None, "verify": bool(spec)}
-        h, kv = fwd(params, cfg, tokens, kv, meta)
+        if drafter is not None and not all_logits:
+            meta["aux_layers"] = drafter.aux
+        h, kv, *aux = fwd(params, cfg, tokens, kv, meta)
         if all_logits:
             return project(params, h, cfg), kv, last
         if spec:
@@ -216,6 +265,9 @@ def step_function(cfg, page_size: int, all_logits: bool = False, mesh=None, unro
             out, last = verify_rows(project(params, h[src], cfg), *verified, last, batch)
             if len(kv.get("linear", ())) == 4:  # GDN states: each row's after the tokens it kept
                 kv = {**kv, "linear": keep_checkpoints(kv["linear"], batch, out[1])}
+            if drafter is not None:
+                drafts, head = draft_rows(params, drafter, tokens, aux[0], out, kv["draft"], meta, page_size, spec)
+                out, kv = (*out, drafts), {**kv, "draft": head}
             return out, kv, last
         ends = batch["cu_q_lens"][1:] - 1  # each sequence's last token
         logits = project(params, h[jnp.maximum(ends, 0)], cfg)
@@ -235,7 +287,7 @@ def _frozen(tree) -> tuple:
 
 @functools.lru_cache(maxsize=16)
 def jitted_step(cfg, page_size: int, mesh, unroll: bool, kv_fp8, ep: bool, formats: tuple, out_shardings,
-                all_logits: bool, sample: bool = True, spec: int = 0):
+                all_logits: bool, sample: bool = True, spec: int = 0, drafter=None):
     """The jitted step of one static configuration, shared by every Runner that has it: a second Runner of
     the same model (a test, a server restarting its engine, eval's second checkpoint of the same shapes)
     reuses the compiled programs instead of compiling each token bucket again. `formats`: the weights'
@@ -244,7 +296,7 @@ def jitted_step(cfg, page_size: int, mesh, unroll: bool, kv_fp8, ep: bool, forma
     if out_shardings is not None:
         pinned["out_shardings"] = jax.tree_util.tree_unflatten(*out_shardings)
     fn = step_function(cfg, page_size, all_logits, mesh=mesh, unroll=unroll, kv_fp8=kv_fp8, ep=ep, sample=sample,
-                       spec=spec)
+                       spec=spec, drafter=drafter)
     return jax.jit(fn, **pinned)
 
 
@@ -316,7 +368,8 @@ class Runner:
     on a mesh brings its own (its weights stay where they are).
     speculative: the most drafts a row verifies (speculative decoding, runtime/speculative.py); a step with
     drafts then runs the verifying program (`verify_rows`, outputs of speculative + 1 tokens a row; one
-    program per token bucket, whatever its drafts), a step without the plain one."""
+    program per token bucket, whatever its drafts), a step without the plain one; with a `drafter` every
+    step runs the verifying program, which also drafts the next step's tokens."""
 
     model: object  # loader.LoadedModel
     max_model_len: int = 2048
@@ -329,6 +382,7 @@ class Runner:
     scan: bool | None = None
     kv_cache_dtype: str = "auto"
     speculative: int = 0
+    drafter: object = None  # models/eagle3.Drafter: drafts come from this head, on device, in every step
     compiled: set = field(default_factory=set)
 
     def __post_init__(self):
@@ -351,12 +405,19 @@ class Runner:
         # KV pages with their heads split when they divide the mesh; Gated DeltaNet states replicated
         shard = lambda k: None if mesh is None else cache_sharding(cfg, mesh, k) if k != "linear" else rep  # noqa: E731
         kv_sharding = self.layout.cache(lambda k, s, d: shard(k))
+        draft = self.drafter.spec if self.drafter is not None else None
+        if draft is not None and mesh is not None:
+            raise InvalidInput("EAGLE-3 drafts run on one device; serve the target with --tp 1")
         # float32 on CPU: XLA:CPU upcasts a bf16 (or fp8) scatter and so copies the whole cache on every write
         dtype = jnp.float32 if jax.default_backend() == "cpu" else fp8 or self.model.dtype
         # committed to a device from the start: the step's outputs are, and an uncommitted first argument
         # would make the first two calls of every program two compilations
         here = jax.local_devices()[0]
         self.kv = self.layout.cache(lambda k, s, d: jnp.zeros(s, d or dtype, device=shard(k) or here))
+        if draft is not None:  # the head's KV: one layer over the target's full-attention pages
+            shape = (1, self.layout.pages["full"], self.page_size, 2 * draft.cfg.num_kv_heads * draft.cfg.head_dim)
+            self.kv["draft"] = jnp.zeros(shape, jnp.float32 if dtype == jnp.float32 else self.model.dtype,
+                                         device=here)
         self.last = jnp.zeros(self.max_num_seqs + 1, jnp.int32, device=rep or here)
         self.params = self.model.params
         if fp8 is not None:
@@ -376,6 +437,8 @@ class Runner:
             self.params = {**self.params, "layers": {
                 kind: {k: w if isinstance(w, QTensor) else unstack(w) for k, w in stack.items()}
                 for kind, stack in self.params["layers"].items()}}
+        if draft is not None:
+            self.params = {**self.params, "draft": jax.device_put(self.drafter.params, here)}
         self.params = place_row_major(self.params)  # the loader placed them so; a sharded copy may not be
         formats = jax.tree_util.tree_map(lambda x: row_major(x.sharding, x.ndim), self.params)
         outs = None if mesh is None else _frozen((rep, kv_sharding, rep))  # replicated: every process reads them
@@ -384,7 +447,7 @@ class Runner:
         self._forward, self._sample = jitted_step(*key, False, False), jitted_sampler(rep)
         self._programs = {STEP: self._step, LOGITS: self._logits}
         if self.speculative:
-            self._programs[VERIFY] = jitted_step(*key, False, True, self.speculative)
+            self._programs[VERIFY] = jitted_step(*key, False, True, self.speculative, draft)
 
     def bucket(self, n: int) -> int:
         return next(b for b in self.buckets if b >= n) if n <= self.buckets[-1] else -(-n // 8) * 8
@@ -424,7 +487,7 @@ class Runner:
         """Dispatches one step (asynchronously); returns the device outputs (token, logprob, top ids, top
         logprobs), each [S, ...]; for a step with drafts `verify_rows`'s."""
         self.compiled.add(batch["tokens"].shape[0])
-        return self._call(VERIFY if batch["drafts"].any() else STEP, batch)
+        return self._call(VERIFY if batch["drafts"].any() or self.drafter is not None else STEP, batch)
 
     def run_split(self, batch: dict, sampling: Callable[[], dict]):
         """One step as two programs: the forward (dispatched at once), then the sampling with the arrays

@@ -27,21 +27,28 @@ def swiglu(p: dict, x, cfg: ModelConfig, batch: dict):
 
 def forward(params: dict, cfg: ModelConfig, tokens, kv: dict, batch: dict, ffn=swiglu):
     """Final hidden states [T, hidden] of the step's flattened tokens [T] (runtime/step.py's batch), and
-    the updated cache (per kind, stacked pages)."""
+    the updated cache (per kind, stacked pages); with batch["aux_layers"] (EAGLE-3) a third output, the
+    hidden states entering those layers side by side [T, len * hidden]."""
+    import jax.numpy as jnp
+
     from quantkit.runtime.models.common import attention_block, layer_params, rms_norm, run_layers
 
     eps = cfg.rms_norm_eps
+    ids = batch.get("aux_layers", ())  # EAGLE-3: the hidden states entering these layers (models/eagle3.py)
 
     def body(kind, i, carry):
-        x, kv = carry
+        x, kv, aux = carry
+        aux = tuple(jnp.where(i == j, x, a) for j, a in zip(ids, aux))
         p = layer_params(params["layers"][kind], i)
         a, kv_kind = attention_block(p, rms_norm(x, p["attn_norm"], eps), kv[kind], i, batch, cfg, kind)
         x = x + a
         x = x + ffn(p, rms_norm(x, p["mlp_norm"], eps), cfg, batch)
-        return x, {**kv, kind: kv_kind}
+        return x, {**kv, kind: kv_kind}, aux
 
-    x, kv = run_layers(body, cfg.layer_kinds, (params["embed"][tokens], kv), batch.get("unroll", False))
-    return rms_norm(x, params["final_norm"], eps), kv
+    x0 = params["embed"][tokens]
+    x, kv, aux = run_layers(body, cfg.layer_kinds, (x0, kv, (x0,) * len(ids)), batch.get("unroll", False))
+    out = rms_norm(x, params["final_norm"], eps)
+    return (out, kv, jnp.concatenate(aux, axis=-1)) if ids else (out, kv)
 
 
 LLAMA = Family("llama", ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"), configure, layer, forward)

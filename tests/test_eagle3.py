@@ -1,0 +1,226 @@
+"""EAGLE-3 draft heads (runtime/models/eagle3.py, step.draft_rows): the drafts a step proposes against a
+reference built from transformers' own Llama modules, and greedy output with the default model's trained
+head identical to the target alone.
+
+Oracles: transformers' LlamaForCausalLM (the target's hidden states entering each layer), LlamaAttention,
+LlamaMLP, LlamaRMSNorm and LlamaRotaryEmbedding assembled into the EAGLE-3 layer as vLLM's loader defines it
+(a causal pass over the whole sequence each draft, no cache: nothing shared with the paged code under test);
+the plain forward step one token at a time for greedy output.
+"""
+
+import json
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from quantkit.errors import InvalidInput, Unsupported
+from quantkit.formats.safetensors_io import write_safetensors
+from quantkit.runtime.engine import Engine, Request, Runner
+from quantkit.runtime.loader import load
+from quantkit.runtime.models import eagle3
+from quantkit.runtime.speculative import SpeculativeConfig
+from quantkit.runtime.step import Row
+
+from helpers import greedy_reference
+
+ROOT = Path(__file__).resolve().parents[1]
+H, VD, V, AUX = 64, 100, 128, (0, 2, 3)
+
+
+def _head(path: Path, target_vocab: int = V, **config) -> dict:
+    """A random EAGLE-3 head for a hidden-64 target, in vLLM's layout (midlayer.*, fc, norm, lm_head, d2t
+    over a 100-token draft vocabulary); returns its tensors [out, in] as float32 numpy."""
+    rng = np.random.default_rng(1)
+
+    def w(o, i):
+        return (rng.standard_normal((o, i)) / np.sqrt(i)).astype(np.float32)
+
+    keep = np.sort(rng.choice(target_vocab, VD, replace=False))
+    t = {"fc.weight": w(H, 3 * H), "norm.weight": 1 + 0.1 * rng.standard_normal(H).astype(np.float32),
+         "lm_head.weight": w(VD, H), "d2t": (keep - np.arange(VD)).astype(np.int64),
+         "t2d": np.isin(np.arange(target_vocab), keep)}
+    for name, shape in {"self_attn.q_proj": (64, 2 * H), "self_attn.k_proj": (32, 2 * H),
+                        "self_attn.v_proj": (32, 2 * H), "self_attn.o_proj": (H, 64), "mlp.gate_proj": (96, H),
+                        "mlp.up_proj": (96, H), "mlp.down_proj": (H, 96)}.items():
+        t[f"midlayer.{name}.weight"] = w(*shape)
+    for name in ("input_layernorm", "hidden_norm", "post_attention_layernorm"):
+        t[f"midlayer.{name}.weight"] = 1 + 0.1 * rng.standard_normal(H).astype(np.float32)
+    path.mkdir(parents=True, exist_ok=True)
+    write_safetensors(path / "model.safetensors", t, {"format": "pt"})
+    cfg = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": H,
+           "intermediate_size": 96, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+           "num_hidden_layers": 1, "vocab_size": target_vocab, "draft_vocab_size": VD, "rms_norm_eps": 1e-5,
+           "rope_theta": 5000.0, "max_position_embeddings": 256, "eagle_aux_hidden_state_layer_ids": list(AUX)}
+    (path / "config.json").write_text(json.dumps(cfg | config))
+    return t
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    """A 4-layer random Llama (transformers, float32) and a random head for it."""
+    import torch
+    import transformers as T
+
+    root = tmp_path_factory.mktemp("eagle3")
+    torch.manual_seed(0)
+    target = T.LlamaForCausalLM(T.LlamaConfig(hidden_size=H, intermediate_size=128, num_hidden_layers=4,
+                                              num_attention_heads=4, num_key_value_heads=2, vocab_size=V, head_dim=16,
+                                              max_position_embeddings=256)).eval()
+    target.save_pretrained(root / "target")
+    return target, _head(root / "head"), root
+
+
+def _reference(target, head: dict):
+    """drafts(seq, next_token, k): the head's k greedy drafts after seq + [next_token], from transformers'
+    modules (the EAGLE-3 layer as vLLM's llama_eagle3 defines it)."""
+    import torch
+    import transformers as T
+    from transformers.models.llama import modeling_llama as M
+
+    t = {k: torch.from_numpy(np.asarray(v)) for k, v in head.items()}
+    wide = T.LlamaConfig(hidden_size=2 * H, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                         rope_theta=5000.0, max_position_embeddings=256, rms_norm_eps=1e-5)
+    wide._attn_implementation = "eager"
+    attn = M.LlamaAttention(wide, layer_idx=0)
+    attn.o_proj = torch.nn.Linear(64, H, bias=False)
+    rope = M.LlamaRotaryEmbedding(wide)
+    mlp = M.LlamaMLP(T.LlamaConfig(hidden_size=H, intermediate_size=96))
+    norms = {n: M.LlamaRMSNorm(H, eps=1e-5) for n in ("input_layernorm", "hidden_norm", "post_attention_layernorm",
+                                                       "norm")}
+    with torch.no_grad():
+        for n in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            getattr(attn, n).weight.copy_(t[f"midlayer.self_attn.{n}.weight"])
+        for n in ("gate_proj", "up_proj", "down_proj"):
+            getattr(mlp, n).weight.copy_(t[f"midlayer.mlp.{n}.weight"])
+        for n, m in norms.items():
+            m.weight.copy_(t["norm.weight" if n == "norm" else f"midlayer.{n}.weight"])
+
+    def layer(emb, hidden):  # [1, n, H] each: a causal pass over the whole sequence
+        n = emb.shape[1]
+        x = torch.cat([norms["input_layernorm"](emb), norms["hidden_norm"](hidden)], dim=-1)
+        mask = torch.full((n, n), float("-inf")).triu(1)[None, None]
+        a, _ = attn(x, rope(x, torch.arange(n)[None]), mask)
+        h = hidden + a
+        return h + mlp(norms["post_attention_layernorm"](h))
+
+    def token(g):
+        i = int(torch.argmax(torch.nn.functional.linear(norms["norm"](g), t["lm_head.weight"])))
+        return i + int(t["d2t"][i])
+
+    @torch.no_grad()
+    def drafts(seq: list, nxt: int, k: int) -> list:
+        states = target(torch.tensor([seq]), output_hidden_states=True).hidden_states  # [i]: entering layer i
+        hidden = torch.nn.functional.linear(torch.cat([states[i] for i in AUX], dim=-1), t["fc.weight"])
+        emb = target.model.embed_tokens(torch.tensor([seq[1:] + [nxt]]))
+        out = []
+        for _ in range(k):
+            g = layer(emb, hidden)[:, -1:]
+            out.append(token(g[0, 0]))
+            emb = torch.cat([emb, target.model.embed_tokens(torch.tensor([[out[-1]]]))], dim=1)
+            hidden = torch.cat([hidden, g], dim=1)
+        return out
+
+    return drafts
+
+
+def test_drafts_match_a_transformers_reference(pair):
+    """Two sequences in one ragged step (prompts), then a step where one verifies three drafts (two accepted:
+    the head must restart from the last kept position, not the last drafted one) beside a plain decode:
+    every draft the step proposes equals the reference's, through the d2t vocabulary map."""
+    import torch
+
+    target, head, root = pair
+    model = load(root / "target", dtype=jnp.float32)
+    k = 3
+    runner = Runner(model, max_model_len=128, max_num_seqs=2, page_size=8, max_num_batched_tokens=64, speculative=k,
+                    drafter=eagle3.load(root / "head", model.cfg, jnp.float32))
+    reference = _reference(target, head)
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(3, V, 21).tolist(), rng.integers(3, V, 10).tolist()]
+    with torch.no_grad():
+        greedy = [target.generate(torch.tensor([p]), max_new_tokens=5, do_sample=False)[0, len(p):].tolist()
+                  for p in prompts]
+    for slot, p in enumerate(prompts):
+        assert runner.pool.reserve(slot, 0, len(p) + 8)
+    out = runner.run(runner.batch([Row(s, 0, len(p), p) for s, p in enumerate(prompts)]))
+    tok, proposed = np.asarray(out[0]), np.asarray(out[5])
+    assert tok[:2, 0].tolist() == [g[0] for g in greedy]
+    for s, p in enumerate(prompts):
+        assert proposed[s].tolist() == reference(p, greedy[s][0], k)
+    a, b = greedy
+    wrong = (a[3] + 1) % V
+    out = runner.run(runner.batch([Row(0, len(prompts[0]), 4, None, drafts=(a[1], a[2], wrong)),
+                                   Row(1, len(prompts[1]), 1, None)]))
+    tok, count, proposed = np.asarray(out[0]), np.asarray(out[1]), np.asarray(out[5])
+    assert count[:2].tolist() == [3, 1] and tok[0, :3].tolist() == a[1:4] and tok[1, 0] == b[1]
+    assert proposed[0].tolist() == reference(prompts[0] + a[:3], a[3], k)
+    assert proposed[1].tolist() == reference(prompts[1] + b[:1], b[1], k)
+
+
+def test_bad_draft_checkpoints_are_refused(pair, tmp_path):
+    _, head, root = pair
+    cfg = load(root / "target", dtype=jnp.float32).cfg
+    _head(tmp_path / "arch", architectures=["LlamaForCausalLM"])
+    with pytest.raises(Unsupported, match="not an EAGLE-3 head"):
+        eagle3.load(tmp_path / "arch", cfg, jnp.float32)
+    _head(tmp_path / "aux", eagle_aux_hidden_state_layer_ids=[0, 2, 9])
+    with pytest.raises(InvalidInput, match=r"auxiliary layers \(0, 2, 9\) do not fit a 4-layer target"):
+        eagle3.load(tmp_path / "aux", cfg, jnp.float32)
+    _head(tmp_path / "wide", intermediate_size=80)
+    with pytest.raises(InvalidInput, match=r"midlayer.mlp.gate_proj.weight has shape \(96, 64\), expected \(80, 64\)"):
+        eagle3.load(tmp_path / "wide", cfg, jnp.float32)
+    t = dict(head)
+    del t["fc.weight"]
+    write_safetensors(tmp_path / "wide" / "model.safetensors", t, {"format": "pt"})
+    (tmp_path / "wide" / "config.json").write_text(json.dumps(json.loads((root / "head" / "config.json").read_text())))
+    with pytest.raises(InvalidInput, match="tensor 'fc.weight' is missing"):
+        eagle3.load(tmp_path / "wide", cfg, jnp.float32)
+    with pytest.raises(InvalidInput, match="cannot read config.json"):
+        eagle3.load(tmp_path / "nowhere", cfg, jnp.float32)
+
+
+# ---- the default model and its trained head ---------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def default():
+    model = load(ROOT / "assets" / "tiny-llama", dtype=jnp.float32)
+    return model, eagle3.load(ROOT / "assets" / "tiny-llama-eagle3", model.cfg, jnp.float32)
+
+
+def _code_prompts(n: int) -> list[list[int]]:
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(ROOT / "assets" / "tiny-llama" / "tokenizer.json"))
+    text = (ROOT / "quantkit" / "runtime" / "cache.py").read_text()
+    return [tok.encode(text[i * 700:i * 700 + 400]).ids[:40 + 8 * i] for i in range(n)]
+
+
+@pytest.mark.parametrize("budget, fill_only", [(16, False), (512, True)])
+def test_greedy_with_the_trained_head_gives_the_targets_tokens(default, budget, fill_only):
+    """Staggered requests (prompts chunked by a 16-token budget beside drafted decodes; or drafts only in
+    decode steps' padding), one stopping on a stop id and one on max_tokens inside accepted runs: every
+    request's tokens equal the target's own one at a time, and the trained head's drafts are mostly
+    accepted (a head fed the wrong hidden states or positions is accepted far less: a random one ~0%)."""
+    model, drafter = default
+    spec = SpeculativeConfig("eagle3", 3, model="assets/tiny-llama-eagle3")
+    prompts = _code_prompts(4)
+    greedy = [greedy_reference(model, p, 24) for p in prompts]
+    engine = Engine(Runner(model, max_model_len=128, max_num_seqs=4, page_size=8, max_num_batched_tokens=budget,
+                           speculative=3, drafter=drafter), speculative=spec)
+    engine.fill_only = fill_only
+    stop = greedy[1][13]
+    kw = [dict(max_tokens=24), dict(max_tokens=24, stop_ids=frozenset({stop})), dict(max_tokens=19),
+          dict(max_tokens=24)]
+    reqs = []
+    for p, extra in zip(prompts, kw):
+        reqs.append(engine.submit(Request(p, **extra)))
+        engine.step()
+    while engine.busy():
+        engine.step()
+    assert engine.pages_used == 0
+    assert reqs[0].out == greedy[0] and reqs[3].out == greedy[3]
+    assert reqs[1].out == greedy[1][:greedy[1].index(stop)] and reqs[1].finish_reason == "stop"
+    assert reqs[2].out == greedy[2][:19] and reqs[2].finish_reason == "length"
+    assert engine.drafts > 0 and engine.accepted / engine.draft_tokens > 0.4, (engine.accepted, engine.draft_tokens)
