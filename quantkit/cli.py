@@ -268,7 +268,8 @@ ProcessIdOption = Annotated[int | None, typer.Option(min=0, help="This process's
                                                       show_default=False)]
 SpecOption = Annotated[str | None, typer.Option(
     "--speculative-config", help="Speculative decoding as vLLM's JSON, e.g. '{\"method\": \"ngram\", "
-    "\"num_speculative_tokens\": 4}' (keys: method, num_speculative_tokens, prompt_lookup_min / _max; "
+    "\"num_speculative_tokens\": 4}', or '{\"method\": \"eagle3\", \"model\": \"assets/tiny-llama-eagle3\", "
+    "\"num_speculative_tokens\": 3}' (keys: method, num_speculative_tokens, prompt_lookup_min / _max, model; "
     "docs/serving.md). Output unchanged: token for token when greedy or seeded.", show_default=False)]
 
 

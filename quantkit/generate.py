@@ -97,7 +97,7 @@ def generate(path: str | Path, prompt: str, max_tokens: int = 128, *, temperatur
     codec = TextCodec(path)
     enable_compilation_cache()
     mesh = start(tp, *distributed)
-    model = load(path, dtype=dtype, mesh=mesh, ep=ep)
+    model = load(path, dtype=dtype, mesh=mesh, ep=ep, mtp=speculative is not None and speculative.method == "mtp")
     leader = jax.process_index() == 0
     if leader and on_loaded is not None:
         on_loaded(model, devices(mesh))

@@ -18,7 +18,6 @@ import numpy as np
 import pytest
 import scipy.stats
 
-from quantkit.errors import Unsupported
 from quantkit.runtime.engine import Engine, Request, Runner, Sampling
 from quantkit.runtime.loader import load
 from quantkit.runtime.speculative import SpeculativeConfig, ngram, parse
@@ -38,6 +37,7 @@ NGRAM = SpeculativeConfig("ngram", 4, 2, 4)
      "'prompt_lookup_min' 4 is above 'prompt_lookup_max' 2"),
     ('{"method": "eagle3", "num_speculative_tokens": 3}', "method 'eagle3' needs 'model'"),
     ('{"method": "ngram", "num_speculative_tokens": 3, "model": "x"}', "which method 'ngram' does not use"),
+    ('{"method": "mtp", "num_speculative_tokens": 3, "model": "x"}', "which method 'mtp' does not use"),
     ('[1]', "must be a JSON object"), ('{"method": ', "not JSON")])
 def test_config_errors_name_the_problem(text, error):
     with pytest.raises(ValueError, match=error.replace("(", "\\(").replace(")", "\\)")):
@@ -53,8 +53,7 @@ def test_config_defaults_as_vllm():
     assert parse('{"method": "eagle3", "num_speculative_tokens": 2, "model": "d"}') == \
         SpeculativeConfig("eagle3", 2, 5, 5, "d")
     assert parse(None) is None and parse("{}") is None
-    with pytest.raises(Unsupported, match="'mtp' is not built yet"):
-        parse('{"method": "mtp", "num_speculative_tokens": 1}')
+    assert parse('{"method": "mtp", "num_speculative_tokens": 1}') == SpeculativeConfig("mtp", 1, 5, 5)
 
 
 def test_ngram_prompt_lookup():

@@ -88,11 +88,17 @@ class Request:
     offsets: tuple[int, int] = (0, 0)  # incremental detokenization window
     hashes: list = field(default_factory=list)  # chained hashes of its full pages (prefix caching)
     named: int = 0  # pages registered in the prefix cache
-    proposed: tuple = ()  # a draft model's tokens to follow out[-1] (speculative decoding, EAGLE-3)
+    proposed: tuple = ()  # a draft head's tokens to follow out[-1] (speculative decoding: eagle3, mtp)
+    acceptance: float = 1.0  # its drafts' recent acceptance (moving average; `Engine._wants_drafts`)
+    undrafted: int = 0  # its decode steps since its last drafted one
     finish_reason: str | None = None
     arrived: float = field(default_factory=time.monotonic)
     first_token_at: float | None = None
     finished_at: float | None = None
+
+
+SPEC_FLOOR, SPEC_PROBE = 0.15, 16  # drafts stop for a sequence whose recent acceptance is below the floor,
+# and are tried again after this many of its decode steps
 
 
 class Engine:
@@ -231,7 +237,7 @@ class Engine:
 
             if constrained and batch["drafts"].any():  # read back for the drafts: the masks go in the batch
                 batch["sampling"], constrained = sampling(), []
-            out = self.runner.run_split(batch, sampling) if constrained else self.runner.run(batch)
+            out = self.runner.run_split(batch, sampling) if constrained else self.runner.run(batch, self._head())
             self.inflight = (out, [(r, samples, len(row.drafts)) for r, row, samples in rows])
         if previous is not None:
             self._collect(*previous)
@@ -289,12 +295,25 @@ class Engine:
         pad = self.runner.bucket(n) - n
         return 0 if any(row.tokens is not None for _, row, _ in rows) or pad < n else pad
 
+    def _wants_drafts(self, r: Request) -> bool:
+        """Whether r's recent drafts paid: a moving average of their acceptance at least SPEC_FLOOR (a sampled
+        or unpredictable stream whose drafts are rejected stops drafting, and with it reading each step back
+        and running a draft head), or SPEC_PROBE decode steps since its last drafted one (try again)."""
+        return r.acceptance >= SPEC_FLOOR or r.undrafted >= SPEC_PROBE
+
+    def _head(self) -> bool:
+        """Whether the step runs the draft head (eagle3, mtp): some sequence wants drafts and, on XLA:CPU,
+        few enough run that the next step can take them (`_room`: at most half the smallest bucket)."""
+        return self.runner.drafter is not None and any(self._wants_drafts(r) for r in self.running) and (
+            not self.fill_only or 2 * len(self.running) <= self.runner.buckets[0])
+
     def _may_draft(self, r: Request, row: Row) -> bool:
         """Whether r's row may carry drafts: a decode row without a constraint or banned ids (min_tokens),
         of a request that wants more than this row's token, whose n-gram lookup can find something once
         its token in flight is known: every match ending in that token needs an earlier occurrence of the
         prompt_lookup_min - 1 known tokens before it (so a step is not read back for nothing)."""
-        if row.tokens is not None or r.grammar is not None or row.banned or len(r.out) + r.pending >= r.max_tokens:
+        if row.tokens is not None or r.grammar is not None or row.banned or len(r.out) + r.pending >= r.max_tokens \
+                or not self._wants_drafts(r):
             return False
         if self.speculative.method != "ngram":  # the step in flight drafts for it
             return True
@@ -361,7 +380,9 @@ class Engine:
                 r.pending -= 1
                 r.proposed = () if proposals is None else tuple(int(t) for t in proposals[i])
                 c = int(counts[i])
+                r.undrafted = 0 if drafts else r.undrafted + 1
                 if drafts:
+                    r.acceptance = 0.8 * r.acceptance + 0.2 * (c - 1) / drafts
                     r.done -= drafts + 1 - c
                     self.drafts, self.draft_tokens, self.accepted = (self.drafts + 1, self.draft_tokens + drafts,
                                                                      self.accepted + c - 1)
@@ -485,8 +506,7 @@ class Engine:
         """Runs every bucket once on padding (writes only the scratch page), so nothing compiles later;
         `structured`: also the two programs of a split step (structured outputs), where the engine splits;
         with speculation the verifying program too."""
-        plain = self.runner.drafter is None  # with a draft model every step runs the verifying program
-        runs = [(t, "step") for t in self.shapes() if plain] + [(t, "split") for t in self.shapes() if structured] + [
+        runs = [(t, "step") for t in self.shapes()] + [(t, "split") for t in self.shapes() if structured] + [
             (t, "verify") for t in self.shapes() if self.speculative is not None]
         for i, (t, kind) in enumerate(runs):
             batch = self.runner.empty(t)

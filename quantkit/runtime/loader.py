@@ -236,7 +236,8 @@ def _assemble(read, n: int, outs: list, rows) -> list[jax.Array]:
             for (shape, _, sharding), per_device in zip(outs, bufs)]
 
 
-def load(path: str | Path, dtype=jnp.bfloat16, check: bool = True, mesh=None, ep: bool = False) -> LoadedModel:
+def load(path: str | Path, dtype=jnp.bfloat16, check: bool = True, mesh=None, ep: bool = False,
+         mtp: bool = False) -> LoadedModel:
     """Loads a dense or compressed-tensors checkpoint that `quantkit inspect` accepts, each tensor read from
     its safetensors file and placed straight onto the devices that hold its parts.
 
@@ -246,6 +247,7 @@ def load(path: str | Path, dtype=jnp.bfloat16, check: bool = True, mesh=None, ep
         check: validate first, as `quantkit inspect` does (errors and unsupported layers stop the load).
         mesh: place the weights tensor-parallel on this mesh (runtime/sharding.py); None: on one device.
         ep: with `mesh`, split MoE experts whole over the mesh (expert parallelism).
+        mtp: also load Qwen3.5's MTP layer (`mtp.*`) as params["draft"] (speculative method `mtp`).
     """
     path = Path(path)
     checked = validate_checkpoint(Checkpoint.open(path))
@@ -303,10 +305,21 @@ def load(path: str | Path, dtype=jnp.bfloat16, check: bool = True, mesh=None, ep
             return first.with_arrays(dict(zip(first.arrays, placed)), mesh=mesh, split=split)
         return placed[0]
 
-    sk = skeleton(cfg, lane_widths(cfg, qc))
+    widths = lane_widths(cfg, qc)
+    sk = skeleton(cfg, widths)
     params = {k: leaf(k, s) for k, s in sk.items() if k != "layers"}
     params["layers"] = {kind: {key: leaf(key, s, kind) for key, s in stack.items()}
                         for kind, stack in sk["layers"].items()}
+    if mtp:
+        from quantkit.runtime.models.qwen3_5 import mtp_slots
+
+        if cfg.family != "qwen3_5" or "mtp.fc" not in r.modules:
+            raise Unsupported(f"{path}: method 'mtp' needs a Qwen3.5 checkpoint with its MTP layer (mtp.*)")
+        if mesh is not None:
+            raise InvalidInput("draft heads (eagle3, mtp) run on one device; serve the target with --tp 1")
+        d = mtp_slots(cfg, widths)
+        params["draft"] = {k: leaf(k, s) for k, s in d.items() if k != "layer"} | {
+            "layer": {key: leaf(key, s) for key, s in d["layer"].items()}}
     params = place_row_major(params)  # the layout the Runner compiles for (sharding.row_major)
     kv_scales = None
     if qc is not None and qc.kv_cache_scheme is not None:
@@ -335,7 +348,12 @@ def densify(params: dict, dtype) -> dict:
             d = d[np.argsort(expert_rows(layers, d.shape[0] // layers, w.mesh.shape[AXIS]))]
         return d if d.shape[0] == layers else d.reshape(layers, -1, *d.shape[1:])
 
-    out = {k: dense(k, v) for k, v in params.items() if k != "layers"}
+    out = {k: dense(k, v) for k, v in params.items() if k not in ("layers", "draft")}
     out["layers"] = {kind: {k: dense(k, v, stack["attn_norm"].shape[0]) for k, v in stack.items()}
                      for kind, stack in params["layers"].items()}
+    if "draft" in params:  # a draft head's weights (an MTP layer: its own, then a stack of one layer)
+        d = params["draft"]
+        out["draft"] = {k: dense(k, v) for k, v in d.items() if k != "layer"}
+        if "layer" in d:
+            out["draft"]["layer"] = {k: dense(k, v, 1) for k, v in d["layer"].items()}
     return out

@@ -226,7 +226,8 @@ class Server:
         from quantkit.runtime.speculative import drafter_for
 
         enable_compilation_cache()
-        model = load(self.path, mesh=self.mesh, ep=self.ep)
+        model = load(self.path, mesh=self.mesh, ep=self.ep,
+                     mtp=self.speculative is not None and self.speculative.method == "mtp")
         limit = min(self.max_model_len or 2048, model.cfg.max_position_embeddings)
         return model, Runner(model, max_model_len=limit, max_num_seqs=self.max_num_seqs,
                              max_num_batched_tokens=self.max_num_batched_tokens, kv_cache_dtype=self.kv_cache_dtype,

@@ -11,6 +11,8 @@ for token when greedy or seeded. Drafters:
   occurs. Host-side, a few numpy comparisons per row a step.
 - `eagle3`: an EAGLE-3 draft head (`"model": PATH`, models/eagle3.py) run on device inside each step, after
   the target's forward, drafting the next step's tokens from the target's hidden states.
+- `mtp`: Qwen3.5's own multi-token-prediction layer (the checkpoint's `mtp.*`, models/qwen3_5.Mtp), the same
+  way.
 """
 
 from __future__ import annotations
@@ -24,8 +26,7 @@ from numpy.lib.stride_tricks import sliding_window_view
 from quantkit.errors import Unsupported
 
 KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model")
-BUILT = ("ngram", "eagle3")
-PLANNED = ("mtp",)  # vLLM's methods quantkit will serve; any other is a usage error
+BUILT = ("ngram", "eagle3", "mtp")
 MAX_TOKENS = 16  # drafts a row at most: each bucket's program verifies k + 1 positions a row
 
 
@@ -40,7 +41,7 @@ class SpeculativeConfig:
 
 def parse(text: str | dict | None) -> SpeculativeConfig | None:
     """The JSON of `--speculative-config` (vLLM's keys) as a SpeculativeConfig; None for None / "" / {}.
-    Raises ValueError naming what is wrong (a usage error), Unsupported for a method not built yet."""
+    Raises ValueError naming what is wrong (a usage error)."""
     if text is None or text == "":
         return None
     try:
@@ -57,13 +58,11 @@ def parse(text: str | dict | None) -> SpeculativeConfig | None:
     method = spec.get("method")
     if method == "[ngram]":
         method = "ngram"
-    if method not in BUILT + PLANNED:
+    if method not in BUILT:
         raise ValueError(f"unknown method {method!r}; quantkit serves {', '.join(BUILT)}")
-    if method in PLANNED:
-        raise Unsupported(f"speculative method {method!r} is not built yet; quantkit serves {', '.join(BUILT)}")
     model = spec.get("model")
-    if method == "ngram" and model is not None:
-        raise ValueError("'model' names a draft checkpoint, which method 'ngram' does not use")
+    if method != "eagle3" and model is not None:
+        raise ValueError(f"'model' names a draft checkpoint, which method {method!r} does not use")
     if method == "eagle3" and (not isinstance(model, str) or not model):
         raise ValueError("method 'eagle3' needs 'model': the path of an EAGLE-3 draft checkpoint")
 
@@ -87,11 +86,26 @@ def parse(text: str | dict | None) -> SpeculativeConfig | None:
     return SpeculativeConfig(method, k, lo, hi, model)
 
 
+@dataclass
+class Drafter:
+    """A draft head for the Runner: `spec` its static part (models/eagle3.Eagle3, models/qwen3_5.Mtp: a key
+    of the jitted step), `params` its weights (None: the loader put them in the model's, "draft")."""
+
+    spec: object
+    params: dict | None = None
+
+
 def drafter_for(spec: SpeculativeConfig | None, model):
-    """The draft model `spec` names, loaded for the target `model` (a loader.LoadedModel) in its dtype;
-    None for n-gram lookup or no speculation."""
+    """The draft head `spec` names for the target `model` (a loader.LoadedModel; for `mtp` loaded with
+    `mtp=True`); None for n-gram lookup or no speculation."""
     if spec is None or spec.method == "ngram":
         return None
+    if spec.method == "mtp":
+        from quantkit.runtime.models.qwen3_5 import Mtp
+
+        if "draft" not in model.params:
+            raise Unsupported(f"{model.path}: method 'mtp' needs a Qwen3.5 checkpoint with its MTP layer (mtp.*)")
+        return Drafter(Mtp(model.cfg))
     from quantkit.runtime.models.eagle3 import load
 
     return load(spec.model, model.cfg, model.dtype)

@@ -13,6 +13,7 @@ each row; padding rows: max_num_seqs, dropped) and sampling arrays [S]. Shapes a
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -187,20 +188,20 @@ def verify_positions(batch: dict, tokens: jax.Array, k: int):
     return src, row, draft, batch["positions"][src] + 1, grid
 
 
-def draft_rows(params: dict, drafter, tokens: jax.Array, aux: jax.Array, out: tuple, kv: jax.Array, meta: dict,
-               page_size: int, k: int):
-    """EAGLE-3 drafts for the next step (models/eagle3.py): k token ids a row [S, k] and the head's cache.
+def draft_rows(params: dict, head, tokens: jax.Array, h: jax.Array, aux: jax.Array | None, out: tuple, kv: jax.Array,
+               meta: dict, page_size: int, k: int):
+    """A draft head's tokens for the next step: k token ids a row [S, k], and the head's cache.
 
-    The head runs over the step's tokens, position i taking the target's fused hidden states aux [T, 3H] at
-    i and the token at i + 1, where a row's last kept position (its last accepted draft, or its last token)
-    takes the token the target just chose (`verify_rows`' out); positions past it are computed too and
-    overwritten later, as rejected drafts' KV is. Its output there gives the first draft; each further draft
-    runs the head on the previous one and the head's own output, one position further (one query a row)."""
-    from quantkit.runtime.models import eagle3
-    from quantkit.runtime.models.common import attention_block, linear
+    head: models/eagle3.Eagle3 or models/qwen3_5.Mtp (its `hidden`, `embed`, `run` and `tokens`); h the
+    target's final hidden states [T, H], aux its fused auxiliary ones (EAGLE-3). The head runs over the
+    step's tokens, position i taking the target's hidden state at i and the token at i + 1, where a row's
+    last kept position (its last accepted draft, or its last token) takes the token the target just chose
+    (`verify_rows`' out); positions past it are computed too and overwritten later, as rejected drafts' KV
+    is. Its output there gives the first draft; each further draft runs the head on the previous one and
+    the head's own output, one position further (one query a row)."""
+    from quantkit.runtime.models.common import attention_block
 
-    dp, dcfg = params["draft"], drafter.cfg
-    embed = dp["embed"] if "embed" in dp else params["embed"]
+    embed = head.embed(params)
     tok, count = out[0], out[1]
     t, s = tokens.shape[0], count.shape[0]
     cu, n = meta["cu_q_lens"], meta["num_seqs"]
@@ -208,28 +209,27 @@ def draft_rows(params: dict, drafter, tokens: jax.Array, aux: jax.Array, out: tu
     last = jnp.maximum(cu[1:] - 1 - meta["drafts"] + count - 1, 0)  # each row's last kept token
     chosen = jnp.take_along_axis(tok, count[:, None] - 1, axis=1)[:, 0]
     nxt = jnp.concatenate([tokens[1:], tokens[:1]]).at[jnp.where(live, last, t)].set(chosen, mode="drop")
-    meta = {**meta, "kv_fp8": None}
 
     def run(emb, hidden, kv, m):
-        def attend(x):
+        def attend(p, x):
             nonlocal kv
-            a, kv = attention_block(dp, x, kv, 0, m, dcfg, "full")
+            a, kv = attention_block(p, x, kv, 0, m, head.cfg, "full")
             return a
-        return eagle3.layer(dp, dcfg, emb, hidden, attend), kv
+        return head.run(params, emb, hidden, attend), kv
 
-    g, kv = run(embed[nxt], linear(aux, dp["fc"]), kv, meta)
+    g, kv = run(embed[nxt], head.hidden(params, h, aux), kv, {**meta, "kv_fp8": None})
     g = g[last]
-    drafts = [eagle3.tokens_of(dp, dcfg, g)]
+    drafts = [head.tokens(params, g)]
     tables = meta["tables"]["full"]
     pos = meta["positions"][last]
     for j in range(1, k):
         p = pos + j
         slots = jnp.where(live, tables[jnp.arange(s), jnp.minimum(p // page_size, tables.shape[1] - 1)] * page_size
                           + p % page_size, 0)
-        m = {**meta, "positions": p, "slots": {"full": slots}, "kv_lens": p + 1,
+        m = {**meta, "kv_fp8": None, "positions": p, "slots": {"full": slots}, "kv_lens": p + 1,
              "cu_q_lens": jnp.minimum(jnp.arange(s + 1, dtype=jnp.int32), n[0])}
         g, kv = run(embed[drafts[-1]], g, kv, m)
-        drafts.append(eagle3.tokens_of(dp, dcfg, g))
+        drafts.append(head.tokens(params, g))
     return jnp.stack(drafts, axis=1), kv
 
 
@@ -246,8 +246,8 @@ def step_function(cfg, page_size: int, all_logits: bool = False, mesh=None, unro
     FP8 cache (params then carry each layer's `kv_scale`, cache.with_kv_scales). ep: MoE experts split
     whole over the mesh (expert parallelism, runtime/sharding.py). spec: speculative decoding with up to
     `spec` drafts a row: a row's last batch["drafts"] tokens are drafts following its real last token, and
-    the outputs are `verify_rows`'s; drafter (an eagle3.Eagle3, its weights params["draft"], its cache
-    kv["draft"]): the outputs gain the next step's drafts [S, spec] (`draft_rows`).
+    the outputs are `verify_rows`'s; drafter (a draft head, eagle3.Eagle3 or qwen3_5.Mtp: its weights
+    params["draft"], its cache kv["draft"]): the outputs gain the next step's drafts [S, spec] (`draft_rows`).
     """
     fwd = forward_for(cfg.family)
 
@@ -255,7 +255,7 @@ def step_function(cfg, page_size: int, all_logits: bool = False, mesh=None, unro
         tokens = jnp.where(batch["prev_slot"] >= 0, last[jnp.maximum(batch["prev_slot"], 0)], batch["tokens"])
         meta = {**batch, "slots": _slots(batch, page_size), "mesh": mesh, "unroll": unroll, "kv_fp8": kv_fp8,
                 "ep_mesh": mesh if ep else None, "verify": bool(spec)}
-        if drafter is not None and not all_logits:
+        if drafter is not None and not all_logits and drafter.aux:
             meta["aux_layers"] = drafter.aux
         h, kv, *aux = fwd(params, cfg, tokens, kv, meta)
         if all_logits:
@@ -266,8 +266,9 @@ def step_function(cfg, page_size: int, all_logits: bool = False, mesh=None, unro
             if len(kv.get("linear", ())) == 4:  # GDN states: each row's after the tokens it kept
                 kv = {**kv, "linear": keep_checkpoints(kv["linear"], batch, out[1])}
             if drafter is not None:
-                drafts, head = draft_rows(params, drafter, tokens, aux[0], out, kv["draft"], meta, page_size, spec)
-                out, kv = (*out, drafts), {**kv, "draft": head}
+                drafts, cache = draft_rows(params, drafter, tokens, h, aux[0] if aux else None, out, kv["draft"], meta,
+                                           page_size, spec)
+                out, kv = (*out, drafts), {**kv, "draft": cache}
             return out, kv, last
         ends = batch["cu_q_lens"][1:] - 1  # each sequence's last token
         logits = project(params, h[jnp.maximum(ends, 0)], cfg)
@@ -382,7 +383,7 @@ class Runner:
     scan: bool | None = None
     kv_cache_dtype: str = "auto"
     speculative: int = 0
-    drafter: object = None  # models/eagle3.Drafter: drafts come from this head, on device, in every step
+    drafter: object = None  # speculative.Drafter: drafts come from this head, on device, in every step
     compiled: set = field(default_factory=set)
 
     def __post_init__(self):
@@ -407,7 +408,7 @@ class Runner:
         kv_sharding = self.layout.cache(lambda k, s, d: shard(k))
         draft = self.drafter.spec if self.drafter is not None else None
         if draft is not None and mesh is not None:
-            raise InvalidInput("EAGLE-3 drafts run on one device; serve the target with --tp 1")
+            raise InvalidInput("draft heads (eagle3, mtp) run on one device; serve the target with --tp 1")
         # float32 on CPU: XLA:CPU upcasts a bf16 (or fp8) scatter and so copies the whole cache on every write
         dtype = jnp.float32 if jax.default_backend() == "cpu" else fp8 or self.model.dtype
         # committed to a device from the start: the step's outputs are, and an uncommitted first argument
@@ -415,7 +416,7 @@ class Runner:
         here = jax.local_devices()[0]
         self.kv = self.layout.cache(lambda k, s, d: jnp.zeros(s, d or dtype, device=shard(k) or here))
         if draft is not None:  # the head's KV: one layer over the target's full-attention pages
-            shape = (1, self.layout.pages["full"], self.page_size, 2 * draft.cfg.num_kv_heads * draft.cfg.head_dim)
+            shape = (1, self.layout.pages["full"], self.page_size, 2 * math.prod(draft.cfg.kv_shape("full")))
             self.kv["draft"] = jnp.zeros(shape, jnp.float32 if dtype == jnp.float32 else self.model.dtype,
                                          device=here)
         self.last = jnp.zeros(self.max_num_seqs + 1, jnp.int32, device=rep or here)
@@ -437,7 +438,7 @@ class Runner:
             self.params = {**self.params, "layers": {
                 kind: {k: w if isinstance(w, QTensor) else unstack(w) for k, w in stack.items()}
                 for kind, stack in self.params["layers"].items()}}
-        if draft is not None:
+        if draft is not None and self.drafter.params is not None:  # (an MTP layer came with the model's)
             self.params = {**self.params, "draft": jax.device_put(self.drafter.params, here)}
         self.params = place_row_major(self.params)  # the loader placed them so; a sharded copy may not be
         formats = jax.tree_util.tree_map(lambda x: row_major(x.sharding, x.ndim), self.params)
@@ -483,11 +484,13 @@ class Runner:
         """A step of t padding tokens (warm-up)."""
         return empty_batch(t, min(t, self.max_num_seqs), self.layout, self.max_num_seqs, self.model.cfg.vocab_size)
 
-    def run(self, batch: dict):
+    def run(self, batch: dict, head: bool = True):
         """Dispatches one step (asynchronously); returns the device outputs (token, logprob, top ids, top
-        logprobs), each [S, ...]; for a step with drafts `verify_rows`'s."""
+        logprobs), each [S, ...]; for a step with drafts `verify_rows`'s; with a draft head (and `head`, or
+        drafts) those and the next step's drafts."""
         self.compiled.add(batch["tokens"].shape[0])
-        return self._call(VERIFY if batch["drafts"].any() or self.drafter is not None else STEP, batch)
+        drafting = batch["drafts"].any() or self.drafter is not None and head
+        return self._call(VERIFY if drafting else STEP, batch)
 
     def run_split(self, batch: dict, sampling: Callable[[], dict]):
         """One step as two programs: the forward (dispatched at once), then the sampling with the arrays

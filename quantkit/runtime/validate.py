@@ -333,7 +333,8 @@ def validate_checkpoint(ckpt: Checkpoint) -> Validation:
     mtp = sum(name.startswith("mtp.") for name in ckpt.tensors)
     if mtp:
         problems.append(problem("warning", "mtp.*", f"{mtp} tensors of the MTP (multi-token prediction) head are "
-                                "not used: quantkit serves the model without speculative decoding"))
+                                "used only as a draft head, with --speculative-config '{\"method\": \"mtp\", "
+                                "\"num_speculative_tokens\": 3}'"))
     kv = qc.kv_cache_scheme if qc is not None else None
     if cfg is not None and kv is not None and not kv_scheme_reason(kv):  # else reported unsupported already
         problems += _kv_scale_problems(ckpt, cfg)

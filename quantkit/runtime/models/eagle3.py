@@ -44,12 +44,21 @@ class Eagle3:
     cfg: ModelConfig
     aux: tuple[int, ...]
 
+    # the head as step.draft_rows runs it; its weights params["draft"]: fc [3H, H], q/k/v [2H, .], o, gate,
+    # up, down, norms, lm_head [H, Vd], d2t [Vd] (target ids), embed (if its own)
+    def hidden(self, params: dict, h, aux):
+        from quantkit.runtime.models.common import linear
 
-@dataclass
-class Drafter:
-    spec: Eagle3
-    params: dict  # fc [3H, H], q/k/v [2H, .], o, gate, up, down, norms, lm_head [H, Vd], d2t [Vd] target ids
-    path: Path
+        return linear(aux, params["draft"]["fc"])
+
+    def embed(self, params: dict):
+        return params["draft"].get("embed", params["embed"])
+
+    def run(self, params: dict, emb, hidden, attend):
+        return layer(params["draft"], self.cfg, emb, hidden, lambda x: attend(params["draft"], x))
+
+    def tokens(self, params: dict, g):
+        return tokens_of(params["draft"], self.cfg, g)
 
 
 def aux_layers(draft_cfg: dict, target_layers: int) -> tuple[int, ...]:
@@ -58,7 +67,7 @@ def aux_layers(draft_cfg: dict, target_layers: int) -> tuple[int, ...]:
     return tuple(int(i) for i in ids) if ids else (2, target_layers // 2, target_layers - 3)
 
 
-def load(path: str | Path, target: ModelConfig, dtype) -> Drafter:
+def load(path: str | Path, target: ModelConfig, dtype):
     """Reads an EAGLE-3 draft checkpoint for `target`; InvalidInput / Unsupported naming what does not fit."""
     import jax.numpy as jnp
 
@@ -129,12 +138,15 @@ def load(path: str | Path, target: ModelConfig, dtype) -> Drafter:
     if not np.isfinite(np.asarray(jnp.stack([jnp.sum(v.astype(jnp.float32)) for k, v in params.items()
                                              if k != "d2t"]))).all():
         raise InvalidInput(f"draft model {path}: non-finite weights")
-    return Drafter(Eagle3(cfg, aux), params, path)
+    from quantkit.runtime.speculative import Drafter
+
+    return Drafter(Eagle3(cfg, aux), params)
 
 
 def layer(p: dict, cfg: ModelConfig, emb, hidden, attend):
     """The draft layer's output (before `norm`) [n, H] for token embeddings emb and hidden states hidden
-    [n, H]; attend(x [n, 2H]) -> the attention block's output [n, H] (q/k/v, RoPE, KV, o)."""
+    [n, H]; attend(x [n, 2H]) -> the attention block's output [n, H] (q/k/v, RoPE, KV, o). The next draft
+    takes this output as its hidden state."""
     import jax
     import jax.numpy as jnp
 

@@ -4,6 +4,8 @@ KV cache; zero-centred (1 + w) RMSNorms; a SwiGLU MLP, or routed experts plus a 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from quantkit.errors import Unsupported
 from quantkit.runtime.config import ModelConfig
 from quantkit.runtime.family import MLP, PRE_POST_NORMS, QK_NORMS, Family, Slot, attention, experts, mlp, norms
@@ -16,7 +18,8 @@ SHARED = {"shared_gate": "mlp.shared_expert.gate_proj", "shared_up": "mlp.shared
 
 def configure(hf: dict, common: dict, rope: dict) -> dict:
     """Qwen3.5 and Qwen3.5-MoE (transformers models/qwen3_5, qwen3_5_moe): layer_types name the Gated
-    DeltaNet ("linear_attention") layers; zero-centred (1 + w) norms; the MTP head is not used."""
+    DeltaNet ("linear_attention") layers; zero-centred (1 + w) norms; the MTP layer is loaded only as a
+    draft head (`Mtp`)."""
     types = hf.get("layer_types") or ["full_attention" if (i + 1) % hf.get("full_attention_interval", 4) == 0
                                       else "linear_attention" for i in range(common["num_layers"])]
     if set(types) - {"full_attention", "linear_attention"}:
@@ -82,11 +85,71 @@ def moe(p: dict, x, cfg: ModelConfig, batch: dict):
     return (routed.astype(jnp.float32) + gate * shared.astype(jnp.float32)).astype(x.dtype)
 
 
-def forward(params: dict, cfg: ModelConfig, tokens, kv: dict, batch: dict):
-    """As llama.forward; kv["linear"] is the GDN layers' (conv, recurrent) state."""
+def ffn(p: dict, h, cfg: ModelConfig, batch: dict):
+    """The layer's MLP: SwiGLU, or routed experts with the shared expert (`moe`)."""
     import jax
 
-    from quantkit.runtime.models.common import attention_block, layer_params, linear, rms_norm, run_layers
+    from quantkit.runtime.models.common import linear
+
+    if cfg.num_experts:
+        return moe(p, h, cfg, batch)
+    return linear(jax.nn.silu(linear(h, p["gate"])) * linear(h, p["up"]), p["down"])
+
+
+def mtp_slots(cfg: ModelConfig, widths: tuple[int, int]) -> dict:
+    """The MTP layer's weights (the checkpoint's `mtp.*`, vLLM's Qwen3_5MultiTokenPredictor): fc [2H, H] over
+    [embedding | hidden], its two pre-fc norms, one gated-attention decoder layer (a stack of one, as the
+    model's own "full" layers) and its final norm."""
+    from quantkit.runtime.family import Slot
+
+    h = cfg.hidden_size
+    one = layer(cfg, "mtp.layers.0.", "full", widths)
+    return {"fc": Slot("linear", "mtp.fc", (2 * h, h)),
+            "pre_fc_norm_embedding": Slot("norm", "mtp.pre_fc_norm_embedding", (h,)),
+            "pre_fc_norm_hidden": Slot("norm", "mtp.pre_fc_norm_hidden", (h,)), "norm": Slot("norm", "mtp.norm", (h,)),
+            "layer": {key: Slot("stack", (s,), (1, *s.shape)) for key, s in one.items()}}
+
+
+@dataclass(frozen=True)
+class Mtp:
+    """Qwen3.5's multi-token-prediction layer as a draft head (speculative `"method": "mtp"`; step.draft_rows):
+    fc over [pre_fc_norm_embedding(embedding of the next token) | pre_fc_norm_hidden(hidden)], a decoder
+    layer of the model's full-attention kind with its own KV, `norm`; the target's lm_head gives its token,
+    and its normed output is the next draft's hidden. The first draft takes the target's final (normed)
+    hidden state, as vLLM's proposer does. Weights: params["draft"] (`mtp_slots`)."""
+
+    cfg: ModelConfig
+    aux: tuple = ()
+
+    def hidden(self, params: dict, h, aux):
+        return h
+
+    def embed(self, params: dict):
+        return params["embed"]
+
+    def run(self, params: dict, emb, hidden, attend):
+        import jax.numpy as jnp
+
+        from quantkit.runtime.models.common import layer_params, linear, rms_norm
+
+        d, eps, off = params["draft"], self.cfg.rms_norm_eps, self.cfg.norm_offset
+        x = linear(jnp.concatenate([rms_norm(emb, d["pre_fc_norm_embedding"], eps, off),
+                                    rms_norm(hidden, d["pre_fc_norm_hidden"], eps, off)], axis=-1), d["fc"])
+        p = layer_params(d["layer"], 0)
+        x = x + attend(p, rms_norm(x, p["attn_norm"], eps, off))
+        x = x + ffn(p, rms_norm(x, p["mlp_norm"], eps, off), self.cfg, {})
+        return rms_norm(x, d["norm"], eps, off)
+
+    def tokens(self, params: dict, g):
+        from quantkit.runtime.models.common import logits
+        from quantkit.runtime.step import _argmax
+
+        return _argmax(logits(params, g, self.cfg))
+
+
+def forward(params: dict, cfg: ModelConfig, tokens, kv: dict, batch: dict):
+    """As llama.forward; kv["linear"] is the GDN layers' (conv, recurrent) state."""
+    from quantkit.runtime.models.common import attention_block, layer_params, rms_norm, run_layers
     from quantkit.runtime.models.gdn import gdn_block
 
     eps, off = cfg.rms_norm_eps, cfg.norm_offset
@@ -100,12 +163,7 @@ def forward(params: dict, cfg: ModelConfig, tokens, kv: dict, batch: dict):
         else:
             a, c = attention_block(p, h, kv[kind], i, batch, cfg, kind)
         x = x + a
-        h = rms_norm(x, p["mlp_norm"], eps, off)
-        if cfg.num_experts:
-            m = moe(p, h, cfg, batch)
-        else:
-            m = linear(jax.nn.silu(linear(h, p["gate"])) * linear(h, p["up"]), p["down"])
-        return x + m, {**kv, kind: c}
+        return x + ffn(p, rms_norm(x, p["mlp_norm"], eps, off), cfg, batch), {**kv, kind: c}
 
     x, kv = run_layers(layer, cfg.layer_kinds, (params["embed"][tokens], kv), batch.get("unroll", False))
     return rms_norm(x, params["final_norm"], eps, off), kv
