@@ -16,8 +16,9 @@ Usage: .venv/bin/python benchmarks/serve_load.py --vllm /tmp/vllmvenv/bin/vllm [
 both kinds write exactly 64 tokens), the two kinds alternating over --runs runs in one server; reported:
 median output tokens/s of each and their ratio, and the server's mask time per step (/metrics).
 
---speculative: speculative decoding on the default model, two servers side by side (plain, and with
---spec-config, default n-gram with 4 drafts), the same load alternating between them over --runs runs, at
+--speculative: speculative decoding on the default model, servers side by side (plain, and one per
+--spec-config: by default n-gram with 4 drafts and the default model's EAGLE-3 head with 3), the same load
+alternating between them over --runs runs, at
 concurrency 1 (8 requests) and 16 (64 requests) of 64 tokens, temperature 0, on two workloads:
 `code-edit`, a prompt that quotes code the answer repeats (a held-out stdlib function, the model's own
 greedy continuation of it, then the function's first lines again: a model that copies continues with the
@@ -180,8 +181,10 @@ def main() -> None:
     ap.add_argument("--port", type=int, default=8311)
     ap.add_argument("--structured", action="store_true", help="structured outputs vs unconstrained (see above)")
     ap.add_argument("--speculative", action="store_true", help="speculative decoding vs plain (see above)")
-    ap.add_argument("--spec-config", default='{"method": "ngram", "num_speculative_tokens": 4, '
-                                             '"prompt_lookup_min": 2, "prompt_lookup_max": 5}')
+    ap.add_argument("--spec-config", nargs="+", default=[
+        '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5}',
+        '{"method": "eagle3", "model": "assets/tiny-llama-eagle3", "num_speculative_tokens": 3}'],
+        help="one speculative server per config, beside the plain one")
     args = ap.parse_args()
     if args.structured:
         return structured(args)
@@ -293,8 +296,9 @@ def speculative(args) -> None:
     import re
 
     name, model = "tiny-llama", str(ROOT / "assets/tiny-llama")
-    ports = {"plain": args.port, "speculative": args.port + 1}
-    flags = {"plain": [], "speculative": ["--speculative-config", args.spec_config]}
+    specs = {json.loads(c)["method"]: c for c in args.spec_config}  # one server each, named by its method
+    ports = {k: args.port + i for i, k in enumerate(["plain", *specs])}
+    flags = {"plain": [], **{k: ["--speculative-config", c] for k, c in specs.items()}}
     procs, caches = {}, []
     for kind, port in ports.items():
         caches.append(Path(tempfile.mkdtemp(prefix="qk-jax-cache-")))
@@ -302,14 +306,14 @@ def speculative(args) -> None:
                             "2048", "--max-num-seqs", "16", "--served-model-name", name, *flags[kind]],
                            {"JAX_PLATFORMS": "cpu", "QUANTKIT_JAX_CACHE": str(caches[-1])},
                            f"http://127.0.0.1:{port}/ready", Path(args.dir) / f"quantkit-{kind}.log")
-    spec_base = f"http://127.0.0.1:{ports['speculative']}"
-
-    def metric(key: str) -> float:
-        m = re.search(rf"^{re.escape(key)}(?:{{[^}}]*}})? ([0-9.e+-]+)$", httpx.get(spec_base + "/metrics").text, re.M)
+    def metric(kind: str, key: str) -> float:
+        text = httpx.get(f"http://127.0.0.1:{ports[kind]}/metrics").text
+        m = re.search(rf"^{re.escape(key)}(?:{{[^}}]*}})? ([0-9.e+-]+)$", text, re.M)
         return float(m.group(1))
 
-    def counts() -> tuple[float, float, float]:
-        return tuple(metric(f"vllm:spec_decode_num_{k}_total") for k in ("drafts", "draft_tokens", "accepted_tokens"))
+    def counts() -> dict:
+        return {kind: tuple(metric(kind, f"vllm:spec_decode_num_{k}_total")
+                            for k in ("drafts", "draft_tokens", "accepted_tokens")) for kind in specs}
 
     try:
         base = code_prompts(64)
@@ -337,7 +341,7 @@ def speculative(args) -> None:
                                                            extra=extra)))
                 after = counts()
                 med = {k: sorted(rs, key=lambda r: r["tok_s"])[len(rs) // 2] for k, rs in runs.items()}
-                d = [a - b for a, b in zip(after, before)]
+                d = {k: [a - b for a, b in zip(after[k], before[k])] for k in specs}
                 rows.append((wl, conc, med, runs, d))
                 print(json.dumps({"workload": wl, "concurrency": conc, **{k: [round(r["tok_s"]) for r in rs]
                                                                           for k, rs in runs.items()}}), flush=True)
@@ -347,16 +351,17 @@ def speculative(args) -> None:
         for c in caches:
             shutil.rmtree(c, ignore_errors=True)
     print(f"machine: {platform.machine()}, {os.cpu_count()} cores; {name}, {OUT_TOKENS} output tokens a request, "
-          f"{args.runs} runs alternating; speculative: {args.spec_config}")
-    print("| workload | concurrency | plain tok/s (median; runs) | speculative tok/s (median; runs) | ratio | "
+          f"{args.runs} runs alternating; speculative: {'; '.join(specs.values())}")
+    print("| workload | concurrency | method | plain tok/s (median; runs) | speculative tok/s (median; runs) | ratio | "
           "accepted / drafted tokens | tokens a drafted step |")
-    print("|---|---|---|---|---|---|---|")
-    for wl, conc, med, runs, (drafts, drafted, accepted) in rows:
+    print("|---|---|---|---|---|---|---|---|")
+    for wl, conc, med, runs, d in rows:
         each = {k: ", ".join(f"{r['tok_s']:.0f}" for r in rs) for k, rs in runs.items()}
-        print(f"| {wl} | {conc} | {med['plain']['tok_s']:.0f} ({each['plain']}) | {med['speculative']['tok_s']:.0f} "
-              f"({each['speculative']}) | {med['speculative']['tok_s'] / med['plain']['tok_s']:.2f}x | "
-              f"{accepted:.0f} / {drafted:.0f} ({accepted / max(drafted, 1):.0%}) | "
-              f"{1 + accepted / max(drafts, 1):.2f} |")
+        for kind, (drafts, drafted, accepted) in d.items():
+            print(f"| {wl} | {conc} | {kind} | {med['plain']['tok_s']:.0f} ({each['plain']}) | "
+                  f"{med[kind]['tok_s']:.0f} ({each[kind]}) | {med[kind]['tok_s'] / med['plain']['tok_s']:.2f}x | "
+                  f"{accepted:.0f} / {drafted:.0f} ({accepted / max(drafted, 1):.0%}) | "
+                  f"{1 + accepted / max(drafts, 1):.2f} |")
 
 
 def print_table(report: dict) -> None:

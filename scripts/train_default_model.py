@@ -134,6 +134,7 @@ def save(params: dict, out: Path) -> None:
 
 DRAFT_PASSES = 3  # training-time test: the head also learns from its own outputs, DRAFT_PASSES - 1 deep
 AUX_LAYERS = (1, 2, 3)  # the hidden states entering these target layers feed the head's fc
+DRAFT_VOCAB = 1024  # the head's vocabulary: the training data's most frequent tokens (EAGLE-3's d2t map)
 
 
 def target_features(params, cfg, tokens):
@@ -155,7 +156,7 @@ def target_features(params, cfg, tokens):
     return logits(params, h, cfg).reshape(b, n, -1), aux.reshape(b, n, -1)
 
 
-def init_draft(key, target: dict) -> dict:
+def init_draft(key, target: dict, keep: np.ndarray) -> dict:
     h, i, hd = CONFIG["hidden_size"], CONFIG["intermediate_size"], CONFIG["head_dim"]
     q, kv = CONFIG["num_attention_heads"] * hd, CONFIG["num_key_value_heads"] * hd
     keys = iter(jax.random.split(key, 16))
@@ -165,7 +166,8 @@ def init_draft(key, target: dict) -> dict:
 
     return {"fc": w(3 * h, h), "q": w(2 * h, q), "k": w(2 * h, kv), "v": w(2 * h, kv), "o": w(q, h, 0.5),
             "gate": w(h, i), "up": w(h, i), "down": w(i, h, 0.5), "attn_norm": jnp.ones(h), "hidden_norm": jnp.ones(h),
-            "mlp_norm": jnp.ones(h), "norm": jnp.ones(h), "lm_head": jnp.asarray(target["lm_head"], jnp.float32)}
+            "mlp_norm": jnp.ones(h), "norm": jnp.ones(h),
+            "lm_head": jnp.asarray(target["lm_head"], jnp.float32)[:, keep]}
 
 
 def draft_passes(dp, dcfg, embed, tokens, aux):
@@ -204,12 +206,12 @@ def draft_passes(dp, dcfg, embed, tokens, aux):
     return jnp.stack(out)
 
 
-def make_draft_step(params, cfg, dcfg):
+def make_draft_step(params, cfg, dcfg, keep: np.ndarray):
     embed = params["embed"]
 
     def loss_fn(dp, tokens):  # tokens [b, n]: pass j's position t predicts the target's distribution at t + 1
         target, aux = jax.lax.stop_gradient(target_features(params, cfg, tokens))
-        p = jax.nn.softmax(target[:, 1:], axis=-1)
+        p = jax.nn.softmax(target[:, 1:, keep], axis=-1)  # over the head's vocabulary
         logits = draft_passes(dp, dcfg, embed, tokens, aux)[:, :, :-1]
         n = tokens.shape[1] - 1
         losses, agree = [], []
@@ -217,7 +219,7 @@ def make_draft_step(params, cfg, dcfg):
             valid = (jnp.arange(n) >= j)[None, :]
             ce = -jnp.sum(p * jax.nn.log_softmax(logits[j], axis=-1), axis=-1)
             losses.append(jnp.sum(jnp.where(valid, ce, 0.0)) / (valid.sum() * tokens.shape[0]))
-            same = jnp.argmax(logits[j], -1) == jnp.argmax(target[:, 1:], -1)
+            same = jnp.asarray(keep)[jnp.argmax(logits[j], -1)] == jnp.argmax(target[:, 1:], -1)
             agree.append(jnp.sum(jnp.where(valid, same, False)) / (valid.sum() * tokens.shape[0]))
         return sum(0.8 ** j * l for j, l in enumerate(losses)), jnp.stack(agree)
 
@@ -255,7 +257,7 @@ def train_draft(model_dir: Path, steps: int, minutes: float | None) -> None:
     out = Path(str(model_dir).rstrip("/") + "-eagle3")
     out.mkdir(parents=True, exist_ok=True)
     hf = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "num_hidden_layers": 1,
-          "draft_vocab_size": CONFIG["vocab_size"], "eagle_aux_hidden_state_layer_ids": list(AUX_LAYERS),
+          "draft_vocab_size": DRAFT_VOCAB, "eagle_aux_hidden_state_layer_ids": list(AUX_LAYERS),
           **{k: CONFIG[k] for k in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
                                     "head_dim", "vocab_size", "max_position_embeddings", "rms_norm_eps",
                                     "rope_theta", "hidden_act", "tie_word_embeddings", "torch_dtype")}}
@@ -263,11 +265,14 @@ def train_draft(model_dir: Path, steps: int, minutes: float | None) -> None:
     tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
     ids = np.concatenate([np.array(e.ids + [2], np.int32) for e in tok.encode_batch(_read(training_files()))])
     held = np.concatenate([np.array(e.ids, np.int32) for e in tok.encode_batch(_read(heldout_files()))])
-    dp = init_draft(jax.random.PRNGKey(1), params)
+    keep = np.sort(np.argsort(-np.bincount(ids, minlength=CONFIG["vocab_size"]), kind="stable")[:DRAFT_VOCAB])
+    print(f"draft vocabulary: the {DRAFT_VOCAB} most frequent tokens, {np.isin(ids, keep).mean():.1%} of the "
+          "training tokens", flush=True)
+    dp = init_draft(jax.random.PRNGKey(1), params, keep)
     print(f"draft head: {sum(x.size for x in jax.tree_util.tree_leaves(dp)) / 1e6:.2f}M parameters", flush=True)
     opt = {"m": jax.tree_util.tree_map(jnp.zeros_like, dp), "v": jax.tree_util.tree_map(jnp.zeros_like, dp),
            "t": jnp.zeros((), jnp.int32)}
-    step, loss_fn = make_draft_step(params, cfg, dcfg)
+    step, loss_fn = make_draft_step(params, cfg, dcfg, keep)
     rng = np.random.default_rng(1)
     n, b = 128, 16
     eval_batch = jnp.asarray(np.stack([held[i:i + n] for i in range(0, 16 * n, n)]))
@@ -289,7 +294,8 @@ def train_draft(model_dir: Path, steps: int, minutes: float | None) -> None:
 
     from quantkit.runtime.models.eagle3 import NAMES
 
-    t = {"fc.weight": bf16(dp["fc"].T), "norm.weight": bf16(dp["norm"]), "lm_head.weight": bf16(dp["lm_head"].T)}
+    t = {"fc.weight": bf16(dp["fc"].T), "norm.weight": bf16(dp["norm"]), "lm_head.weight": bf16(dp["lm_head"].T),
+         "d2t": (keep - np.arange(DRAFT_VOCAB)).astype(np.int64), "t2d": np.isin(np.arange(CONFIG["vocab_size"]), keep)}
     t |= {"midlayer." + name: bf16(dp[k].T if dp[k].ndim == 2 else dp[k]) for k, name in NAMES.items()}
     write_safetensors(out / "model.safetensors", t, {"format": "pt"})
     (out / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
