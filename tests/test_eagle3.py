@@ -21,9 +21,7 @@ from quantkit.runtime.engine import Engine, Request, Runner
 from quantkit.runtime.loader import load
 from quantkit.runtime.models import eagle3
 from quantkit.runtime.speculative import SpeculativeConfig
-from quantkit.runtime.step import Row
-
-from helpers import greedy_reference
+from helpers import check_draft_head, greedy_reference
 
 ROOT = Path(__file__).resolve().parents[1]
 H, VD, V, AUX = 64, 100, 128, (0, 2, 3)
@@ -129,34 +127,13 @@ def test_drafts_match_a_transformers_reference(pair):
     """Two sequences in one ragged step (prompts), then a step where one verifies three drafts (two accepted:
     the head must restart from the last kept position, not the last drafted one) beside a plain decode:
     every draft the step proposes equals the reference's, through the d2t vocabulary map."""
-    import torch
-
     target, head, root = pair
     model = load(root / "target", dtype=jnp.float32)
-    k = 3
-    runner = Runner(model, max_model_len=128, max_num_seqs=2, page_size=8, max_num_batched_tokens=64, speculative=k,
+    runner = Runner(model, max_model_len=128, max_num_seqs=2, page_size=8, max_num_batched_tokens=64, speculative=3,
                     drafter=eagle3.load(root / "head", model.cfg, jnp.float32))
-    reference = _reference(target, head)
     rng = np.random.default_rng(2)
-    prompts = [rng.integers(3, V, 21).tolist(), rng.integers(3, V, 10).tolist()]
-    with torch.no_grad():
-        greedy = [target.generate(torch.tensor([p]), max_new_tokens=5, do_sample=False)[0, len(p):].tolist()
-                  for p in prompts]
-    for slot, p in enumerate(prompts):
-        assert runner.pool.reserve(slot, 0, len(p) + 8)
-    out = runner.run(runner.batch([Row(s, 0, len(p), p) for s, p in enumerate(prompts)]))
-    tok, proposed = np.asarray(out[0]), np.asarray(out[5])
-    assert tok[:2, 0].tolist() == [g[0] for g in greedy]
-    for s, p in enumerate(prompts):
-        assert proposed[s].tolist() == reference(p, greedy[s][0], k)
-    a, b = greedy
-    wrong = (a[3] + 1) % V
-    out = runner.run(runner.batch([Row(0, len(prompts[0]), 4, None, drafts=(a[1], a[2], wrong)),
-                                   Row(1, len(prompts[1]), 1, None)]))
-    tok, count, proposed = np.asarray(out[0]), np.asarray(out[1]), np.asarray(out[5])
-    assert count[:2].tolist() == [3, 1] and tok[0, :3].tolist() == a[1:4] and tok[1, 0] == b[1]
-    assert proposed[0].tolist() == reference(prompts[0] + a[:3], a[3], k)
-    assert proposed[1].tolist() == reference(prompts[1] + b[:1], b[1], k)
+    check_draft_head(runner, target, [rng.integers(3, V, 21).tolist(), rng.integers(3, V, 10).tolist()],
+                     _reference(target, head), V)
 
 
 def test_bad_draft_checkpoints_are_refused(pair, tmp_path):

@@ -16,9 +16,8 @@ from quantkit.errors import Unsupported
 from quantkit.runtime.engine import Engine, Request, Runner
 from quantkit.runtime.loader import load
 from quantkit.runtime.speculative import SpeculativeConfig, drafter_for
-from quantkit.runtime.step import Row
 
-from helpers import greedy_reference, qwen3_5_model
+from helpers import check_draft_head, greedy_reference, qwen3_5_model
 
 MTP = SpeculativeConfig("mtp", 3)
 
@@ -84,32 +83,13 @@ def test_mtp_drafts_match_a_transformers_reference(qwen):
     """Two sequences in one ragged step, then one verifying three drafts of which two are accepted (the
     layer restarts from the last kept position; the GDN states roll back to it) beside a plain decode: every
     draft equals the reference's."""
-    import torch
-
     model, mtp, path = qwen
     loaded = load(path, dtype=jnp.float32, mtp=True)
     runner = Runner(loaded, max_model_len=128, max_num_seqs=2, page_size=8, max_num_batched_tokens=64,
                     speculative=3, drafter=drafter_for(MTP, loaded))
-    reference = _reference(model, mtp)
     rng = np.random.default_rng(2)
-    prompts = [rng.integers(3, 256, 19).tolist(), rng.integers(3, 256, 9).tolist()]
-    with torch.no_grad():
-        greedy = [model.generate(torch.tensor([p]), max_new_tokens=5, do_sample=False)[0, len(p):].tolist()
-                  for p in prompts]
-    for slot, p in enumerate(prompts):
-        assert runner.pool.reserve(slot, 0, len(p) + 8)
-    out = runner.run(runner.batch([Row(s, 0, len(p), p) for s, p in enumerate(prompts)]))
-    tok, proposed = np.asarray(out[0]), np.asarray(out[5])
-    assert tok[:2, 0].tolist() == [g[0] for g in greedy]
-    for s, p in enumerate(prompts):
-        assert proposed[s].tolist() == reference(p, greedy[s][0], 3)
-    a, b = greedy
-    out = runner.run(runner.batch([Row(0, len(prompts[0]), 4, None, drafts=(a[1], a[2], (a[3] + 1) % 256)),
-                                   Row(1, len(prompts[1]), 1, None)]))
-    tok, count, proposed = np.asarray(out[0]), np.asarray(out[1]), np.asarray(out[5])
-    assert count[:2].tolist() == [3, 1] and tok[0, :3].tolist() == a[1:4] and tok[1, 0] == b[1]
-    assert proposed[0].tolist() == reference(prompts[0] + a[:3], a[3], 3)
-    assert proposed[1].tolist() == reference(prompts[1] + b[:1], b[1], 3)
+    check_draft_head(runner, model, [rng.integers(3, 256, 19).tolist(), rng.integers(3, 256, 9).tolist()],
+                     _reference(model, mtp), 256)
 
 
 def test_greedy_mtp_gives_the_targets_tokens(qwen):
