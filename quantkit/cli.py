@@ -514,6 +514,8 @@ def serve(
     Examples: quantkit serve models/tiny-llama-W4A16 --port 8000
               quantkit serve ./gemma-3-27b-it --tp 4      (one v6e:2x2 host)
               quantkit serve assets/tiny-llama --speculative-config '{"method": "ngram", "num_speculative_tokens": 4}'
+              quantkit serve assets/tiny-llama --speculative-config
+                  '{"method": "eagle3", "model": "assets/tiny-llama-eagle3", "num_speculative_tokens": 3}'
               curl localhost:8000/v1/completions -H 'Content-Type: application/json'
                    -d '{"model": "tiny-llama-W4A16", "prompt": "Hello", "max_tokens": 16}'
     """
