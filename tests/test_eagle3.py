@@ -21,6 +21,7 @@ from quantkit.runtime.engine import Engine, Request, Runner
 from quantkit.runtime.loader import load
 from quantkit.runtime.models import eagle3
 from quantkit.runtime.speculative import SpeculativeConfig
+from quantkit.runtime.step import VERIFY
 from helpers import check_draft_head, greedy_reference
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -187,6 +188,11 @@ def test_greedy_with_the_trained_head_gives_the_targets_tokens(default, budget, 
     engine = Engine(Runner(model, max_model_len=128, max_num_seqs=4, page_size=8, max_num_batched_tokens=budget,
                            speculative=3, drafter=drafter), speculative=spec)
     engine.fill_only = fill_only
+    if budget == 16:  # warm-up compiles both programs of every bucket (with and without the head): no more later
+        engine.warmup()
+        r = engine.runner
+        warmed = (r._step._cache_size(), r._programs[VERIFY]._cache_size())
+        assert warmed == (len(r.buckets), len(r.buckets))
     stop = greedy[1][13]
     kw = [dict(max_tokens=24), dict(max_tokens=24, stop_ids=frozenset({stop})), dict(max_tokens=19),
           dict(max_tokens=24)]
@@ -201,3 +207,5 @@ def test_greedy_with_the_trained_head_gives_the_targets_tokens(default, budget, 
     assert reqs[1].out == greedy[1][:greedy[1].index(stop)] and reqs[1].finish_reason == "stop"
     assert reqs[2].out == greedy[2][:19] and reqs[2].finish_reason == "length"
     assert engine.drafts > 0 and engine.accepted / engine.draft_tokens > 0.4, (engine.accepted, engine.draft_tokens)
+    if budget == 16:
+        assert (r._step._cache_size(), r._programs[VERIFY]._cache_size()) == warmed

@@ -513,7 +513,7 @@ class Engine:
             if kind == "verify":
                 batch["drafts"][0] = 1  # the verifying program (on padding: the scratch page)
             jax.block_until_ready(self.runner.run_split(batch, lambda: batch["sampling"]) if kind == "split" else
-                                  self.runner.run(batch))
+                                  self.runner.run(batch, head=kind == "verify"))
             if progress is not None:
                 progress(i + 1, len(runs))
 
