@@ -89,7 +89,7 @@ class Request:
     hashes: list = field(default_factory=list)  # chained hashes of its full pages (prefix caching)
     named: int = 0  # pages registered in the prefix cache
     proposed: tuple = ()  # a draft head's tokens to follow out[-1] (speculative decoding: eagle3, mtp)
-    acceptance: float = 1.0  # its drafts' recent acceptance (moving average; `Engine._wants_drafts`)
+    acceptance: float = 0.5  # its drafts' recent acceptance (moving average; `Engine._wants_drafts`)
     undrafted: int = 0  # its decode steps since its last drafted one
     finish_reason: str | None = None
     arrived: float = field(default_factory=time.monotonic)
@@ -97,7 +97,7 @@ class Request:
     finished_at: float | None = None
 
 
-SPEC_FLOOR, SPEC_PROBE = 0.15, 16  # drafts stop for a sequence whose recent acceptance is below the floor,
+SPEC_FLOOR, SPEC_PROBE = 0.15, 32  # drafts stop for a sequence whose recent acceptance is below the floor,
 # and are tried again after this many of its decode steps
 
 
@@ -382,7 +382,7 @@ class Engine:
                 c = int(counts[i])
                 r.undrafted = 0 if drafts else r.undrafted + 1
                 if drafts:
-                    r.acceptance = 0.8 * r.acceptance + 0.2 * (c - 1) / drafts
+                    r.acceptance = 0.75 * r.acceptance + 0.25 * (c - 1) / drafts
                     r.done -= drafts + 1 - c
                     self.drafts, self.draft_tokens, self.accepted = (self.drafts + 1, self.draft_tokens + drafts,
                                                                      self.accepted + c - 1)
