@@ -163,7 +163,11 @@ def per_expert_linears(ex):
 
 def greedy_parity(path, ref_model, dtype, tol, prompt_len=20, steps=10):
     """Prefill and `steps` greedy decode steps through the paged cache vs the reference's logits
-    (quantized weights kept packed: the XLA path of the quantized matmul; layers scanned as on a TPU)."""
+    (quantized weights kept packed: the XLA path of the quantized matmul; layers scanned as on a TPU).
+    Greedy tokens: each is the reference's own argmax on the same sequence, or, where the reference's best
+    two are closer than the tolerance allows (tol x its largest logit), one within that of its best (a
+    near tie that the tolerated error may break either way: the FP8_BLOCK checkpoint's first token, whose
+    top two differ by 1% of the largest logit with transformers 5.25)."""
     import torch
 
     from quantkit.runtime.engine import Runner
@@ -181,10 +185,9 @@ def greedy_parity(path, ref_model, dtype, tol, prompt_len=20, steps=10):
         ref = ref_model(torch.tensor([ids])).logits[0].float().numpy()  # [prompt + steps, vocab]
     mine = np.concatenate(ours)  # same rows: prompt logits, then one per decode step
     assert rel_err(mine[: prompt_len + steps], ref[: prompt_len + steps]) < tol
-    with torch.no_grad():
-        hf = ref_model.generate(torch.tensor([ids[:prompt_len]]), max_new_tokens=steps, do_sample=False,
-                                eos_token_id=None, pad_token_id=0)[0, prompt_len:].tolist()
-    assert ids[prompt_len:] == hf
+    for i, chosen in enumerate(ids[prompt_len:]):
+        r = ref[prompt_len - 1 + i]
+        assert chosen == r.argmax() or r.max() - r[chosen] < tol * np.abs(r).max(), (i, chosen, int(r.argmax()))
     return model
 
 

@@ -20,7 +20,7 @@ from quantkit.formats.safetensors_io import write_safetensors
 from quantkit.runtime.engine import Engine, Request, Runner
 from quantkit.runtime.loader import load
 from quantkit.runtime.models import eagle3
-from quantkit.runtime.speculative import SpeculativeConfig
+from quantkit.runtime.speculative import Drafter, SpeculativeConfig
 from quantkit.runtime.step import VERIFY
 from helpers import check_draft_head, greedy_reference
 
@@ -131,7 +131,7 @@ def test_drafts_match_a_transformers_reference(pair):
     target, head, root = pair
     model = load(root / "target", dtype=jnp.float32)
     runner = Runner(model, max_model_len=128, max_num_seqs=2, page_size=8, max_num_batched_tokens=64, speculative=3,
-                    drafter=eagle3.load(root / "head", model.cfg, jnp.float32))
+                    drafter=Drafter(*eagle3.load(root / "head", model.cfg, jnp.float32)))
     rng = np.random.default_rng(2)
     check_draft_head(runner, target, [rng.integers(3, V, 21).tolist(), rng.integers(3, V, 10).tolist()],
                      _reference(target, head), V)
@@ -163,8 +163,11 @@ def test_bad_draft_checkpoints_are_refused(pair, tmp_path):
 
 @pytest.fixture(scope="module")
 def default():
+    """The default model, its head, code prompts and the model's own greedy tokens after each."""
     model = load(ROOT / "assets" / "tiny-llama", dtype=jnp.float32)
-    return model, eagle3.load(ROOT / "assets" / "tiny-llama-eagle3", model.cfg, jnp.float32)
+    prompts = _code_prompts(4)
+    return (model, Drafter(*eagle3.load(ROOT / "assets" / "tiny-llama-eagle3", model.cfg, jnp.float32)), prompts,
+            [greedy_reference(model, p, 24) for p in prompts])
 
 
 def _code_prompts(n: int) -> list[list[int]]:
@@ -181,10 +184,8 @@ def test_greedy_with_the_trained_head_gives_the_targets_tokens(default, budget, 
     decode steps' padding), one stopping on a stop id and one on max_tokens inside accepted runs: every
     request's tokens equal the target's own one at a time, and the trained head's drafts are mostly
     accepted (a head fed the wrong hidden states or positions is accepted far less: a random one ~0%)."""
-    model, drafter = default
+    model, drafter, prompts, greedy = default
     spec = SpeculativeConfig("eagle3", 3, model="assets/tiny-llama-eagle3")
-    prompts = _code_prompts(4)
-    greedy = [greedy_reference(model, p, 24) for p in prompts]
     engine = Engine(Runner(model, max_model_len=128, max_num_seqs=4, page_size=8, max_num_batched_tokens=budget,
                            speculative=3, drafter=drafter), speculative=spec)
     engine.fill_only = fill_only

@@ -108,7 +108,7 @@ def drafter_for(spec: SpeculativeConfig | None, model):
         return Drafter(Mtp(model.cfg))
     from quantkit.runtime.models.eagle3 import load
 
-    return load(spec.model, model.cfg, model.dtype)
+    return Drafter(*load(spec.model, model.cfg, model.dtype))
 
 
 def ngram(tokens: np.ndarray, k: int, lo: int, hi: int) -> list[int]:

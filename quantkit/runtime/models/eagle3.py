@@ -67,8 +67,9 @@ def aux_layers(draft_cfg: dict, target_layers: int) -> tuple[int, ...]:
     return tuple(int(i) for i in ids) if ids else (2, target_layers // 2, target_layers - 3)
 
 
-def load(path: str | Path, target: ModelConfig, dtype):
-    """Reads an EAGLE-3 draft checkpoint for `target`; InvalidInput / Unsupported naming what does not fit."""
+def load(path: str | Path, target: ModelConfig, dtype) -> tuple[Eagle3, dict]:
+    """Reads an EAGLE-3 draft checkpoint for `target`: (its static part, its weights); InvalidInput /
+    Unsupported naming what does not fit."""
     import jax.numpy as jnp
 
     from quantkit.formats.safetensors_io import SafetensorsFile
@@ -138,9 +139,7 @@ def load(path: str | Path, target: ModelConfig, dtype):
     if not np.isfinite(np.asarray(jnp.stack([jnp.sum(v.astype(jnp.float32)) for k, v in params.items()
                                              if k != "d2t"]))).all():
         raise InvalidInput(f"draft model {path}: non-finite weights")
-    from quantkit.runtime.speculative import Drafter
-
-    return Drafter(Eagle3(cfg, aux), params)
+    return Eagle3(cfg, aux), params
 
 
 def layer(p: dict, cfg: ModelConfig, emb, hidden, attend):
@@ -170,6 +169,6 @@ def scores(p: dict, cfg: ModelConfig, x):
 
 def tokens_of(p: dict, cfg: ModelConfig, x):
     """Greedy draft tokens (target ids) [n] of the layer's outputs x [n, H]."""
-    from quantkit.runtime.step import _argmax
+    from quantkit.runtime.models.common import argmax
 
-    return p["d2t"][_argmax(scores(p, cfg, x))]
+    return p["d2t"][argmax(scores(p, cfg, x))]

@@ -141,10 +141,9 @@ class Mtp:
         return rms_norm(x, d["norm"], eps, off)
 
     def tokens(self, params: dict, g):
-        from quantkit.runtime.models.common import logits
-        from quantkit.runtime.step import _argmax
+        from quantkit.runtime.models.common import argmax, logits
 
-        return _argmax(logits(params, g, self.cfg))
+        return argmax(logits(params, g, self.cfg))
 
 
 def forward(params: dict, cfg: ModelConfig, tokens, kv: dict, batch: dict):
