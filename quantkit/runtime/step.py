@@ -213,15 +213,12 @@ def draft_rows(params: dict, head, tokens: jax.Array, h: jax.Array, aux: jax.Arr
     g, kv = run(embed[nxt], head.hidden(params, h, aux), kv, {**meta, "kv_fp8": None})
     g = g[last]
     drafts = [head.tokens(params, g)]
-    tables = meta["tables"]["full"]
     pos = meta["positions"][last]
-    for j in range(1, k):
-        p = pos + j
-        slots = jnp.where(live, tables[jnp.arange(s), jnp.minimum(p // page_size, tables.shape[1] - 1)] * page_size
-                          + p % page_size, 0)
-        m = {**meta, "kv_fp8": None, "positions": p, "slots": {"full": slots}, "kv_lens": p + 1,
-             "cu_q_lens": jnp.minimum(jnp.arange(s + 1, dtype=jnp.int32), n[0])}
-        g, kv = run(embed[drafts[-1]], g, kv, m)
+    for j in range(1, k):  # one query a row: row i is token i
+        m = {**meta, "kv_fp8": None, "positions": pos + j, "kv_lens": pos + j + 1,
+             "cu_q_lens": jnp.minimum(jnp.arange(s + 1, dtype=jnp.int32), n[0]),
+             "tables": {"full": meta["tables"]["full"]}}
+        g, kv = run(embed[drafts[-1]], g, kv, {**m, "slots": _slots(m, page_size)})
         drafts.append(head.tokens(params, g))
     return jnp.stack(drafts, axis=1), kv
 

@@ -99,9 +99,8 @@ def load(path: str | Path, target: ModelConfig, dtype) -> tuple[Eagle3, dict]:
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise InvalidInput(f"draft model {path}: no .safetensors file")
-    tensors = {}
-    for f in files:
-        st = SafetensorsFile(f)
+    tensors, opened = {}, [SafetensorsFile(f) for f in files]
+    for st in opened:
         for name in st.tensors:
             key = name
             for prefix in ("model.", "midlayer.", "layers.0."):
@@ -114,6 +113,27 @@ def load(path: str | Path, target: ModelConfig, dtype) -> tuple[Eagle3, dict]:
               "gate": (h, cfg.intermediate_size), "up": (h, cfg.intermediate_size), "down": (cfg.intermediate_size, h),
               "attn_norm": (h,), "hidden_norm": (h,), "mlp_norm": (h,), "norm": (h,), "lm_head": (h, vd),
               "embed": (target.vocab_size, h), "d2t": (vd,)}
+    try:
+        params = _read(tensors, shapes, vd, path, dtype)
+    finally:
+        for st in opened:
+            st.close()
+    if "embed" not in params and h != target.hidden_size:
+        raise InvalidInput(f"draft model {path}: hidden size {h} differs from the target's and it has no embedding")
+    if "d2t" not in params:
+        if vd != target.vocab_size:
+            raise InvalidInput(f"draft model {path}: draft vocabulary {vd} without a d2t map")
+        params["d2t"] = jnp.arange(vd, dtype=jnp.int32)
+    if not np.isfinite(np.asarray(jnp.stack([jnp.sum(v.astype(jnp.float32)) for k, v in params.items()
+                                             if k != "d2t"]))).all():
+        raise InvalidInput(f"draft model {path}: non-finite weights")
+    return Eagle3(cfg, aux), params
+
+
+def _read(tensors: dict, shapes: dict, vd: int, path: Path, dtype) -> dict:
+    """The head's weights from `tensors` (param name -> (file, tensor)), checked against `shapes`."""
+    import jax.numpy as jnp
+
     params = {}
     for key, name in {**NAMES, **TOP}.items():
         if name not in tensors:
@@ -130,32 +150,22 @@ def load(path: str | Path, target: ModelConfig, dtype) -> tuple[Eagle3, dict]:
             params[key] = jnp.asarray(np.arange(vd) + a.astype(np.int64), jnp.int32)
         else:
             params[key] = jnp.asarray(a.astype(np.float32), jnp.float32 if a.ndim == 1 else dtype)
-    if "embed" not in params and h != target.hidden_size:
-        raise InvalidInput(f"draft model {path}: hidden size {h} differs from the target's and it has no embedding")
-    if "d2t" not in params:
-        if vd != target.vocab_size:
-            raise InvalidInput(f"draft model {path}: draft vocabulary {vd} without a d2t map")
-        params["d2t"] = jnp.arange(vd, dtype=jnp.int32)
-    if not np.isfinite(np.asarray(jnp.stack([jnp.sum(v.astype(jnp.float32)) for k, v in params.items()
-                                             if k != "d2t"]))).all():
-        raise InvalidInput(f"draft model {path}: non-finite weights")
-    return Eagle3(cfg, aux), params
+    return params
 
 
 def layer(p: dict, cfg: ModelConfig, emb, hidden, attend):
     """The draft layer's output (before `norm`) [n, H] for token embeddings emb and hidden states hidden
     [n, H]; attend(x [n, 2H]) -> the attention block's output [n, H] (q/k/v, RoPE, KV, o). The next draft
     takes this output as its hidden state."""
-    import jax
     import jax.numpy as jnp
 
-    from quantkit.runtime.models.common import linear, rms_norm
+    from quantkit.runtime.models.common import rms_norm
+    from quantkit.runtime.models.llama import swiglu
 
     eps = cfg.rms_norm_eps
     x = hidden + attend(jnp.concatenate([rms_norm(emb, p["attn_norm"], eps), rms_norm(hidden, p["hidden_norm"], eps)],
                                         axis=-1))
-    m = rms_norm(x, p["mlp_norm"], eps)
-    return x + linear(jax.nn.silu(linear(m, p["gate"])) * linear(m, p["up"]), p["down"])
+    return x + swiglu(p, rms_norm(x, p["mlp_norm"], eps), cfg, {})
 
 
 def scores(p: dict, cfg: ModelConfig, x):
