@@ -115,7 +115,8 @@ def pick(logits: jax.Array, s: dict, next_pos: jax.Array, draft: jax.Array | Non
     certain (max(p - q, 0) renormalized for a one-hot q), drawn with the very key a step without drafts
     uses, so that a seeded request's tokens do not depend on its drafts.
     """
-    logits = allowed_logits(logits, s["allow"])
+    if "allow" in s:
+        logits = allowed_logits(logits, s["allow"])
     keys = jax.vmap(lambda seed, p: jax.random.fold_in(jax.random.PRNGKey(seed), p))(s["seed"], next_pos)
     allowed = jax.lax.cond(jnp.any(s["banned"] != NO_TOKEN), lambda: jax.vmap(
         lambda row, ids: row.at[ids].set(-jnp.inf, mode="drop"))(logits, s["banned"]), lambda: logits)
@@ -139,10 +140,14 @@ def _slots(batch: dict, ps: int) -> dict:
     return {k: jnp.where(live, tab[seq, pos // ps] * ps + pos % ps, 0) for k, tab in batch["tables"].items()}
 
 
-def sample_rows(logits: jax.Array, last: jax.Array, batch: dict):
+def sample_rows(logits: jax.Array, last: jax.Array, batch: dict, masks: bool = True):
     """(token, logprob, top ids, top logprobs) of each sequence row from its logits [S, vocab] (`pick`), and
-    `last` with each row's slot set to its token. batch: the step's "sampling", "kv_lens" and "slot"."""
-    out = pick(logits, batch["sampling"], batch["kv_lens"])
+    `last` with each row's slot set to its token. batch: the step's "sampling", "kv_lens" and "slot".
+    masks: whether structured-output masks apply; the one-program step has none (a constrained step runs
+    split, or verifies drafts), and a masking branch in it, never taken, perturbs XLA's buffer assignment
+    of the whole program: gpt-oss-20b's v6e decode step counted 1.38 GB more, 1.27x its floor for 1.18x."""
+    s = batch["sampling"] if masks else {k: v for k, v in batch["sampling"].items() if k != "allow"}
+    out = pick(logits, s, batch["kv_lens"])
     return out, last.at[batch["slot"]].set(out[0], mode="drop")
 
 
@@ -264,7 +269,7 @@ def step_function(cfg, page_size: int, all_logits: bool = False, mesh=None, unro
         logits = project(params, h[jnp.maximum(ends, 0)], cfg)
         if not sample:
             return logits, kv, last
-        out, last = sample_rows(logits, last, batch)
+        out, last = sample_rows(logits, last, batch, masks=False)
         return out, kv, last
 
     return step
@@ -480,6 +485,8 @@ class Runner:
         drafts) those and the next step's drafts."""
         self.compiled.add(batch["tokens"].shape[0])
         drafting = batch["drafts"].any() or self.drafter is not None and head
+        if not batch["drafts"].any() and (batch["sampling"]["allow"] != -1).any():
+            raise ValueError("a step with structured-output masks and no drafts runs through run_split")
         return self._call(VERIFY if drafting else STEP, batch)
 
     def run_split(self, batch: dict, sampling: Callable[[], dict]):
