@@ -206,7 +206,8 @@ def plan(path: str | Path, target: str = "v6e", max_model_len: int = 2048, max_n
     per_seq = kv_bytes(max_num_seqs + 1) - kv_bytes(max_num_seqs)
     fixed = kv_bytes(max_num_seqs) - max_num_seqs * per_seq
     if search:
-        best, s = _largest_fit(fits_at, max_num_seqs, fits, temp, chip.hbm_bytes - weights - fixed, per_seq, progress)
+        best, s = _largest_fit(fits_at, max_num_seqs, fits, temp, message,
+                                chip.hbm_bytes - weights - fixed, per_seq, progress)
         seconds += s
     kv, state = kv_bytes(max_num_seqs), kv_bytes(max_num_seqs, states=True)
     state_per_seq = kv_bytes(max_num_seqs + 1, states=True) - state  # of per_seq and fixed: the state's part
@@ -326,25 +327,51 @@ def _quantized_shapes(params: dict) -> set:
     return {_local(x.values)[-2:] for x in quantized} - dense
 
 
-def _largest_fit(fits_at, n: int, fits: bool, temp: int, room: int, per_seq: int, progress) -> tuple[int, float]:
+def _largest_fit(fits_at, n: int, fits: bool, temp: int, message: str, room: int, per_seq: int, progress
+                 ) -> tuple[int, float]:
     """The largest max_num_seqs that fits, and the compile seconds spent finding it.
 
-    n sequences fit or not (`fits`) with `temp` temporary bytes; `room`: HBM bytes beside the weights and the
-    KV cache's fixed part, of which each sequence takes `per_seq`. Guesses the largest n from the temporaries
-    of the last compile and confirms it by compiling (fits_at, plan's); temporaries grow with n, so a miss
-    guesses again from its own (lower), or, when the compiler refused outright, halves the distance to the
-    largest n known to fit."""
+    n sequences fit or not (`fits`) with `temp` temporary bytes, or the compiler refused them (`message`);
+    `room`: HBM bytes beside the weights and the KV cache's fixed part, of which each sequence takes
+    `per_seq`, and the temporaries some more. What m sequences need of `room` is known from each compile:
+    m * per_seq + its temporaries, or from a refusal, room + the excess it reports (libtpu: "required
+    (X G) exceeds available HBM (Y G)"). The search keeps the largest m known to fit and the smallest known
+    not to, and guesses where the line through their needs crosses `room` (with none known not to fit, the
+    temporaries taken as constant), confirming each guess by compiling the budget program (the larger
+    temporaries), unless a larger m compiled: temporaries do not shrink with m, so m fits when m * per_seq + that
+    m's temporaries does. A need not known (a refusal that does not say) halves the interval instead."""
     seconds = 0.0
-    lo, hi = (n, None) if fits else (0, n)
-    guess = (room - temp) // per_seq
-    while (n := guess if hi is None else min(guess, hi - 1)) > lo:
+    need = _refused_need(message, room) if message else n * per_seq + temp
+    lo, hi = ((n, need), None) if fits else ((0, temp), (n, need, None if message else temp))
+    while True:
+        (a, na), (b, nb, tb) = lo, hi or (None, None, None)
+        if hi is None:
+            guess = a + (room - na) // per_seq
+        elif nb is None or nb <= na:
+            guess = (a + b) // 2
+        else:
+            guess = a + int((room - na) * (b - a) // (nb - na))
+        m = guess if hi is None else min(guess, b - 1)
+        if m <= a:
+            return a, seconds
+        if tb is not None and m * per_seq + tb <= room:  # compiled at b, fits by the sum at m
+            lo = (m, m * per_seq + tb)
+            continue
         if progress:
-            progress(f"checking max_num_seqs = {n}")
-        ok, t, s, _, _ = fits_at(n, decode=False)  # the budget program has the larger temporaries
+            progress(f"checking max_num_seqs = {m}")
+        ok, t, s, message, _ = fits_at(m, decode=False)  # the budget program has the larger temporaries
         seconds += s
-        lo, hi = (n, hi) if ok else (lo, n)
-        guess = (room - t) // per_seq if t else (lo + n) // 2
-    return lo, seconds
+        need = _refused_need(message, room) if message else m * per_seq + t
+        lo, hi = ((m, need), hi) if ok else (lo, (m, need, None if message else t))
+
+
+def _refused_need(message: str, room: int) -> int | None:
+    """What a configuration the compiler refused needs of `room`: room + the excess of its refusal's
+    required bytes over the available (GiB to two decimals), None when the message does not say."""
+    import re
+
+    m = re.search(r"\(([\d.]+)G\) exceeds available HBM \(([\d.]+)G\)", message)
+    return None if m is None else room + int((float(m[1]) - float(m[2])) * 2 ** 30)
 
 
 def _kernels(params: dict, chip, m: int) -> list[dict]:
