@@ -22,6 +22,9 @@ from pathlib import Path
 from quantkit.errors import InvalidInput, Unsupported
 
 PAGE_SIZE, BUDGET = 16, 512  # the serve defaults (page size, --max-num-batched-tokens)
+# scalar memory of a TensorCore, where Pallas kernels' scalar prefetch lives (libtpu's refusals on v6e and
+# v7x: "Used 1.01M of 1.00M smem"): the paged-attention kernel's block table of every sequence
+SMEM_BYTES = 1 << 20
 
 
 def _config(path: Path) -> dict:
@@ -206,8 +209,9 @@ def plan(path: str | Path, target: str = "v6e", max_model_len: int = 2048, max_n
     per_seq = kv_bytes(max_num_seqs + 1) - kv_bytes(max_num_seqs)
     fixed = kv_bytes(max_num_seqs) - max_num_seqs * per_seq
     if search:
-        best, s = _largest_fit(fits_at, max_num_seqs, fits, temp, message,
-                                chip.hbm_bytes - weights - fixed, per_seq, progress)
+        best, s = _largest_fit(fits_at, max_num_seqs, fits, temp, message, chip.hbm_bytes - weights - fixed,
+                               per_seq, 4 * cache_layout(cfg, max_model_len, 1, PAGE_SIZE, budget).pages_per_seq,
+                               progress)
         seconds += s
     kv, state = kv_bytes(max_num_seqs), kv_bytes(max_num_seqs, states=True)
     state_per_seq = kv_bytes(max_num_seqs + 1, states=True) - state  # of per_seq and fixed: the state's part
@@ -327,35 +331,41 @@ def _quantized_shapes(params: dict) -> set:
     return {_local(x.values)[-2:] for x in quantized} - dense
 
 
-def _largest_fit(fits_at, n: int, fits: bool, temp: int, message: str, room: int, per_seq: int, progress
-                 ) -> tuple[int, float]:
+def _largest_fit(fits_at, n: int, fits: bool, temp: int, message: str, room: int, per_seq: int, table: int,
+                 progress) -> tuple[int, float]:
     """The largest max_num_seqs that fits, and the compile seconds spent finding it.
 
     n sequences fit or not (`fits`) with `temp` temporary bytes, or the compiler refused them (`message`);
     `room`: HBM bytes beside the weights and the KV cache's fixed part, of which each sequence takes
     `per_seq`, and the temporaries some more. What m sequences need of `room` is known from each compile:
-    m * per_seq + its temporaries, or from a refusal, room + the excess it reports (libtpu: "required
-    (X G) exceeds available HBM (Y G)"). The search keeps the largest m known to fit and the smallest known
+    m * per_seq + its temporaries, or from a refusal, room + the excess it reports (`_refused_need`). The search keeps the largest m known to fit and the smallest known
     not to, and guesses where the line through their needs crosses `room` (with none known not to fit, the
     temporaries taken as constant), confirming each guess by compiling the budget program (the larger
     temporaries), unless a larger m compiled: temporaries do not shrink with m, so m fits when m * per_seq + that
-    m's temporaries does. A need not known (a refusal that does not say) halves the interval instead."""
-    seconds = 0.0
+    m's temporaries does. A need not known (a refusal that does not say) halves the interval instead.
+
+    The other limit is SMEM, where the paged-attention kernel keeps its block table (`table` bytes a
+    sequence): the first guess is at most SMEM_BYTES / table, and a refusal for SMEM ("Exceeded smem capacity
+    by X") steps down by the sequences X holds."""
+    seconds, first, step = 0.0, True, None
     need = _refused_need(message, room) if message else n * per_seq + temp
     lo, hi = ((n, need), None) if fits else ((0, temp), (n, need, None if message else temp))
     while True:
         (a, na), (b, nb, tb) = lo, hi or (None, None, None)
-        if hi is None:
+        if step is not None:
+            guess = step
+        elif hi is None:
             guess = a + (room - na) // per_seq
+            guess = min(guess, SMEM_BYTES // table) if first else guess
         elif nb is None or nb <= na:
             guess = (a + b) // 2
         else:
             guess = a + int((room - na) * (b - a) // (nb - na))
-        m = guess if hi is None else min(guess, b - 1)
+        m, first = (guess if hi is None else min(guess, b - 1)), False
         if m <= a:
             return a, seconds
         if tb is not None and m * per_seq + tb <= room:  # compiled at b, fits by the sum at m
-            lo = (m, m * per_seq + tb)
+            lo, step = (m, m * per_seq + tb), None
             continue
         if progress:
             progress(f"checking max_num_seqs = {m}")
@@ -363,15 +373,27 @@ def _largest_fit(fits_at, n: int, fits: bool, temp: int, message: str, room: int
         seconds += s
         need = _refused_need(message, room) if message else m * per_seq + t
         lo, hi = ((m, need), hi) if ok else (lo, (m, need, None if message else t))
+        step = None if ok or (over := _exceeded(message, "smem")) is None else m - max(1, -(-over // table))
+
+
+def _exceeded(message: str, space: str) -> int | None:
+    """The bytes of memory `space` ("hbm", "smem") a refusal says a program lacks ("Exceeded smem capacity
+    by 8.7K"), or None."""
+    import re
+
+    m = re.search(rf"Exceeded {space} capacity by ([\d.]+)([KMG]?)", message)
+    return None if m is None else math.ceil(float(m[1]) * {"": 1, "K": 2 ** 10, "M": 2 ** 20, "G": 2 ** 30}[m[2]])
 
 
 def _refused_need(message: str, room: int) -> int | None:
-    """What a configuration the compiler refused needs of `room`: room + the excess of its refusal's
-    required bytes over the available (GiB to two decimals), None when the message does not say."""
+    """What a configuration the compiler refused needs of `room`: room + the excess its refusal reports
+    (libtpu's two messages: "required (X G) exceeds available HBM (Y G)", GiB to two decimals, and
+    "Exceeded hbm capacity by Z"), None when the message does not say."""
     import re
 
     m = re.search(r"\(([\d.]+)G\) exceeds available HBM \(([\d.]+)G\)", message)
-    return None if m is None else room + int((float(m[1]) - float(m[2])) * 2 ** 30)
+    over = int((float(m[1]) - float(m[2])) * 2 ** 30) if m else _exceeded(message, "hbm")
+    return None if over is None else room + over
 
 
 def _kernels(params: dict, chip, m: int) -> list[dict]:

@@ -101,33 +101,48 @@ def test_search_finds_the_largest_concurrency_that_fits(tmp_path):
     assert r["kv_cache_by_dtype"]["fp8"]["max_num_seqs_that_fit"] >= 2 * n - 1
 
 
-@pytest.mark.parametrize("grow, curve, slack", [(0, 0, 0), (4_000_000, 0, 200_000_000), (20_000_000, 0, 1_500_000_000),
-                                                (4_000_000, 0, 3_000_000_000), (0, 60_000, 3_000_000_000)])
-def test_search_finds_the_edge_in_few_compiles(grow, curve, slack):
+@pytest.mark.parametrize("grow, curve, slack, per_seq, said", [
+    (0, 0, 0, 100_000_000, "required"), (4_000_000, 0, 200_000_000, 100_000_000, "required"),
+    (4_000_000, 0, 200_000_000, 100_000_000, "exceeded"), (20_000_000, 0, 1_500_000_000, 100_000_000, "required"),
+    (4_000_000, 0, 3_000_000_000, 100_000_000, "required"), (0, 60_000, 3_000_000_000, 100_000_000, "required"),
+    (1_000_000, 0, 0, 20_000_000, "required")])
+def test_search_finds_the_edge_in_few_compiles(grow, curve, slack, per_seq, said):
     """The search against a simulated compiler (no libtpu): m sequences need m * per_seq + temporaries that
-    grow by `grow` bytes a sequence (gpt-oss-20b's budget program: ~4 MB), or by `curve` m^2; the compiler refuses past `slack`
-    bytes over the HBM with libtpu's message (totals in GiB to two decimals), and below that compiles what
-    plan's own sum may still reject. The answer is the brute-force largest m, found in at most two compiles
-    from a first guess that overshoots (temporaries taken as constant), three where they curve; with the
-    overshoot compiled, its temporaries bound the answer's (no compile to confirm it)."""
+    grow by `grow` bytes a sequence (gpt-oss-20b's budget program: ~4 MB), or by `curve` m^2; the compiler
+    refuses past `slack` bytes over the HBM with one of libtpu's two messages (`said`: the totals in GiB to
+    two decimals, or the excess in MiB), and below
+    that compiles what plan's own sum may still reject; and it refuses a block table (2 KiB a sequence, plus
+    a few KiB) over 1 MiB of SMEM with its own message (the last case, where SMEM binds first: gpt-oss-120b
+    on a TPU7x with an FP8 cache). The answer is the brute-force largest m, found in at most two compiles
+    from a first guess that overshoots (temporaries taken as constant), three where they curve or SMEM binds;
+    with the overshoot compiled, its temporaries bound the answer's (no compile to confirm it)."""
     from quantkit.plan import _largest_fit
 
-    gib, per_seq, room, base = 2 ** 30, 100_000_000, 18 * 2 ** 30, 13 * 2 ** 30
+    gib, room, base, table = 2 ** 30, 18 * 2 ** 30, 13 * 2 ** 30, 2048
     temp = lambda m: 50_000_000 + grow * m + curve * m * m  # noqa: E731
+    smem = lambda m: m * table + 7_000  # noqa: E731
     calls = []
 
     def fits_at(m, decode=True):
         calls.append(m)
         total = base + m * per_seq + temp(m)
         if total > base + room + slack:  # refused outright
+            over = total - base - room
             return False, 0, 1.0, (f"RESOURCE_EXHAUSTED: the total memory required for HLO temporaries "
-                                   f"({total / gib:.2f}G) exceeds available HBM ({(base + room) / gib:.2f}G)."), []
+                                   f"({total / gib:.2f}G) exceeds available HBM ({(base + room) / gib:.2f}G)."
+                                   if said == "required" else "RESOURCE_EXHAUSTED: E1000: CompileTimeHbmOom: "
+                                   f"Ran out of memory in memory space hbm. Exceeded hbm capacity by "
+                                   f"{over / 2 ** 20:.2f}M."), []
+        if smem(m) > 2 ** 20:
+            return False, 0, 1.0, (f"RESOURCE_EXHAUSTED: XLA:TPU compile permanent error. Ran out of memory in "
+                                   f"memory space smem. Used 1.01M of 1.00M smem. Exceeded smem capacity by "
+                                   f"{(smem(m) - 2 ** 20) / 1024:.1f}K."), []
         return m * per_seq + temp(m) <= room, temp(m), 1.0, "", []
 
-    best = max(m for m in range(1, 400) if m * per_seq + temp(m) <= room)
-    found, seconds = _largest_fit(fits_at, 16, True, temp(16), "", room, per_seq, None)
-    assert found == best and len(calls) <= (3 if curve else 1 if slack > 2 * 10 ** 9 else 2) and seconds == len(calls), \
-        (found, best, calls)
+    best = max(m for m in range(1, 2000) if m * per_seq + temp(m) <= room and smem(m) <= 2 ** 20)
+    found, seconds = _largest_fit(fits_at, 16, True, temp(16), "", room, per_seq, table, None)
+    most = 3 if curve or per_seq < 10 ** 8 else 1 if slack > 2 * 10 ** 9 else 2
+    assert found == best and len(calls) <= most and seconds == len(calls), (found, best, calls)
 
 
 @pytest.mark.slow
