@@ -104,12 +104,14 @@ def test_mask_application_matches_numpy():
     mask that allows every token (its padding bits clear, so the masked path runs)."""
     import jax.numpy as jnp
 
-    from quantkit.runtime.step import allowed_logits, pick, sampling_arrays
+    from quantkit.runtime.step import allowed_logits, pick, sample_rows, sampling_arrays
 
     rng = np.random.default_rng()
     logits = rng.standard_normal((4, 100)).astype(np.float32)
     allow = rng.integers(-2**31, 2**31, (4, 4), dtype=np.int64).astype(np.int32)
     allow[2] = -1
+    t0 = int(logits[0].argmax())  # row 0's best token disallowed, so that the mask changes a token
+    allow.view(np.uint32)[0, t0 // 32] &= ~np.uint32(1 << (t0 % 32))
     bits = (allow.view(np.uint32)[:, :, None] >> np.arange(32, dtype=np.uint32)) & 1
     ref = np.where(bits.reshape(4, -1)[:, :100] == 1, logits, -np.inf)
     out = np.full_like(logits, np.nan)  # poisoned
@@ -126,6 +128,11 @@ def test_mask_application_matches_numpy():
         assert np.array_equal(np.asarray(a), np.asarray(b))
     only = pick(jnp.asarray(logits), {**s, "allow": jnp.asarray(allow)}, jnp.arange(4))
     assert all(bits[r, int(t) // 32, int(t) % 32] for r, t in enumerate(np.asarray(only[0])))
+    # the one-program step samples without masks (a masked step runs split): the same arrays, unmasked tokens
+    batch = {"sampling": {**s, "allow": jnp.asarray(allow)}, "kv_lens": jnp.arange(4), "slot": jnp.arange(4)}
+    (tok, *_), last = sample_rows(jnp.asarray(logits), jnp.zeros(5, jnp.int32), batch, masks=False)
+    assert np.array_equal(np.asarray(tok), logits.argmax(-1)) and np.array_equal(np.asarray(last)[:4], np.asarray(tok))
+    assert int(only[0][0]) != t0  # (the mask does change them)
 
 
 def test_parse_a_pydantic_model(client):
