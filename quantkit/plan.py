@@ -25,6 +25,7 @@ PAGE_SIZE, BUDGET = 16, 512  # the serve defaults (page size, --max-num-batched-
 # scalar memory of a TensorCore, where Pallas kernels' scalar prefetch lives (libtpu's refusals on v6e and
 # v7x: "Used 1.01M of 1.00M smem"): the paged-attention kernel's block table of every sequence
 SMEM_BYTES = 1 << 20
+SMEM_OTHER = 12 << 10  # SMEM the step's kernels use beside the block table (gpt-oss-120b on TPU7x: 9-11 KiB)
 
 
 def _config(path: Path) -> dict:
@@ -345,9 +346,10 @@ def _largest_fit(fits_at, n: int, fits: bool, temp: int, message: str, room: int
     m's temporaries does. A need not known (a refusal that does not say) halves the interval instead.
 
     The other limit is SMEM, where the paged-attention kernel keeps its block table (`table` bytes a
-    sequence): the first guess is at most SMEM_BYTES / table, and a refusal for SMEM ("Exceeded smem capacity
-    by X") steps down by the sequences X holds."""
-    seconds, first, step = 0.0, True, None
+    sequence) beside ~10 KiB of other scalars: the first guess is at most (SMEM_BYTES - SMEM_OTHER) / table,
+    and when that cap fits, the next guess is one more; a refusal for SMEM ("Exceeded smem capacity by X")
+    steps down by the sequences X holds."""
+    seconds, first, step, capped = 0.0, True, None, False
     need = _refused_need(message, room) if message else n * per_seq + temp
     lo, hi = ((n, need), None) if fits else ((0, temp), (n, need, None if message else temp))
     while True:
@@ -356,7 +358,8 @@ def _largest_fit(fits_at, n: int, fits: bool, temp: int, message: str, room: int
             guess = step
         elif hi is None:
             guess = a + (room - na) // per_seq
-            guess = min(guess, SMEM_BYTES // table) if first else guess
+            capped = first and guess > (cap := (SMEM_BYTES - SMEM_OTHER) // table)
+            guess = cap if capped else guess
         elif nb is None or nb <= na:
             guess = (a + b) // 2
         else:
@@ -373,7 +376,11 @@ def _largest_fit(fits_at, n: int, fits: bool, temp: int, message: str, room: int
         seconds += s
         need = _refused_need(message, room) if message else m * per_seq + t
         lo, hi = ((m, need), hi) if ok else (lo, (m, need, None if message else t))
-        step = None if ok or (over := _exceeded(message, "smem")) is None else m - max(1, -(-over // table))
+        if ok:
+            step, capped = (m + 1 if capped else None), False
+        else:
+            step = None if (over := _exceeded(message, "smem")) is None else \
+                min(m - max(1, -(-over // table)), SMEM_BYTES // table - 1)  # (libtpu's excess far past it: ~8.7K)
 
 
 def _exceeded(message: str, space: str) -> int | None:
