@@ -339,11 +339,12 @@ def _largest_fit(fits_at, n: int, fits: bool, temp: int, message: str, room: int
     n sequences fit or not (`fits`) with `temp` temporary bytes, or the compiler refused them (`message`);
     `room`: HBM bytes beside the weights and the KV cache's fixed part, of which each sequence takes
     `per_seq`, and the temporaries some more. What m sequences need of `room` is known from each compile:
-    m * per_seq + its temporaries, or from a refusal, room + the excess it reports (`_refused_need`). The search keeps the largest m known to fit and the smallest known
-    not to, and guesses where the line through their needs crosses `room` (with none known not to fit, the
-    temporaries taken as constant), confirming each guess by compiling the budget program (the larger
-    temporaries), unless a larger m compiled: temporaries do not shrink with m, so m fits when m * per_seq + that
-    m's temporaries does. A need not known (a refusal that does not say) halves the interval instead.
+    m * per_seq + its temporaries, or from a refusal, room + the excess it reports (`_refused_need`). The
+    search keeps the largest m known to fit and the smallest known not to, and guesses where the line
+    through their needs crosses `room` (with none known not to fit, the temporaries taken as constant),
+    confirming each guess by compiling the budget program (the larger temporaries), unless a larger m
+    compiled: temporaries do not shrink with m, so m fits when m * per_seq + that m's temporaries does. A
+    need not known (a refusal that does not say) halves the interval instead.
 
     The other limit is SMEM, where the paged-attention kernel keeps its block table (`table` bytes a
     sequence) beside ~10 KiB of other scalars: the first guess is at most (SMEM_BYTES - SMEM_OTHER) / table,
