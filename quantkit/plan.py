@@ -350,22 +350,23 @@ def _largest_fit(fits_at, n: int, fits: bool, temp: int, message: str, room: int
     sequence) beside ~10 KiB of other scalars: the first guess is at most (SMEM_BYTES - SMEM_OTHER) / table,
     and when that cap fits, the next guess is one more; a refusal for SMEM ("Exceeded smem capacity by X")
     steps down by the sequences X holds."""
-    seconds, first, step, capped = 0.0, True, None, False
+    seconds = 0.0
     need = _refused_need(message, room) if message else n * per_seq + temp
     lo, hi = ((n, need), None) if fits else ((0, temp), (n, need, None if message else temp))
+    cap = (SMEM_BYTES - SMEM_OTHER) // table
+    capped = fits and n + (room - need) // per_seq > cap  # the first guess, at SMEM's cap
+    step = cap if capped else None
     while True:
         (a, na), (b, nb, tb) = lo, hi or (None, None, None)
         if step is not None:
             guess = step
         elif hi is None:
             guess = a + (room - na) // per_seq
-            capped = first and guess > (cap := (SMEM_BYTES - SMEM_OTHER) // table)
-            guess = cap if capped else guess
         elif nb is None or nb <= na:
             guess = (a + b) // 2
         else:
             guess = a + int((room - na) * (b - a) // (nb - na))
-        m, first = (guess if hi is None else min(guess, b - 1)), False
+        m = guess if hi is None else min(guess, b - 1)
         if m <= a:
             return a, seconds
         if tb is not None and m * per_seq + tb <= room:  # compiled at b, fits by the sum at m
