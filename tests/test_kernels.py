@@ -99,6 +99,57 @@ def test_kernel_matches_reference(qtype, group, tk, zeros, g, m, seed):
         assert _rel(out[:total], ref[:total]) < tol, f"seed {seed}, sizes {sizes.tolist()}"
 
 
+@pytest.mark.parametrize("k,n,g,m", [(200, 256, 1, 37), (256, 200, 1, 5), (384, 256, 8, 61)])
+def test_dense_bf16_weight_matches_its_product(k, n, g, m, seed):
+    """A dense bf16 weight as the TPU step serves it (runtime/ops.py dense_as_qtensor: QTensor "bf16", unit
+    channel scales) through gmm_v2: a side that is not a multiple of 128 (gpt-oss's hidden 2880 here 200) is
+    one block, tiles chosen by choose_tiles; grouped rows and a layer picked from a stack by the group
+    offset. Against the float32 HIGHEST product of the same bf16 values; only the output's bf16 rounding
+    differs (tolerance 4e-3, as for scales on partial sums)."""
+    from quantkit.quant.qtensor import DENSE, QTensor
+
+    rng = np.random.default_rng(seed)
+    values = jnp.asarray(rng.standard_normal((g + 2, k, n)) / np.sqrt(k), jnp.bfloat16)  # 2 more layers in the stack
+    rhs = QTensor(values, jnp.ones((g + 2, 1, n), jnp.bfloat16), DENSE, k)
+    lhs = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+    sizes = jnp.asarray(_sizes(rng, g, m))
+    tiles = choose_tiles(m, k, n, g, DENSE, k, 2, CHIPS["v6e"])
+    assert (tiles.tk == k) == bool(k % 128 or k <= 4096) and (tiles.tn == n if n % 128 else n % tiles.tn == 0)
+    out = gmm_v2(lhs, rhs, sizes, jnp.int32(2), tiles=tiles, interpret=INTERPRET)  # layers 2 .. 2 + g - 1
+    groups = np.repeat(np.arange(g + 1), np.append(np.asarray(sizes), m - int(sizes.sum())))
+    w = np.asarray(values[2:].astype(jnp.float32))
+    ref = np.stack([lhs[i].astype(jnp.float32) @ w[e] if e < g else np.zeros(n, np.float32)
+                    for i, e in enumerate(groups)])
+    total = int(sizes.sum())
+    assert bool(jnp.isfinite(out).all()), f"unwritten (NaN) output, seed {seed}"
+    assert bool((out[total:] == 0).all()), f"rows past the groups not zero, seed {seed}"
+    if total:
+        assert _rel(out[:total], ref[:total]) < 4e-3, f"seed {seed}, sizes {sizes.tolist()}"
+
+
+@pytest.mark.slow
+def test_dense_bf16_weight_compiles_unaligned_and_is_read_once():
+    """gpt-oss's attention projections as the TPU step serves them (hidden 2880, not a multiple of 128, on
+    either side) compile deviceless for v6e at 16 rows, and XLA counts their weight's bytes once: doubling
+    the weight (its aligned side) adds its own bytes to the program's count, within 5% (XLA's count of the
+    program's small ops moves by a few hundred KB), where a dense dot whose weight XLA stages in VMEM adds
+    ~3x: the kernel's tiles come straight from HBM."""
+    from quantkit.quant.qtensor import DENSE, QTensor
+    from quantkit.runtime.aot import compile_for
+
+    def counted(k: int, n: int) -> float:
+        rhs = QTensor(jax.ShapeDtypeStruct((1, k, n), jnp.bfloat16), jax.ShapeDtypeStruct((1, 1, n), jnp.bfloat16),
+                      DENSE, k)
+        call = lambda x, w: gmm_v2(x, w, jnp.full((1,), 16, jnp.int32), chip="v6e")  # noqa: E731
+        compiled, _ = compile_for("v6e", call, jax.ShapeDtypeStruct((16, k), jnp.bfloat16), rhs, pinned=(1,))
+        cost = compiled.cost_analysis()
+        return (cost[0] if isinstance(cost, (list, tuple)) else cost)["bytes accessed"]
+
+    for (k, n), (k2, n2) in (((2880, 4096), (2880, 8192)), ((4096, 2880), (8192, 2880))):  # q-proj, o-proj
+        added = (k2 * n2 - k * n) * 2
+        assert 0.95 * added <= counted(k2, n2) - counted(k, n) <= 1.05 * added, (k, n)
+
+
 @pytest.mark.parametrize("qtype,group,zeros", [("int4", 32, False), ("int4", 256, False), ("int8", 64, False),
                                                ("fp8", 256, False), ("mxfp4", 32, False), ("mxfp8", 32, False),
                                                ("nvfp4", 16, False),

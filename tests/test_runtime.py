@@ -504,6 +504,34 @@ def test_tpu_kernels_in_interpret_mode_give_the_cpu_path_tokens(name, scheme, tm
     assert 3 in ranks and (2 in ranks) == bool(scheme), ranks
 
 
+@pytest.mark.slow
+def test_dense_bf16_layers_go_through_gmm_v2_on_the_tpu_path(tmp_path):
+    """A bf16 model's dense layer weights (q, k, v, o, gate, up, down) are read by gmm_v2 on the TPU path
+    (runtime/ops.py dense_as_qtensor: XLA would stage each weight that fits VMEM whole before its dot), each
+    layer's tiles straight from its kind's stack: the interpreted TPU step gives the CPU path's greedy tokens
+    and its logits within 2e-2 (both bf16 with float32 sums, in another order: a bf16 rounding of 2^-9
+    here and there, ~5e-3 measured), with 7 matmul kernels a layer in the traced step."""
+    from quantkit.runtime.ops import interpreted_tpu_kernels
+    from quantkit.runtime.step import step_function
+
+    torch.manual_seed(0)
+    model = family("llama")
+    model = type(model)(type(model.config)(**{**model.config.to_dict(), **TPU_SHAPES})).eval()
+    model.save_pretrained(tmp_path / "m")
+    m = load(tmp_path / "m", dtype=jnp.bfloat16)
+    prompt = np.random.default_rng(3).integers(0, 256, 13).tolist()
+    cpu = Runner(m, max_model_len=64, page_size=8, weights="packed", scan=True)
+    cpu_logits = cpu.forward([(0, prompt, 0)])[0]
+    with interpreted_tpu_kernels():
+        tpu = Runner(m, max_model_len=64, page_size=8, weights="packed", scan=True)
+        tpu_logits = tpu.forward([(0, prompt, 0)])[0]
+        tokens = generate(tpu, prompt, 3)
+        jaxpr = str(jax.make_jaxpr(step_function(m.cfg, 8))(tpu.params, tpu.kv, tpu.last, tpu.empty(8)))
+    assert tokens == generate(cpu, prompt, 3)
+    assert rel_err(tpu_logits, cpu_logits) < 2e-2
+    assert len(re.findall(r"jit\[name=gmm_v2 ", jaxpr)) == 7  # the scanned layer body's 7 dense weights
+
+
 def test_place_row_major_keeps_row_major_arrays_and_converts_others(seed):
     """Weights are pinned row-major (sharding.row_major) without ever holding a model twice: an array already
     row-major is returned as is (no copy), another layout is converted with its values unchanged."""

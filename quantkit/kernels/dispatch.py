@@ -55,7 +55,7 @@ def can_use_gmm_v2(qtype: str, k: int, n: int, group_size: int | None, chip: Chi
     and why not (the caller falls back to the XLA path).
 
     Args:
-        qtype: one of SERVED_QTYPES.
+        qtype: one of SERVED_QTYPES, or "bf16" (a dense weight, unit channel scales).
         k, n: input and output features.
         group_size: scale group along k (None, -1 or k for channel scales).
         chip: target facts.
@@ -70,9 +70,11 @@ def can_use_gmm_v2(qtype: str, k: int, n: int, group_size: int | None, chip: Chi
     rows = row_codes(act, qtype)
     if not chip.tpu:
         return None, f"{chip.name}: Pallas TPU kernels need a TPU target"
-    if qtype not in SERVED_QTYPES:
+    if qtype not in SERVED_QTYPES + ("bf16",):
         return None, f"{qtype} is not a gmm_v2 weight type"
-    if k % LANES or n % LANES:
+    # a dense bf16 weight (QTensor "bf16": runtime/ops.py dense_as_qtensor) may have a side that is not a
+    # multiple of 128 (gpt-oss's hidden 2880): its blocks span that side whole, which the (8, 128) rule allows
+    if qtype != "bf16" and (k % LANES or n % LANES):
         return None, f"[{k}, {n}] is not a multiple of {LANES} in both dimensions (TPU block rule)"
     group = k if not group_size or group_size < 0 else group_size
     if k % group:

@@ -1,5 +1,5 @@
 """gmm_v2: grouped matmul whose weights stay int4 / int8 / fp8 / mxfp4 / mxfp8 / nvfp4 in HBM and are dequantized per
-tile in VMEM.
+tile in VMEM (and dense bf16 layer weights, multiplied as they are: runtime/ops.py dense_as_qtensor).
 
 out[i, :] = lhs[i, :] @ dequantize(rhs[group of row i])    rows sorted by group; rows past the groups -> 0
 
@@ -144,6 +144,9 @@ def _kernel(vg_ref, vt_ref, nv_ref, bounds_ref, off_ref, *refs, qtype: str, grou
                 hit = jax.lax.broadcasted_iota(jnp.int32, rs.shape, 1) == (ki * tk) // row_group
                 part *= jnp.sum(jnp.where(hit, rs, 0.0), axis=1, keepdims=True)
             acc_ref[...] += part
+            return
+        if qtype == "bf16":  # a dense weight: its unit scales change nothing
+            acc_ref[...] += jnp.dot(x, q_ref[...], preferred_element_type=jnp.float32)
             return
         q = decode_values(q_ref[...], qtype)  # [tk, tn] f32
         if tiles.predot:

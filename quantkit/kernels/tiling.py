@@ -88,7 +88,7 @@ class Tiles:
 
 
 def weight_bits(qtype: str) -> int:
-    return 8 if qtype in ("fp8", "int8", "mxfp8") else 4
+    return 16 if qtype == "bf16" else 8 if qtype in ("fp8", "int8", "mxfp8") else 4
 
 
 def vmem_estimate(tm: int, tk: int, tn: int, k: int, group: int, qtype: str, scale_bytes: int,
@@ -192,6 +192,8 @@ def _choose_kn(tm: int, k: int, n: int, qtype: str, group: int, scale_bytes: int
         return not int8_lhs and t % group == 0 and (t == k or (t // group) % sub == 0)
 
     def divisors(dim: int, cap: int) -> list[int]:  # multiples of 128 that divide dim, largest first
+        if dim % LANES:  # a dense weight's unaligned side (dispatch.can_use_gmm_v2): one block spans it
+            return [dim]
         return [t for t in range(min(dim, cap) // LANES * LANES, 0, -LANES) if dim % t == 0]
 
     tks = [t for t in divisors(k, max(MAX_TILE, k if k <= 8192 else 0)) if fits_group(t)]

@@ -26,7 +26,7 @@ def gmm_xla(lhs: jax.Array, rhs: QTensor, group_sizes: jax.Array, group_offset: 
     if group_offset is not None or g != rhs.shape[0]:
         off = jnp.zeros((), jnp.int32) if group_offset is None else jnp.asarray(group_offset, jnp.int32)
         rhs = rhs.with_arrays({f: jax.lax.dynamic_slice_in_dim(a, off, g) for f, a in rhs.arrays.items()})
-    w = rhs.dequantize().astype(lhs.dtype)  # [g, k, n]
+    w = (rhs.values if rhs.qtype == "bf16" else rhs.dequantize()).astype(lhs.dtype)  # [g, k, n]
     if g == 1:
         out = jnp.dot(lhs, w[0], preferred_element_type=jnp.float32)
         rows = jnp.arange(lhs.shape[0])[:, None] < group_sizes[0]

@@ -54,7 +54,10 @@ from quantkit.formats.packing import e8m0_decode, fp4_decode
 QTYPES = ("int4", "int8", "fp8", "mxfp4", "mxfp8", "nvfp4")
 STORAGE = {"int4": jnp.int4, "int8": jnp.int8, "fp8": jnp.float8_e4m3fn, "mxfp4": jnp.int4, "mxfp8": jnp.float8_e4m3fn,
            "nvfp4": jnp.int4}
-BITS = {"int4": 4, "int8": 8, "fp8": 8, "mxfp4": 4, "mxfp8": 8, "nvfp4": 4}  # bits per stored weight
+BITS = {"int4": 4, "int8": 8, "fp8": 8, "mxfp4": 4, "mxfp8": 8, "nvfp4": 4, "bf16": 16}  # bits per stored weight
+# A dense bf16 weight the TPU step serves through the quantized matmul (runtime/ops.py `dense_as_qtensor`):
+# values as they are, unit channel scales. Never stored or loaded as such, so not one of QTYPES.
+DENSE = "bf16"
 FP4 = ("mxfp4", "nvfp4")  # e2m1 codes
 
 

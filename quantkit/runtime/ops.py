@@ -247,6 +247,31 @@ def _per_shard(x, w: QTensor, group_sizes: jax.Array, group_offset) -> jax.Array
         x, w.arrays, group_sizes, offset)
 
 
+def dense_as_qtensor(params: dict, cfg, mesh=None, ep: bool = False) -> dict:
+    """`params` with each layer stack's dense bf16 linear weights [layers, in, out] (q, k, v, o, the dense MLP,
+    Gated DeltaNet's projections: runtime/layout.py Slots of kind "linear") as QTensors of the DENSE type, unit
+    channel scales, on `mesh` as runtime/sharding.py places them: the TPU step then reads them through gmm_v2,
+    each layer's tiles straight from the stack, as it reads quantized ones. Left to XLA, a dense weight that
+    fits VMEM is staged there whole before its dot (a copy every step, which XLA's count sees three times)."""
+    from quantkit.quant.qtensor import DENSE
+    from quantkit.runtime.layout import skeleton
+    from quantkit.runtime.sharding import AXIS, split_of
+
+    tp = 1 if mesh is None else mesh.shape[AXIS]
+
+    def wrap(kind: str, key: str, w):
+        if not isinstance(w, jax.Array) or w.ndim != 3 or w.dtype != jnp.bfloat16:  # (QTensors, unrolled tuples)
+            return w
+        split = split_of(key, cfg, tp, kind, ep) if mesh is not None else ""
+        return QTensor(w, jnp.ones((w.shape[0], 1, w.shape[2]), jnp.bfloat16), DENSE, w.shape[1],
+                       mesh=mesh, split=split)
+
+    slots = skeleton(cfg)["layers"]
+    linear = {kind: {key for key, s in slots[kind].items() if s.module[0].kind == "linear"} for kind in slots}
+    return {**params, "layers": {kind: {key: wrap(kind, key, w) if key in linear.get(kind, ()) else w
+                                        for key, w in stack.items()} for kind, stack in params["layers"].items()}}
+
+
 def qmatmul(x: jax.Array, w: QTensor, layer=None) -> jax.Array:
     """x [m, k] @ one group of w [G, k, n] (group `layer` of a stacked weight, default 0) -> [m, n]."""
     return grouped_matmul(x, w, jnp.full((1,), x.shape[0], jnp.int32), layer)

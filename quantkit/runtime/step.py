@@ -32,6 +32,7 @@ from quantkit.runtime.models.common import logits as project
 from quantkit.runtime.models.gdn import keep_checkpoints
 from quantkit.runtime.sharding import AXIS, cache_sharding, make_mesh, place_row_major, row_major, shard_params
 from quantkit.runtime.structured import words
+from quantkit.runtime.ops import dense_as_qtensor, tpu_chip
 
 TOP_LOGPROBS = 20  # the most alternatives a request may ask for (OpenAI's limit)
 STOP, STEP, LOGITS, VERIFY = 0, 1, 2, 3  # what the first process of a multi-process run broadcasts (Runner._call)
@@ -247,6 +248,8 @@ def step_function(cfg, page_size: int, all_logits: bool = False, mesh=None, unro
     fwd = forward_for(cfg.family)
 
     def step(params, kv, last, batch):
+        if tpu_chip() is not None:  # dense layer weights through gmm_v2 too
+            params = dense_as_qtensor(params, cfg, mesh, ep)
         tokens = jnp.where(batch["prev_slot"] >= 0, last[jnp.maximum(batch["prev_slot"], 0)], batch["tokens"])
         meta = {**batch, "slots": _slots(batch, page_size), "mesh": mesh, "unroll": unroll, "kv_fp8": kv_fp8,
                 "ep_mesh": mesh if ep else None, "verify": bool(spec)}
