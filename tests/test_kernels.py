@@ -99,12 +99,13 @@ def test_kernel_matches_reference(qtype, group, tk, zeros, g, m, seed):
         assert _rel(out[:total], ref[:total]) < tol, f"seed {seed}, sizes {sizes.tolist()}"
 
 
-@pytest.mark.parametrize("k,n,g,m", [(200, 256, 1, 37), (256, 200, 1, 5), (384, 256, 8, 61)])
-def test_dense_bf16_weight_matches_its_product(k, n, g, m, seed):
+@pytest.mark.parametrize("k,n,g,m,tk", [(200, 256, 1, 37, None), (256, 200, 1, 5, None), (384, 256, 8, 61, None),
+                                        (512, 200, 8, 40, 128)])
+def test_dense_bf16_weight_matches_its_product(k, n, g, m, tk, seed):
     """A dense bf16 weight as the TPU step serves it (runtime/ops.py dense_as_qtensor: QTensor "bf16", unit
     channel scales) through gmm_v2: a side that is not a multiple of 128 (gpt-oss's hidden 2880 here 200) is
-    one block, tiles chosen by choose_tiles; grouped rows and a layer picked from a stack by the group
-    offset. Against the float32 HIGHEST product of the same bf16 values; only the output's bf16 rounding
+    one block, tiles chosen by choose_tiles (and several k tiles); grouped rows and a layer picked from a
+    stack by the group offset. Against the float32 HIGHEST product of the same bf16 values; only the output's bf16 rounding
     differs (tolerance 4e-3, as for scales on partial sums)."""
     from quantkit.quant.qtensor import DENSE, QTensor
 
@@ -114,7 +115,9 @@ def test_dense_bf16_weight_matches_its_product(k, n, g, m, seed):
     lhs = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
     sizes = jnp.asarray(_sizes(rng, g, m))
     tiles = choose_tiles(m, k, n, g, DENSE, k, 2, CHIPS["v6e"])
-    assert (tiles.tk == k) == bool(k % 128 or k <= 4096) and (tiles.tn == n if n % 128 else n % tiles.tn == 0)
+    assert tiles.tk == k and (tiles.tn == n if n % 128 else n % tiles.tn == 0)  # small: one k tile
+    if tk:  # several k tiles, lhs streamed by k tiles
+        tiles = Tiles(tm=16, tk=tk, tn=tiles.tn, predot=False, lhs_resident=False, vmem_bytes=0, vmem_limit=32 << 20)
     out = gmm_v2(lhs, rhs, sizes, jnp.int32(2), tiles=tiles, interpret=INTERPRET)  # layers 2 .. 2 + g - 1
     groups = np.repeat(np.arange(g + 1), np.append(np.asarray(sizes), m - int(sizes.sum())))
     w = np.asarray(values[2:].astype(jnp.float32))
