@@ -153,12 +153,15 @@ def plan(path: str | Path, target: str = "v6e", max_model_len: int = 2048, max_n
 
     def compile_program(c, weights, t: int, n: int, unroll: bool = False, spec: int = 0):
         """Compiles the step of config c (weights: its abstract pytree) at t tokens for n sequences (spec:
-        the verifying step of speculative decoding with up to that many drafts a row)."""
+        the verifying step of speculative decoding with up to that many drafts a row). Below the budget a
+        step of n sequences is compiled as the Runner's DECODE program (one token a row; it differs from the
+        plain step only in Gated DeltaNet layers, step.py `step_function`)."""
         batch = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
                                        empty_batch(t, min(t, n), cache_layout(c, max_model_len, n, PAGE_SIZE, budget, speculative), n,
                                                    c.vocab_size))
         return compile_for(target, step_function(c, PAGE_SIZE, mesh=mesh, unroll=unroll, kv_fp8=fp8,
-                                                 ep=ep and mesh is not None, spec=spec), weights, cache(n, c),
+                                                 ep=ep and mesh is not None, spec=spec,
+                                                 decode=not spec and t < budget), weights, cache(n, c),
                            jax.ShapeDtypeStruct((n + 1,), jnp.int32), batch, donate=(1, 2), pinned=(0,), tp=tp)
 
     def compile_step(t: int, n: int):
@@ -251,7 +254,8 @@ def plan(path: str | Path, target: str = "v6e", max_model_len: int = 2048, max_n
         "verify_step_cost": None if verify is None else {
             "drafts_a_row": speculative, "tokens": verify_tokens, **_program_cost(verify, chip),
             "ratio_to_decode_step": round(verify.get("bytes_accessed", 0) / max(cost.get("bytes_accessed", 0), 1), 3)},
-        "step_programs": len(buckets) * (2 if speculative else 1),
+        "step_programs": len(buckets) * (2 if speculative else 1) + (  # + Gated DeltaNet models' DECODE programs
+            sum(b <= decode_bucket(max_num_seqs) for b in buckets) if cfg.linear_layers else 0),
         # the buffers the compiled decode step reduces or gathers across chips (bytes per chip, per op kind),
         # beside the least a tensor-parallel step with replicated activations needs: one all-reduce of the
         # [tokens, hidden] activations after each layer's attention and one after its MLP / experts, and one

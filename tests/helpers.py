@@ -129,12 +129,13 @@ def qwen3_5_model(moe: bool, **kw):
     import transformers as T
 
     torch.manual_seed(0)
+    top_k, kw = kw.pop("top_k", 2), {**QWEN3_5_SMALL, **kw}  # kw overrides the small shapes
     if moe:
-        cfg = T.Qwen3_5MoeTextConfig(**QWEN3_5_SMALL, moe_intermediate_size=64, shared_expert_intermediate_size=96,
-                                     num_experts=8, num_experts_per_tok=kw.pop("top_k", 2), **kw)
+        cfg = T.Qwen3_5MoeTextConfig(**kw, moe_intermediate_size=64, shared_expert_intermediate_size=96,
+                                     num_experts=8, num_experts_per_tok=top_k)
         model = T.Qwen3_5MoeForCausalLM(cfg)
     else:
-        model = T.Qwen3_5ForCausalLM(T.Qwen3_5TextConfig(**QWEN3_5_SMALL, intermediate_size=256, **kw))
+        model = T.Qwen3_5ForCausalLM(T.Qwen3_5TextConfig(**kw, intermediate_size=256))
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for name, p in model.named_parameters():

@@ -149,6 +149,70 @@ def test_mixed_padded_steps_equal_each_sequence_alone(moe_ckpt):
     assert rel_err(r.forward([(0, seqs[2], 0)])[0], fresh) < 1e-5  # slot 0 held sequence 0's state
 
 
+def test_decode_steps_run_the_decode_program(moe_ckpt):
+    """Steps of one token a row run the Runner's DECODE program, whose Gated DeltaNet layers hold only the
+    one-token recurrence (the plain step program chooses it or the chunked rule on device, and XLA counts
+    and compiles both): its traced step has one `cond` fewer, and from the same states it gives the plain
+    program's tokens and the same GDN states (1e-5: the same sums)."""
+    import jax
+
+    from quantkit.runtime.step import Row, step_function
+
+    _, path, _ = moe_ckpt
+    model = load(path, dtype=jnp.float32)
+    rng = np.random.default_rng(4)
+    prompts = [rng.integers(0, 256, n).tolist() for n in (9, 5, 12)]
+    runners = [Runner(model, max_model_len=64, max_num_seqs=4, page_size=4, scan=True) for _ in range(2)]
+    outs = []
+    for r, decode in zip(runners, (True, False)):
+        assert r.has_decode_program
+        r.forward([(i, p, 0) for i, p in enumerate(prompts)])
+        for i, p in enumerate(prompts):
+            assert r.pool.reserve(i, len(p), len(p))
+        batch = r.batch([Row(i, len(p), 1, [p[-1]]) for i, p in enumerate(prompts)])
+        outs.append((np.asarray(r.run(batch, decode=decode)[0]), [np.asarray(a) for a in r.kv["linear"]]))
+    (tok_d, state_d), (tok_p, state_p) = outs
+    assert (tok_d == tok_p).all()
+    assert all(rel_err(a, b) < 1e-5 for a, b in zip(state_d, state_p))
+    conds = [str(jax.make_jaxpr(step_function(model.cfg, 4, decode=d))(
+        runners[0].params, runners[0].kv, runners[0].last, runners[0].empty(8))).count(" cond[") for d in (True, False)]
+    assert conds[0] == conds[1] - 1, conds
+
+
+@pytest.mark.slow
+def test_decode_kernel_in_the_interpreted_tpu_step(tmp_path):
+    """On the TPU path (its kernels in Pallas interpret mode) the DECODE program's GDN layers update each
+    row's state with the decode kernel (kernels/gdn_decode.py), in place in the state cache: after a prefill
+    of three sequences, a decode step gives the CPU path's tokens and GDN states (1e-5; the attention kernel
+    and the recurrence sum in other orders), and the traced step calls the kernel. (The MoE model at head size
+    64, which the attention kernel takes.)"""
+    import jax
+
+    from quantkit.runtime.ops import interpreted_tpu_kernels
+    from quantkit.runtime.step import Row, step_function
+
+    qwen3_5_model(True, head_dim=64).save_pretrained(tmp_path)
+    model = load(tmp_path, dtype=jnp.float32)
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(0, 256, n).tolist() for n in (9, 5, 12)]
+
+    def decode_step(r):
+        r.forward([(i, p, 0) for i, p in enumerate(prompts)])
+        for i, p in enumerate(prompts):
+            assert r.pool.reserve(i, len(p), len(p))
+        out = r.run(r.batch([Row(i, len(p), 1, [p[-1]]) for i, p in enumerate(prompts)]), decode=True)
+        return np.asarray(out[0]), [np.asarray(a) for a in r.kv["linear"]]
+
+    tok_cpu, state_cpu = decode_step(Runner(model, max_model_len=64, max_num_seqs=4, page_size=8, scan=True))
+    with interpreted_tpu_kernels():
+        tpu = Runner(model, max_model_len=64, max_num_seqs=4, page_size=8, scan=True)
+        tok_tpu, state_tpu = decode_step(tpu)
+        jaxpr = str(jax.make_jaxpr(step_function(model.cfg, 8, decode=True))(tpu.params, tpu.kv, tpu.last, tpu.empty(8)))
+    assert (tok_tpu == tok_cpu).all()
+    assert all(rel_err(a, b) < 1e-5 for a, b in zip(state_tpu, state_cpu))
+    assert "name=gdn_decode" in jaxpr
+
+
 def test_engine_serves_staggered_requests_without_prefix_caching(moe_ckpt):
     """Six requests of different lengths through four slots, one newcomer every other step, prompts
     chunked by a 16-token budget: each output equals its greedy run alone; prefix caching is off (no

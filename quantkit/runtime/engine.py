@@ -505,15 +505,18 @@ class Engine:
     def warmup(self, progress: Callable[[int, int], None] | None = None, structured: bool = False) -> None:
         """Runs every bucket once on padding (writes only the scratch page), so nothing compiles later;
         `structured`: also the two programs of a split step (structured outputs), where the engine splits;
-        with speculation the verifying program too."""
+        with speculation the verifying program too; for Gated DeltaNet models the decode program of each
+        bucket a decode step can take."""
+        decode = self.runner.has_decode_program
         runs = [(t, "step") for t in self.shapes()] + [(t, "split") for t in self.shapes() if structured] + [
-            (t, "verify") for t in self.shapes() if self.speculative is not None]
+            (t, "verify") for t in self.shapes() if self.speculative is not None] + [
+            (t, "decode") for t in self.shapes() if decode and t <= self.runner.bucket(self.runner.max_num_seqs)]
         for i, (t, kind) in enumerate(runs):
             batch = self.runner.empty(t)
             if kind == "verify":
                 batch["drafts"][0] = 1  # the verifying program (on padding: the scratch page)
             jax.block_until_ready(self.runner.run_split(batch, lambda: batch["sampling"]) if kind == "split" else
-                                  self.runner.run(batch, head=kind == "verify"))
+                                  self.runner.run(batch, head=kind == "verify", decode=kind == "decode"))
             if progress is not None:
                 progress(i + 1, len(runs))
 

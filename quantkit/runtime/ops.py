@@ -34,6 +34,11 @@ def interpreted_tpu_kernels(chip: str = "v6e"):
         _INTERPRETED.reset(token)
 
 
+def interpreted_chip() -> str | None:
+    """The chip of the enclosing `interpreted_tpu_kernels`, or None."""
+    return _INTERPRETED.get()
+
+
 def interpret():
     """The `interpret` argument for Pallas calls: InterpretParams inside `interpreted_tpu_kernels`, else False."""
     if _INTERPRETED.get() is None:

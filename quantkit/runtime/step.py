@@ -32,10 +32,10 @@ from quantkit.runtime.models.common import logits as project
 from quantkit.runtime.models.gdn import keep_checkpoints
 from quantkit.runtime.sharding import AXIS, cache_sharding, make_mesh, place_row_major, row_major, shard_params
 from quantkit.runtime.structured import words
-from quantkit.runtime.ops import dense_as_qtensor, tpu_chip
+from quantkit.runtime.ops import dense_as_qtensor, interpreted_chip, interpreted_tpu_kernels, tpu_chip
 
 TOP_LOGPROBS = 20  # the most alternatives a request may ask for (OpenAI's limit)
-STOP, STEP, LOGITS, VERIFY = 0, 1, 2, 3  # what the first process of a multi-process run broadcasts (Runner._call)
+STOP, STEP, LOGITS, VERIFY, DECODE = 0, 1, 2, 3, 4  # what the first process of a multi-process run broadcasts (Runner._call)
 BANNED = 8  # the most token ids a row may forbid its sample (Row.banned); padding: NO_TOKEN, out of range
 NO_TOKEN = np.iinfo(np.int32).max
 
@@ -230,7 +230,7 @@ def draft_rows(params: dict, head, tokens: jax.Array, h: jax.Array, aux: jax.Arr
 
 
 def step_function(cfg, page_size: int, all_logits: bool = False, mesh=None, unroll: bool = False, kv_fp8=None,
-                  ep: bool = False, sample: bool = True, spec: int = 0, drafter=None):
+                  ep: bool = False, sample: bool = True, spec: int = 0, drafter=None, decode: bool = False):
     """step(params, kv, last, batch) -> (outputs, kv, last).
 
     kv: per kind stacked pages; last [max_num_seqs + 1]: the last token sampled per slot. outputs: (token,
@@ -244,6 +244,8 @@ def step_function(cfg, page_size: int, all_logits: bool = False, mesh=None, unro
     `spec` drafts a row: a row's last batch["drafts"] tokens are drafts following its real last token, and
     the outputs are `verify_rows`'s; drafter (a draft head, eagle3.Eagle3 or qwen3_5.Mtp: its weights
     params["draft"], its cache kv["draft"]): the outputs gain the next step's drafts [S, spec] (`draft_rows`).
+    decode: every row of every step has one token (the Runner's DECODE program for models with Gated DeltaNet
+    layers, which then compile only their one-token recurrence, not the chunked prompt path beside it).
     """
     fwd = forward_for(cfg.family)
 
@@ -252,7 +254,7 @@ def step_function(cfg, page_size: int, all_logits: bool = False, mesh=None, unro
             params = dense_as_qtensor(params, cfg, mesh, ep)
         tokens = jnp.where(batch["prev_slot"] >= 0, last[jnp.maximum(batch["prev_slot"], 0)], batch["tokens"])
         meta = {**batch, "slots": _slots(batch, page_size), "mesh": mesh, "unroll": unroll, "kv_fp8": kv_fp8,
-                "ep_mesh": mesh if ep else None, "verify": bool(spec)}
+                "ep_mesh": mesh if ep else None, "verify": bool(spec), "decode": decode}
         if drafter is not None and not all_logits and drafter.aux:
             meta["aux_layers"] = drafter.aux
         h, kv, *aux = fwd(params, cfg, tokens, kv, meta)
@@ -286,16 +288,25 @@ def _frozen(tree) -> tuple:
 
 @functools.lru_cache(maxsize=16)
 def jitted_step(cfg, page_size: int, mesh, unroll: bool, kv_fp8, ep: bool, formats: tuple, out_shardings,
-                all_logits: bool, sample: bool = True, spec: int = 0, drafter=None):
+                interpreted: str | None, all_logits: bool, sample: bool = True, spec: int = 0, drafter=None,
+                decode: bool = False):
     """The jitted step of one static configuration, shared by every Runner that has it: a second Runner of
     the same model (a test, a server restarting its engine, eval's second checkpoint of the same shapes)
     reuses the compiled programs instead of compiling each token bucket again. `formats`: the weights'
-    row-major placements, `out_shardings` (None on one device): both as `_frozen` keys."""
+    row-major placements, `out_shardings` (None on one device): both as `_frozen` keys. `interpreted`: the
+    chip of `ops.interpreted_tpu_kernels` the Runner was made in (tests), which the program is traced under:
+    a key of its own, else a Runner of the TPU path would reuse a CPU Runner's traced program."""
     pinned = dict(in_shardings=(jax.tree_util.tree_unflatten(*formats), None, None, None), donate_argnums=(1, 2))
     if out_shardings is not None:
         pinned["out_shardings"] = jax.tree_util.tree_unflatten(*out_shardings)
     fn = step_function(cfg, page_size, all_logits, mesh=mesh, unroll=unroll, kv_fp8=kv_fp8, ep=ep, sample=sample,
-                       spec=spec, drafter=drafter)
+                       spec=spec, drafter=drafter, decode=decode)
+    if interpreted is not None:
+        step = fn
+
+        def fn(*args):
+            with interpreted_tpu_kernels(interpreted):
+                return step(*args)
     return jax.jit(fn, **pinned)
 
 
@@ -441,12 +452,18 @@ class Runner:
         self.params = place_row_major(self.params)  # the loader placed them so; a sharded copy may not be
         formats = jax.tree_util.tree_map(lambda x: row_major(x.sharding, x.ndim), self.params)
         outs = None if mesh is None else _frozen((rep, kv_sharding, rep))  # replicated: every process reads them
-        key = (cfg, self.page_size, mesh, unroll, fp8, self.ep, _frozen(formats), outs)
+        key = (cfg, self.page_size, mesh, unroll, fp8, self.ep, _frozen(formats), outs, interpreted_chip())
         self._step, self._logits = jitted_step(*key, False), jitted_step(*key, True)
         self._forward, self._sample = jitted_step(*key, False, False), jitted_sampler(rep)
         self._programs = {STEP: self._step, LOGITS: self._logits}
         if self.speculative:
             self._programs[VERIFY] = jitted_step(*key, False, True, self.speculative, draft)
+        if cfg.linear_layers:  # steps of one token a row without the chunked delta rule (gdn.py `_recurrence`)
+            self._programs[DECODE] = jitted_step(*key, False, True, 0, None, True)
+
+    @property
+    def has_decode_program(self) -> bool:
+        return DECODE in self._programs
 
     def bucket(self, n: int) -> int:
         return next(b for b in self.buckets if b >= n) if n <= self.buckets[-1] else -(-n // 8) * 8
@@ -482,15 +499,18 @@ class Runner:
         """A step of t padding tokens (warm-up)."""
         return empty_batch(t, min(t, self.max_num_seqs), self.layout, self.max_num_seqs, self.model.cfg.vocab_size)
 
-    def run(self, batch: dict, head: bool = True):
+    def run(self, batch: dict, head: bool = True, decode: bool | None = None):
         """Dispatches one step (asynchronously); returns the device outputs (token, logprob, top ids, top
         logprobs), each [S, ...]; for a step with drafts `verify_rows`'s; with a draft head (and `head`, or
-        drafts) those and the next step's drafts."""
+        drafts) those and the next step's drafts. `decode`: whether it runs as the DECODE program (models
+        with Gated DeltaNet layers; default: when every row has one token)."""
         self.compiled.add(batch["tokens"].shape[0])
         drafting = batch["drafts"].any() or self.drafter is not None and head
         if not batch["drafts"].any() and (batch["sampling"]["allow"] != -1).any():
             raise ValueError("a step with structured-output masks and no drafts runs through run_split")
-        return self._call(VERIFY if drafting else STEP, batch)
+        if decode is None:
+            decode = np.diff(batch["cu_q_lens"]).max() <= 1
+        return self._call(VERIFY if drafting else DECODE if decode and DECODE in self._programs else STEP, batch)
 
     def run_split(self, batch: dict, sampling: Callable[[], dict]):
         """One step as two programs: the forward (dispatched at once), then the sampling with the arrays

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 
 from quantkit.runtime.config import ModelConfig
 from quantkit.runtime.models.common import linear, rms_norm
+from quantkit.runtime.ops import interpret, tpu_chip
 
 CHUNK = 64
 HI = jax.lax.Precision.HIGHEST  # the state maths in float32 (TPU's default f32 dot is one bf16 pass)
@@ -120,9 +121,11 @@ def _checkpoints(raw, c0, s0, q, k, v, g, beta, first, n, drafts: int):
     return jnp.stack(convs, axis=1), jnp.stack(recs, axis=1)
 
 
-def _recurrence(q, k, v, g, beta, s0, first, n):
+def _recurrence(q, k, v, g, beta, s0, first, n, decode: bool = False):
     """The delta rule over every row's tokens: q, k [T, Hv, dk], v [T, Hv, dv], g, beta [T, Hv] (float32),
-    s0 [rows, Hv, dk, dv]; returns (o [T, Hv, dv], state after the row's tokens)."""
+    s0 [rows, Hv, dk, dv]; returns (o [T, Hv, dv], state after the row's tokens). Token by token where no row
+    has more than one (a branch chosen on device, or statically with `decode`: a program of decode steps
+    then holds no chunked path, which XLA's count and compile time would include), else by chunks."""
     t = q.shape[0]
 
     def run(c: int, s0):
@@ -140,7 +143,7 @@ def _recurrence(q, k, v, g, beta, s0, first, n):
         return jax.lax.fori_loop(0, (jnp.max(n) + c - 1) // c, chunk, (o, s0))
 
     c = min(CHUNK, t)
-    if c == 1:
+    if c == 1 or decode:
         return run(1, s0)
     return jax.lax.cond(jnp.max(n) <= 1, lambda s: run(1, s), lambda s: run(c, s), s0)
 
@@ -167,11 +170,20 @@ def gdn_block(p: dict, x: jax.Array, state: tuple, i, batch: dict, cfg: ModelCon
     v = qkv[:, 2 * hk * dk:].reshape(t, hv, dv)
     beta = jax.nn.sigmoid(linear(x, p["in_b"]).astype(jnp.float32))  # [T, Hv]
     g = -jnp.exp(p["A_log"]) * jax.nn.softplus(linear(x, p["in_a"]).astype(jnp.float32) + p["dt_bias"])
-    o, s1 = _recurrence(q, k, v, g, beta, s0, first, n)
+    if batch.get("decode") and not ckpt and tpu_chip() is not None:  # each row's state read and written once
+        from quantkit.kernels.gdn_decode import gdn_decode
+
+        at = jnp.minimum(first, t - 1)  # each row's one token
+        o_rows, rec_all = gdn_decode(q[at], k[at], v[at], g[at], beta[at], rec_all, i, slot, fresh[:, 0, 0],
+                                     n > 0, interpret=interpret())
+        o = jnp.zeros(v.shape, jnp.float32).at[jnp.where(n > 0, first, t)].set(o_rows, mode="drop")
+    else:
+        o, s1 = _recurrence(q, k, v, g, beta, s0, first, n, batch.get("decode", False))
+        rec_all = rec_all.at[i, slot].set(s1)
     z = linear(x, p["in_z"]).reshape(t, hv, dv)
     o = rms_norm(o.astype(x.dtype), p["gdn_norm"], cfg.rms_norm_eps) * jax.nn.silu(z.astype(jnp.float32))
     out = linear(o.astype(x.dtype).reshape(t, hv * dv), p["out"])
-    state = (conv_all.at[i, slot].set(c1.astype(conv_all.dtype)), rec_all.at[i, slot].set(s1))
+    state = (conv_all.at[i, slot].set(c1.astype(conv_all.dtype)), rec_all)
     if ckpt and batch.get("verify"):  # (a step without drafts passes them on)
         c, r = _checkpoints(raw, c0, s0, q, k, v, g, beta, first, n, ckpt[1].shape[2])
         ckpt = (ckpt[0].at[i, slot].set(c.astype(ckpt[0].dtype)), ckpt[1].at[i, slot].set(r))
