@@ -254,6 +254,23 @@ def test_tensor_parallel_plan_on_a_2x2_slice(tmp_path):
     assert {k["path"] for k in r["kernels"]} == {"gmm_v2"} and r["dequantized_weight_buffers"] == []
 
 
+def test_gated_deltanet_decode_program_on_two_devices(tmp_path):
+    """A Qwen3.5-MoE plan with expert parallelism over 2 devices (v6e:1x2) compiles its decode bucket as the
+    DECODE program, whose GDN layers run the decode kernel on every device under shard_map (their states and
+    inputs replicated; a Mosaic kernel cannot be partitioned by XLA, which refuses such a program), and
+    counts that program's collectives and bytes; Gated DeltaNet models compile one DECODE program for each
+    bucket a decode step takes, beside the one step program per bucket."""
+    from helpers import qwen3_5_model
+    from quantkit.plan import plan
+
+    qwen3_5_model(True, head_dim=64).save_pretrained(tmp_path)
+    r = plan(tmp_path / "config.json", "v6e", 256, 8, tp=2, ep=True, scheme="W4A16", group_size=32, search=False,
+             prefill_cost=False)
+    assert r["fits"] and r["topology"] == "v6e:1x2"
+    assert r["decode_step_cost"]["bytes_accessed"] > r["hbm_bytes"]["recurrent_state"]  # the states, and more
+    assert r["step_programs"] == len((8, 16, 32, 64, 128, 256)) + 1  # + the DECODE program of bucket 8
+
+
 def test_fp8_kv_cache_halves_the_kv_bytes(tmp_path):
     """--kv-cache-dtype compiles the step with an FP8 cache (and its per-layer scales): 2 layers x 33 pages x
     16 tokens x 4 KV heads x (k, v) x 128 x 1 byte, half the bf16 cache, in the compiled layout."""

@@ -174,8 +174,12 @@ def gdn_block(p: dict, x: jax.Array, state: tuple, i, batch: dict, cfg: ModelCon
         from quantkit.kernels.gdn_decode import gdn_decode
 
         at = jnp.minimum(first, t - 1)  # each row's one token
-        o_rows, rec_all = gdn_decode(q[at], k[at], v[at], g[at], beta[at], rec_all, i, slot, fresh[:, 0, 0],
-                                     n > 0, interpret=interpret())
+        run = lambda *a: gdn_decode(*a, interpret=interpret())  # noqa: E731
+        if batch.get("mesh") is not None:  # states and their inputs replicated: every device runs the same rows
+            from jax.sharding import PartitionSpec as P
+
+            run = jax.shard_map(run, mesh=batch["mesh"], in_specs=P(), out_specs=P(), check_vma=False)
+        o_rows, rec_all = run(q[at], k[at], v[at], g[at], beta[at], rec_all, i, slot, fresh[:, 0, 0], n > 0)
         o = jnp.zeros(v.shape, jnp.float32).at[jnp.where(n > 0, first, t)].set(o_rows, mode="drop")
     else:
         o, s1 = _recurrence(q, k, v, g, beta, s0, first, n, batch.get("decode", False))
