@@ -131,9 +131,11 @@ def main() -> None:
         lines.append(f"| {name} | {label} | {r['kv_cache_dtype']} | {r['topology']} | {'yes' if r['fits'] else 'no'} | "
                      f"{h['weights'] / gib:.2f} | "
                      f"{h['kv_cache'] / gib:.2f} | {h['recurrent_state'] / gib:.2f} | {h['temporaries'] / gib:.2f} | {r['max_num_seqs_that_fit']} | "
-                     f"{wall:.0f} | {sum(COMPILES):.0f} | {max(COMPILES):.0f} | {cost['bytes_accessed'] / 1e9:.2f} GB / "
-                     f"{cost['floor_bytes'] / 1e9:.2f} GB = {cost['ratio_to_floor']:.2f}× | {est['seconds'] * 1e3:.1f} ms → ~{est['output_tokens_per_s']:.0f} "
-                     f"tok/s at 16 |")
+                     f"{wall:.0f} | {sum(COMPILES):.0f} | {max(COMPILES, default=0):.0f} | " + (
+                         "— | — |" if cost is None else  # refused by the compiler (out of HBM): nothing to count
+                         f"{cost['bytes_accessed'] / 1e9:.2f} GB / {cost['floor_bytes'] / 1e9:.2f} GB = "
+                         f"{cost['ratio_to_floor']:.2f}× | {est['seconds'] * 1e3:.1f} ms → "
+                         f"~{est['output_tokens_per_s']:.0f} tok/s at 16 |"))
         print(lines[-1], flush=True)
         moe = cfg.get("num_experts") or cfg.get("num_local_experts")
         if tp > 1 or moe:
