@@ -462,6 +462,24 @@ def test_activation_ordered_moe_experts_match_transformers(tmp_path):
 TPU_SHAPES = dict(COMMON, head_dim=64, num_hidden_layers=2)
 
 
+def _cpu_and_interpreted_tpu(m):
+    """A 13-token prompt's logits and 3 greedy tokens on the CPU path and on the TPU path with its kernels in
+    Pallas interpret mode (a Runner made inside `interpreted_tpu_kernels`: its own programs), and the TPU
+    step's jaxpr: (tpu tokens, cpu tokens, tpu logits, cpu logits, jaxpr)."""
+    from quantkit.runtime.ops import interpreted_tpu_kernels
+    from quantkit.runtime.step import step_function
+
+    prompt = np.random.default_rng(3).integers(0, 256, 13).tolist()
+    cpu = Runner(m, max_model_len=64, page_size=8, weights="packed", scan=True)
+    cpu_logits = cpu.forward([(0, prompt, 0)])[0]
+    with interpreted_tpu_kernels():
+        tpu = Runner(m, max_model_len=64, page_size=8, weights="packed", scan=True)
+        tpu_logits = tpu.forward([(0, prompt, 0)])[0]
+        tokens = generate(tpu, prompt, 3)
+        jaxpr = str(jax.make_jaxpr(step_function(m.cfg, 8))(tpu.params, tpu.kv, tpu.last, tpu.empty(8)))
+    return tokens, generate(cpu, prompt, 3), tpu_logits, cpu_logits, jaxpr
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name,scheme", [("gemma3", None), ("qwen3_moe", "W4A16"), ("llama", "W4A16_ASYM"),
                                          ("gemma4", "W4A16")])
@@ -472,8 +490,6 @@ def test_tpu_kernels_in_interpret_mode_give_the_cpu_path_tokens(name, scheme, tm
     element, ~4e-3 on the logits of these tiny models, measured); the attention kernel alone differs from
     the CPU path only in summation order (float32, ~1e-6)."""
     from quantkit.convert import convert
-    from quantkit.runtime.ops import interpreted_tpu_kernels
-    from quantkit.runtime.step import step_function
 
     torch.manual_seed(0)
     model = family(name)
@@ -488,16 +504,8 @@ def test_tpu_kernels_in_interpret_mode_give_the_cpu_path_tokens(name, scheme, tm
     if scheme:
         convert(path, tmp_path / "q", scheme, 32)
         path = tmp_path / "q"
-    m = load(path, dtype=jnp.float32)
-    prompt = np.random.default_rng(3).integers(0, 256, 13).tolist()
-    cpu = Runner(m, max_model_len=64, page_size=8, weights="packed", scan=True)
-    cpu_logits = cpu.forward([(0, prompt, 0)])[0]
-    with interpreted_tpu_kernels():
-        tpu = Runner(m, max_model_len=64, page_size=8, weights="packed", scan=True)
-        tpu_logits = tpu.forward([(0, prompt, 0)])[0]
-        tokens = generate(tpu, prompt, 3)
-        jaxpr = str(jax.make_jaxpr(step_function(m.cfg, 8))(tpu.params, tpu.kv, tpu.last, tpu.empty(8)))
-    assert tokens == generate(cpu, prompt, 3)
+    tokens, cpu_tokens, tpu_logits, cpu_logits, jaxpr = _cpu_and_interpreted_tpu(load(path, dtype=jnp.float32))
+    assert tokens == cpu_tokens
     assert rel_err(tpu_logits, cpu_logits) < (2e-2 if scheme else 1e-4)
     # the kernels really are in the traced step: attention's output is [T, heads, lanes], gmm_v2's [T, n]
     ranks = [dims.count(",") + 1 for dims in re.findall(r"\w+\[([\d,]+)\] = pallas_call\[", jaxpr)]
@@ -511,23 +519,12 @@ def test_dense_bf16_layers_go_through_gmm_v2_on_the_tpu_path(tmp_path):
     layer's tiles straight from its kind's stack: the interpreted TPU step gives the CPU path's greedy tokens
     and its logits within 2e-2 (both bf16 with float32 sums, in another order: a bf16 rounding of 2^-9
     here and there, ~5e-3 measured), with 7 matmul kernels a layer in the traced step."""
-    from quantkit.runtime.ops import interpreted_tpu_kernels
-    from quantkit.runtime.step import step_function
-
     torch.manual_seed(0)
     model = family("llama")
     model = type(model)(type(model.config)(**{**model.config.to_dict(), **TPU_SHAPES})).eval()
     model.save_pretrained(tmp_path / "m")
-    m = load(tmp_path / "m", dtype=jnp.bfloat16)
-    prompt = np.random.default_rng(3).integers(0, 256, 13).tolist()
-    cpu = Runner(m, max_model_len=64, page_size=8, weights="packed", scan=True)
-    cpu_logits = cpu.forward([(0, prompt, 0)])[0]
-    with interpreted_tpu_kernels():
-        tpu = Runner(m, max_model_len=64, page_size=8, weights="packed", scan=True)
-        tpu_logits = tpu.forward([(0, prompt, 0)])[0]
-        tokens = generate(tpu, prompt, 3)
-        jaxpr = str(jax.make_jaxpr(step_function(m.cfg, 8))(tpu.params, tpu.kv, tpu.last, tpu.empty(8)))
-    assert tokens == generate(cpu, prompt, 3)
+    tokens, cpu_tokens, tpu_logits, cpu_logits, jaxpr = _cpu_and_interpreted_tpu(load(tmp_path / "m", dtype=jnp.bfloat16))
+    assert tokens == cpu_tokens
     assert rel_err(tpu_logits, cpu_logits) < 2e-2
     assert len(re.findall(r"jit\[name=gmm_v2 ", jaxpr)) == 7  # the scanned layer body's 7 dense weights
 
