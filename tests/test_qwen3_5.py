@@ -216,7 +216,7 @@ def test_decode_kernel_in_the_interpreted_tpu_step(tmp_path):
 def test_engine_serves_staggered_requests_without_prefix_caching(moe_ckpt):
     """Six requests of different lengths through four slots, one newcomer every other step, prompts
     chunked by a 16-token budget: each output equals its greedy run alone; prefix caching is off (no
-    page holds a GDN state) even when asked for, and every slot comes back. (The MoE model: its layers
+    page holds a GDN state) even when asked for, without state snapshot slots, and every slot comes back. (The MoE model: its layers
     hold everything the dense one's do.)"""
     _, path, _ = moe_ckpt
     model = load(path, dtype=jnp.float32)
@@ -245,6 +245,49 @@ def test_engine_serves_staggered_requests_without_prefix_caching(moe_ckpt):
     for i, (r, p, n) in enumerate(zip(reqs, prompts, lengths)):
         assert r.out == alone(i, p, n)
     assert engine.pages_used == 0 and sorted(engine.free_slots) == [0, 1, 2, 3]
+
+
+def test_prefix_caching_with_gdn_state_snapshots(moe_ckpt):
+    """Prefix caching for a hybrid model (cache.py, engine `_chunk` / `_snapshot` / `_reuse`): 8-token pages,
+    16-token budget, so a 29-token prompt runs as chunks [0, 16), [16, 24) (its last chunk stopped at the last
+    page boundary before its last token) and [24, 29), its states kept after 16 and after 24. A follow-up turn
+    (the prompt, its answer and more: 39 tokens) hits 24 tokens and keeps its states after 32; a prompt
+    sharing 20 tokens, diverging mid-page, hits 16 (the last snapshot within its whole shared pages). With
+    one snapshot slot, the one after 16 is evicted by the one after 24, and that prompt hits nothing. Each hit's greedy tokens and their logprobs equal a run
+    without prefix caching (1e-5: the same sums, in other chunk groupings)."""
+    _, path, _ = moe_ckpt
+    model = load(path, dtype=jnp.float32)
+    rng = np.random.default_rng(6)
+    first = rng.integers(3, 256, 29).tolist()
+    other = first[:20] + rng.integers(3, 256, 11).tolist()
+
+    def engine(snapshots: int) -> Engine:
+        return Engine(Runner(model, max_model_len=128, max_num_seqs=2, page_size=8, max_num_batched_tokens=16,
+                             scan=True, prefix_states=snapshots), prefix_caching=bool(snapshots))
+
+    def run(e: Engine, prompt: list) -> tuple[list, list, int]:
+        hits, got = e.prefix_hits, []
+        r = e.submit(Request(prompt, 4, logprobs=0, on_update=lambda u: got.extend(lp for _, lp, _ in u.logprobs)))
+        while e.busy():
+            e.step()
+        return r.out, got, e.prefix_hits - hits
+
+    cold = engine(0)
+    assert not cold.prefix_caching
+    warm = engine(3)
+    assert warm.prefix_caching and warm.pool.layout.snapshots == 3
+    out, _, hits = run(warm, first)
+    assert hits == 0 and len(warm.pool.snaps) == 2
+    for prompt, want in ((first + out + rng.integers(3, 256, 6).tolist(), 24), (other, 16)):
+        tokens, logprobs, hits = run(warm, prompt)
+        ref_tokens, ref_logprobs, _ = run(cold, prompt)
+        assert hits == want and tokens == ref_tokens
+        assert np.allclose(logprobs, ref_logprobs, rtol=1e-5, atol=1e-5), (logprobs, ref_logprobs)
+    small = engine(1)
+    run(small, first)
+    tokens, _, hits = run(small, other)
+    assert hits == 0 and tokens == run(cold, other)[0]
+    assert warm.pages_used == 0 and sorted(warm.free_slots) == [0, 1]
 
 
 def test_multimodal_checkpoint_serves_its_text_decoder(tmp_path):

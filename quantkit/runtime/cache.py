@@ -17,8 +17,8 @@ of a chunk's own tokens), plus ceil(max_num_batched_tokens / ps) for the chunks 
 Gated DeltaNet layers (Qwen3.5, kind "linear") keep no pages: each sequence has a state slot (its engine
 slot; slot max_num_seqs is the padding rows' scratch) holding per layer the last K - 1 conv inputs
 [K - 1, conv channels] and the recurrent state [Hv, dk, dv], both float32, whatever the sequence's length
-(models/gdn.py). A state is not a function of a page's tokens, so prefix caching does not apply to
-these models (the engine turns it off).
+(models/gdn.py). A state is not a function of a page's tokens: prefix caching for these models keeps
+snapshots instead (below).
 
 Prefix caching (vLLM's automatic prefix caching): a full page is named by a hash chained over its tokens
 and its parent page's hash (`page_hashes`; the chain's root is salted with what else changes the keys,
@@ -27,6 +27,13 @@ the KV dtype). Pages are reference-counted: a sequence that starts with a cached
 and waits, least recently used first, until a pool runs out of never-used pages (`_take` evicts it then).
 Sliding-window layers take part: their pages are named by the same chain, and a hit of m pages needs the
 full layers' pages 0..m-1 and the sliding layers' pages a query at position m * ps can still see.
+
+Gated DeltaNet models (vLLM's "align" mode for hybrid models): `snapshots` extra state slots after the
+scratch slot hold the states of prefixes that end on a page boundary, named by that page's chained hash (the
+engine schedules prompt chunks to end on page boundaries and copies a row's states into a snapshot slot
+after such a chunk). A hit of m pages then also needs the snapshot of page m - 1; it restores the states
+and shares the KV pages together or not at all. Snapshot slots are few and evicted least recently used first;
+an evicted snapshot's name is gone with it, so it is never used again.
 """
 
 from __future__ import annotations
@@ -78,6 +85,7 @@ class CacheLayout:
     widths: dict  # kind -> kv_heads * 2 * head_dim of its layers
     window: int | None  # sliding window of the "sliding" kind
     states: tuple = ()  # Gated DeltaNet layers: (conv, recurrent[, their checkpoints]) state shapes, float32
+    snapshots: int = 0  # state slots for prefix-caching snapshots, after the max_num_seqs + 1 of the sequences
 
     def shapes(self) -> dict:
         """kind -> shape of its stacked pages."""
@@ -93,9 +101,10 @@ class CacheLayout:
 
 
 def cache_layout(cfg: ModelConfig, max_model_len: int, max_num_seqs: int, page_size: int = 16,
-                 max_num_batched_tokens: int = 512, speculative: int = 0) -> CacheLayout:
+                 max_num_batched_tokens: int = 512, speculative: int = 0, snapshots: int = 0) -> CacheLayout:
     """speculative: drafts a row at most; Gated DeltaNet layers then also keep each slot's states after
-    each of its first `speculative` tokens of a step (gdn.gdn_block), k times the state memory."""
+    each of its first `speculative` tokens of a step (gdn.gdn_block), k times the state memory. snapshots:
+    Gated DeltaNet models' state slots for prefix caching (none without GDN layers)."""
     ps = page_size
     per_seq = -(-max_model_len // ps)
     kinds = cfg.layer_kinds
@@ -106,14 +115,15 @@ def cache_layout(cfg: ModelConfig, max_model_len: int, max_num_seqs: int, page_s
         pages["sliding"] = min(pages["full"], 1 + max_num_seqs * (-(-window // ps) + 2) + -(-max_num_batched_tokens // ps))
     widths = {k: 2 * math.prod(cfg.kv_shape(k)) for k in layers}
     states = ()
-    if "linear" in kinds:  # a slot per sequence (engine slot) plus the scratch slot of padding rows
-        n, slots = kinds.count("linear"), max_num_seqs + 1
+    snapshots = snapshots if "linear" in kinds else 0
+    if "linear" in kinds:  # a slot per sequence (engine slot), the scratch slot of padding rows, the snapshots
+        n, slots = kinds.count("linear"), max_num_seqs + 1 + snapshots
         conv = cfg.gdn_dims[0]
         states = ((n, slots, cfg.conv_kernel - 1, conv),
                   (n, slots, cfg.linear_v_heads, cfg.linear_k_dim, cfg.linear_v_dim))
         if speculative:
             states += tuple((n, slots, speculative, *shape[2:]) for shape in states)
-    return CacheLayout(ps, per_seq, {k: pages[k] for k in layers}, layers, widths, window, states)
+    return CacheLayout(ps, per_seq, {k: pages[k] for k in layers}, layers, widths, window, states, snapshots)
 
 
 def page_hashes(tokens, page_size: int, parent: bytes, start: int = 0) -> list[bytes]:
@@ -140,6 +150,9 @@ class PagePool:
         self.cached = {k: {} for k in layout.layers}  # hash -> page
         self.hash_of = {k: {} for k in layout.layers}  # page -> hash
         self.idle = {k: OrderedDict() for k in layout.layers}  # cached pages no table holds, LRU first
+        self.snaps = OrderedDict()  # Gated DeltaNet state snapshots: page hash -> snapshot index, LRU first
+        self.snap_free = list(range(layout.snapshots - 1, -1, -1))
+        self.first_snapshot_slot = max_num_seqs + 1  # the state slot of snapshot index 0
 
     def _lo(self, kind: str, first: int) -> int:
         """First logical page a query at position `first` or later can see."""
@@ -178,7 +191,25 @@ class PagePool:
             if kind != "full":  # m pages are a hit if the pages a query at m * ps sees are cached
                 while m and not all(h in cached for h in hashes[self._lo(kind, m * self.layout.page_size):m]):
                     m -= 1
+        if self.layout.states:  # and the states after them
+            while m and hashes[m - 1] not in self.snaps:
+                m -= 1
         return m
+
+    def snapshot(self, h: bytes) -> int | None:
+        """The state slot to copy the states named `h` into (evicting the least recently used snapshot when
+        all are taken), or None when they are kept already."""
+        if h in self.snaps:
+            self.snaps.move_to_end(h)
+            return None
+        j = self.snap_free.pop() if self.snap_free else self.snaps.popitem(last=False)[1]
+        self.snaps[h] = j
+        return self.first_snapshot_slot + j
+
+    def restore(self, h: bytes) -> int:
+        """The state slot of the snapshot named `h` (a `match`), now the most recently used."""
+        self.snaps.move_to_end(h)
+        return self.first_snapshot_slot + self.snaps[h]
 
     def share(self, slot: int, hashes: list[bytes]) -> None:
         """Puts the cached pages of the chain `hashes` (a `match`) into `slot`'s empty table row."""

@@ -19,6 +19,7 @@ generated ones when their tokens are read back.
 from __future__ import annotations
 
 import itertools
+import math
 import os
 import threading
 import time
@@ -112,8 +113,10 @@ class Engine:
     def __init__(self, runner: Runner, decode: Callable[[list[int]], str] | None = None, max_waiting: int = 256,
                  prefix_caching: bool = True, speculative: SpeculativeConfig | None = None):
         """max_waiting: requests queued beyond the `runner.max_num_seqs` running ones before `submit` refuses.
-        prefix_caching: reuse cached pages of earlier prompts (and outputs) that a prompt starts with; off for
-        models with Gated DeltaNet layers, whose per-sequence state no page holds (runtime/cache.py).
+        prefix_caching: reuse cached pages of earlier prompts (and outputs) that a prompt starts with; for
+        models with Gated DeltaNet layers, whose per-sequence state no page holds, only with the runner's
+        state snapshots (`Runner.prefix_states`, runtime/cache.py), and only up to the prompt chunks'
+        page-aligned ends (`_chunk`, `_snapshot`).
         speculative: draft tokens for decoding rows (runtime/speculative.py; the runner's `speculative` is its
         k). Drafts follow the tokens so far: a step that drafts reads the previous one back before it is
         scheduled, and the step after a drafted one too (its positions follow the accepted count); other
@@ -134,7 +137,10 @@ class Engine:
         self.accepted_at = [0] * runner.speculative
         self.fill_only = jax.default_backend() == "cpu"  # drafts only in a decode step's padding (`_room`)
         self.pool = runner.pool
-        self.prefix_caching = prefix_caching and not runner.layout.states
+        # Gated DeltaNet models: with the runner's state snapshots (cache.py), on one process (the copies are
+        # not broadcast to the others)
+        self.prefix_caching = prefix_caching and (not runner.layout.states or runner.layout.snapshots > 0
+                                                  and jax.process_count() == 1)
         self.salt = f"quantkit kv {runner.kv_dtype}".encode()  # what else changes a page's keys and values
         self.prefix_queries = self.prefix_hits = 0  # prompt tokens looked up / found cached
         # structured outputs: constrained sequences, masks computed, steps that computed one, their seconds
@@ -239,6 +245,7 @@ class Engine:
                 batch["sampling"], constrained = sampling(), []
             out = self.runner.run_split(batch, sampling) if constrained else self.runner.run(batch, self._head())
             self.inflight = (out, [(r, samples, len(row.drafts)) for r, row, samples in rows])
+            self._snapshot(rows)
         if previous is not None:
             self._collect(*previous)
         self.mask_steps += self.masks > masks
@@ -269,7 +276,7 @@ class Engine:
                 budget -= add(r, 1, False)
         for r in self.running:
             if r.done < len(r.prompt) and budget:
-                n = min(len(r.prompt) - r.done, budget)
+                n = self._chunk(r, min(len(r.prompt) - r.done, budget))
                 budget -= n if add(r, n, True) else 0
         with self._lock:
             while self.waiting and self.free_slots and budget:
@@ -281,7 +288,7 @@ class Engine:
                 self.running.append(r)
                 if self.prefix_caching:
                     self._reuse(r)
-                n = min(len(r.prompt) - r.done, budget)
+                n = self._chunk(r, min(len(r.prompt) - r.done, budget))
                 budget -= n if add(r, n, True) else 0
         return rows
 
@@ -340,12 +347,47 @@ class Engine:
                 r.done += len(drafts)
                 room -= len(drafts)
 
+    @property
+    def snapshot_bytes(self) -> int:
+        """Device bytes of the state snapshot slots (Gated DeltaNet models with prefix caching)."""
+        lay = self.pool.layout
+        return sum(math.prod(s[2:]) * 4 * s[0] for s in lay.states[:2]) * lay.snapshots
+
+    def _chunk(self, r: Request, n: int) -> int:
+        """How many of the n prompt tokens r may take this step: all, except for Gated DeltaNet models with
+        prefix caching, whose chunks end on page boundaries where they can (vLLM's "align" mode), so that
+        the states after them can be kept (`_snapshot`): a prompt's last chunk first stops at the last
+        boundary before its last token (what a later prompt that starts with it can hit), an earlier chunk
+        at the last boundary it reaches."""
+        if not (self.prefix_caching and self.runner.layout.states):
+            return n
+        ps, end = self.pool.layout.page_size, r.done + n
+        last = (len(r.prompt) - 1) // ps * ps
+        end = last if end == len(r.prompt) and r.done < last else end if end == len(r.prompt) else end // ps * ps
+        return end - r.done if end > r.done else n
+
+    def _snapshot(self, rows: list) -> None:
+        """Keeps the Gated DeltaNet states of each prompt row that ends on a page boundary, named by that
+        page's hash, unless kept already (copied on device after the dispatched step: cache.py)."""
+        if not (self.prefix_caching and self.runner.layout.states):
+            return
+        ps, pairs = self.pool.layout.page_size, []
+        for r, row, _ in rows:
+            end = row.start + row.n
+            if row.tokens is not None and end % ps == 0 and \
+                    (dst := self.pool.snapshot(r.hashes[end // ps - 1])) is not None:
+                pairs.append((r.slot, dst))
+        self.runner.copy_states(pairs)
+
     def _reuse(self, r: Request) -> None:
-        """Starts a newcomer from the cached pages its prompt begins with (all but its last token)."""
+        """Starts a newcomer from the cached pages its prompt begins with (all but its last token), and for
+        Gated DeltaNet models from the states after them."""
         ps = self.pool.layout.page_size
         r.hashes = page_hashes(r.prompt, ps, self.salt)
         m = self.pool.match(r.hashes[:(len(r.prompt) - 1) // ps])
         self.pool.share(r.slot, r.hashes[:m])
+        if m and self.runner.layout.states:
+            self.runner.copy_states([(self.pool.restore(r.hashes[m - 1]), r.slot)])
         r.done, r.named = m * ps, m
         self.prefix_queries += len(r.prompt)
         self.prefix_hits += m * ps

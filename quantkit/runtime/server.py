@@ -124,6 +124,12 @@ class Metrics:
                  "KV cache pages holding a cached prefix (in use or idle).", []),
                 (GaugeMetricFamily, "kv_cache_usage", used / total if total else 0.0,
                  "Fraction of KV cache pages in use (1 = 100%).", ["kv_cache_usage_perc", "gpu_cache_usage_perc"]),
+                (GaugeMetricFamily, "prefix_state_snapshots", len(e.pool.snaps) if e else 0,
+                 "Gated DeltaNet state snapshots kept for prefix caching.", []),
+                (GaugeMetricFamily, "prefix_state_snapshot_slots", e.pool.layout.snapshots if e else 0,
+                 "Gated DeltaNet state snapshot slots (the most snapshots kept).", []),
+                (GaugeMetricFamily, "prefix_state_snapshot_bytes", e.snapshot_bytes if e else 0,
+                 "Device bytes of the Gated DeltaNet state snapshot slots (all layers, all of them).", []),
                 (CounterMetricFamily, "prefix_cache_queries", e.prefix_queries if e else 0,
                  "Prompt tokens looked up in the prefix cache.", ["prefix_cache_queries"]),
                 (CounterMetricFamily, "prefix_cache_hits", e.prefix_hits if e else 0,
@@ -232,7 +238,10 @@ class Server:
         return model, Runner(model, max_model_len=limit, max_num_seqs=self.max_num_seqs,
                              max_num_batched_tokens=self.max_num_batched_tokens, kv_cache_dtype=self.kv_cache_dtype,
                              speculative=self.speculative.k if self.speculative else 0,
-                             drafter=drafter_for(self.speculative, model))
+                             drafter=drafter_for(self.speculative, model),
+                             # Gated DeltaNet models: a state snapshot slot a sequence for prefix caching
+                             prefix_states=self.max_num_seqs if self.prefix_caching and model.cfg.linear_layers
+                             else 0)
 
     def load(self) -> None:
         import jax
@@ -264,8 +273,10 @@ class Server:
             log.warning("ready in %.1f s: %s on %s, max_model_len %d, max_num_seqs %d, KV cache %s, prefix caching "
                         "%s, %d token buckets compiled (%s)",
                         time.monotonic() - t0, self.name, devices, limit,
-                        self.max_num_seqs, r.kv_dtype, "on" if engine.prefix_caching else
-                        "off (a recurrent state per sequence: Gated DeltaNet layers)" if self.prefix_caching else "off",
+                        self.max_num_seqs, r.kv_dtype, ("on" if not r.layout.snapshots else
+                        f"on (Gated DeltaNet states: {r.layout.snapshots} snapshots at page-aligned prompt chunk "
+                        "ends)") if engine.prefix_caching else
+                        "off (Gated DeltaNet states: one process only)" if self.prefix_caching else "off",
                         len(engine.shapes()), "for structured outputs each also as two halves" if not self.speculative
                         else f"each verifying up to {self.speculative.k} {self.speculative.method} drafts a sequence")
         except Exception as e:  # noqa: BLE001 - reported as one line, the process then exits 1

@@ -310,6 +310,12 @@ def jitted_step(cfg, page_size: int, mesh, unroll: bool, kv_fp8, ep: bool, forma
     return jax.jit(fn, **pinned)
 
 
+@functools.partial(jax.jit, donate_argnums=(0,))
+def _copy_slots(states: tuple, src, dst) -> tuple:
+    """The conv and recurrent states (not the speculative checkpoints) of slots `src` copied to `dst`."""
+    return tuple(a.at[:, dst].set(a[:, src]) if i < 2 else a for i, a in enumerate(states))
+
+
 @functools.lru_cache(maxsize=4)
 def jitted_sampler(rep):
     """sample_rows jitted (`last` donated; rep: the replicated sharding of a mesh, or None)."""
@@ -393,6 +399,7 @@ class Runner:
     kv_cache_dtype: str = "auto"
     speculative: int = 0
     drafter: object = None  # speculative.Drafter: drafts come from this head, on device, in every step
+    prefix_states: int = 0  # Gated DeltaNet models: state slots for prefix-caching snapshots (cache.py)
     compiled: set = field(default_factory=set)
 
     def __post_init__(self):
@@ -400,7 +407,7 @@ class Runner:
         self.buckets = token_buckets(self.max_num_batched_tokens,
                                      verify=self.max_num_seqs * (1 + self.speculative) if self.speculative else 0)
         self.layout = cache_layout(cfg, self.max_model_len, self.max_num_seqs, self.page_size,
-                                   self.max_num_batched_tokens, self.speculative)
+                                   self.max_num_batched_tokens, self.speculative, self.prefix_states)
         self.pool = PagePool(self.layout, self.max_num_seqs)
         fp8 = kv_fp8_dtype(self.kv_cache_dtype, self.model.kv_scales is not None)
         self.kv_dtype = jnp.dtype(fp8 or self.model.dtype).name
@@ -464,6 +471,15 @@ class Runner:
     @property
     def has_decode_program(self) -> bool:
         return DECODE in self._programs
+
+    def copy_states(self, pairs: list[tuple[int, int]]) -> None:
+        """Gated DeltaNet state slots copied (src, dst) on device, after the steps dispatched so far: a
+        prefix-caching snapshot taken or restored (cache.py). Padded to max_num_seqs pairs (the scratch slot
+        onto itself) so that one program serves any number."""
+        pad = [(self.max_num_seqs, self.max_num_seqs)] * (self.max_num_seqs - len(pairs) % self.max_num_seqs)
+        for i in range(0, len(pairs), self.max_num_seqs):
+            src, dst = np.asarray((pairs + pad)[i:i + self.max_num_seqs], np.int32).T
+            self.kv = {**self.kv, "linear": _copy_slots(self.kv["linear"], src, dst)}
 
     def bucket(self, n: int) -> int:
         return next(b for b in self.buckets if b >= n) if n <= self.buckets[-1] else -(-n // 8) * 8
