@@ -48,7 +48,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 MODELS = {"tiny": {"num_hidden_layers": 2},
           "mid": {"num_hidden_layers": 16, "hidden_size": 1024, "intermediate_size": 2816,
-                  "num_attention_heads": 16, "num_key_value_heads": 4, "head_dim": 64}}
+                  "num_attention_heads": 16, "num_key_value_heads": 4, "head_dim": 64},
+          # Qwen3.5's hybrid stack (3 Gated DeltaNet layers, then gated attention, twice), random, the tiny
+          # model's tokenizer: the hybrid prefix-caching benchmark's (prefix_load.py)
+          "qwen3.5-tiny": {"hidden_size": 256, "intermediate_size": 768, "num_hidden_layers": 8,
+                           "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
+                           "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 64,
+                           "linear_value_head_dim": 64, "linear_conv_kernel_dim": 4}}
 OUT_TOKENS, MAX_LEN = 64, 512
 
 
@@ -57,7 +63,9 @@ def build(work: Path, name: str) -> Path:
 
     base = name.removesuffix("-w4a16")
     dense = work / base
-    if not (dense / "config.json").exists():
+    if not (dense / "config.json").exists() and base.startswith("qwen3.5"):
+        _qwen3_5(dense, MODELS[base])
+    elif not (dense / "config.json").exists():
         make_tiny_model.build(dense, **MODELS[base])
     if name == base:
         return dense
@@ -66,6 +74,21 @@ def build(work: Path, name: str) -> Path:
         subprocess.run([str(ROOT / ".venv/bin/quantkit"), "convert", str(dense), str(q), "--scheme", "W4A16",
                         "--force"], check=True, capture_output=True)
     return q
+
+
+def _qwen3_5(out: Path, shape: dict) -> None:
+    """A random Qwen3.5 (transformers' class, seed 0, bf16) with make_tiny_model's tokenizer; built in a
+    process of its own (transformers would take this folder's kernels.py for the `kernels` package)."""
+    import make_tiny_model
+
+    c = make_tiny_model.CONFIG
+    code = ("import sys, json, torch, transformers as T; torch.manual_seed(0); "
+            "T.Qwen3_5ForCausalLM(T.Qwen3_5TextConfig(**json.loads(sys.argv[2]))).to(torch.bfloat16)"
+            ".save_pretrained(sys.argv[1])")
+    cfg = {**shape, "vocab_size": c["vocab_size"], "max_position_embeddings": c["max_position_embeddings"],
+           "bos_token_id": 1, "eos_token_id": 2, "tie_word_embeddings": False}
+    subprocess.run([sys.executable, "-c", code, str(out), json.dumps(cfg)], check=True, cwd=ROOT)
+    make_tiny_model.train_tokenizer(make_tiny_model.pseudo_text(0), out, c["vocab_size"])
 
 
 def prompts(n: int) -> list[str]:

@@ -253,7 +253,9 @@ def test_prefix_caching_with_gdn_state_snapshots(moe_ckpt):
     page boundary before its last token) and [24, 29), its states kept after 16 and after 24. A follow-up turn
     (the prompt, its answer and more: 39 tokens) hits 24 tokens and keeps its states after 32; a prompt
     sharing 20 tokens, diverging mid-page, hits 16 (the last snapshot within its whole shared pages). With
-    one snapshot slot, the one after 16 is evicted by the one after 24, and that prompt hits nothing. Each hit's greedy tokens and their logprobs equal a run
+    one snapshot slot, the one after 16 is evicted by the one after 24, and that prompt hits nothing. A
+    prompt whose cached KV pages end past its last snapshot ends a chunk there, so that the next prompt sharing
+    them (a system prompt) hits all of them. Each hit's greedy tokens and their logprobs equal a run
     without prefix caching (1e-5: the same sums, in other chunk groupings)."""
     _, path, _ = moe_ckpt
     model = load(path, dtype=jnp.float32)
@@ -288,6 +290,14 @@ def test_prefix_caching_with_gdn_state_snapshots(moe_ckpt):
     tokens, _, hits = run(small, other)
     assert hits == 0 and tokens == run(cold, other)[0]
     assert warm.pages_used == 0 and sorted(warm.free_slots) == [0, 1]
+    # a 32-token budget: the first prompt runs as [0, 24) and [24, 29), states kept after 24 only; the
+    # second (20 tokens shared) finds 16 tokens of KV pages but no states there, so its first chunk ends at
+    # 16 and keeps them; the third (the same 20 tokens, then its own) hits those 16
+    wide = Engine(Runner(model, max_model_len=128, max_num_seqs=2, page_size=8, max_num_batched_tokens=32,
+                         scan=True, prefix_states=3), prefix_caching=True)
+    third = first[:20] + rng.integers(3, 256, 9).tolist()
+    assert [run(wide, p)[2] for p in (first, other, third)] == [0, 0, 16]
+    assert run(wide, third)[0] == run(cold, third)[0]
 
 
 def test_multimodal_checkpoint_serves_its_text_decoder(tmp_path):

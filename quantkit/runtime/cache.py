@@ -182,8 +182,9 @@ class PagePool:
                 self.refs[kind][page] = 1
         return True
 
-    def match(self, hashes: list[bytes]) -> int:
-        """Pages of the longest cached prefix of the chain `hashes` that every kind can serve."""
+    def match(self, hashes: list[bytes], states: bool = True) -> int:
+        """Pages of the longest cached prefix of the chain `hashes` that every kind can serve (and, with
+        Gated DeltaNet layers, unless not `states`, whose last page has a state snapshot)."""
         m = len(hashes)
         if "full" in self.cached:
             m = next((j for j, h in enumerate(hashes) if h not in self.cached["full"]), m)
@@ -191,7 +192,7 @@ class PagePool:
             if kind != "full":  # m pages are a hit if the pages a query at m * ps sees are cached
                 while m and not all(h in cached for h in hashes[self._lo(kind, m * self.layout.page_size):m]):
                     m -= 1
-        if self.layout.states:  # and the states after them
+        if self.layout.states and states:  # and the states after them
             while m and hashes[m - 1] not in self.snaps:
                 m -= 1
         return m

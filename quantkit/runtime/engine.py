@@ -89,6 +89,7 @@ class Request:
     offsets: tuple[int, int] = (0, 0)  # incremental detokenization window
     hashes: list = field(default_factory=list)  # chained hashes of its full pages (prefix caching)
     named: int = 0  # pages registered in the prefix cache
+    align_at: int = 0  # Gated DeltaNet models: where its cached KV pages end (a prompt chunk ends there)
     proposed: tuple = ()  # a draft head's tokens to follow out[-1] (speculative decoding: eagle3, mtp)
     acceptance: float = 0.5  # its drafts' recent acceptance (moving average; `Engine._wants_drafts`)
     undrafted: int = 0  # its decode steps since its last drafted one
@@ -358,12 +359,16 @@ class Engine:
         prefix caching, whose chunks end on page boundaries where they can (vLLM's "align" mode), so that
         the states after them can be kept (`_snapshot`): a prompt's last chunk first stops at the last
         boundary before its last token (what a later prompt that starts with it can hit), an earlier chunk
-        at the last boundary it reaches."""
+        at the last boundary it reaches, and a chunk also stops where the prompt's cached KV pages end past
+        its last snapshot (a prefix other prompts share, as a system prompt: the next one then hits all of
+        it)."""
         if not (self.prefix_caching and self.runner.layout.states):
             return n
         ps, end = self.pool.layout.page_size, r.done + n
         last = (len(r.prompt) - 1) // ps * ps
         end = last if end == len(r.prompt) and r.done < last else end if end == len(r.prompt) else end // ps * ps
+        if r.done < r.align_at < end:  # where its cached pages end: a prefix other prompts share
+            end = r.align_at
         return end - r.done if end > r.done else n
 
     def _snapshot(self, rows: list) -> None:
@@ -388,6 +393,8 @@ class Engine:
         self.pool.share(r.slot, r.hashes[:m])
         if m and self.runner.layout.states:
             self.runner.copy_states([(self.pool.restore(r.hashes[m - 1]), r.slot)])
+        if self.runner.layout.states:  # its KV pages may be cached past the last snapshot: a chunk ends there
+            r.align_at = self.pool.match(r.hashes[:(len(r.prompt) - 1) // ps], states=False) * ps
         r.done, r.named = m * ps, m
         self.prefix_queries += len(r.prompt)
         self.prefix_hits += m * ps
