@@ -254,6 +254,7 @@ def test_tensor_parallel_plan_on_a_2x2_slice(tmp_path):
     assert {k["path"] for k in r["kernels"]} == {"gmm_v2"} and r["dequantized_weight_buffers"] == []
 
 
+@pytest.mark.slow
 def test_gated_deltanet_decode_program_on_two_devices(tmp_path):
     """A Qwen3.5-MoE plan with expert parallelism over 2 devices (v6e:1x2) compiles its decode bucket as the
     DECODE program, whose GDN layers run the decode kernel on every device under shard_map (their states and

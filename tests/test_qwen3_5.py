@@ -247,6 +247,7 @@ def test_engine_serves_staggered_requests_without_prefix_caching(moe_ckpt):
     assert engine.pages_used == 0 and sorted(engine.free_slots) == [0, 1, 2, 3]
 
 
+@pytest.mark.slow
 def test_prefix_caching_with_gdn_state_snapshots(moe_ckpt):
     """Prefix caching for a hybrid model (cache.py, engine `_chunk` / `_snapshot` / `_reuse`): 8-token pages,
     16-token budget, so a 29-token prompt runs as chunks [0, 16), [16, 24) (its last chunk stopped at the last
