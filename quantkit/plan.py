@@ -298,11 +298,14 @@ def _program_cost(cost: dict, chip) -> dict:
 
 def _step_cost(cfg, compile_layers) -> dict:
     """XLA's cost analysis of a step program (compile_layers(c): it compiled for config c, its layers
-    unrolled) and its matmul FLOPs by MXU operand type (`_mxu_flops`), scaled to the model's depth: XLA counts a loop body once, so shallow variants are compiled
-    (the first layer's kind alone, then with one more layer of each kind): a kind's layer costs the
-    difference, the rest (embedding, logits, sampling) what is left, and the step costs the rest plus each
-    kind's layers times their count."""
+    unrolled) and its matmul FLOPs by MXU operand type (`_mxu_flops`), scaled to the model's depth: XLA counts
+    a loop body once, so shallow variants are compiled (one layer of a base kind alone, then with one more
+    layer of each kind): a kind's layer costs the difference, the rest (embedding, logits, sampling) what is
+    left, and the step costs the rest plus each kind's layers times their count. The base kind is the first
+    layer's, or with Gated DeltaNet layers an attention one: their layer is the slow one to compile (the
+    chunked delta rule), and then only one variant holds it."""
     kinds = cfg.layer_kinds
+    first = next((k for k in kinds if k != "linear"), kinds[0])
 
     def measure(k: tuple[str, ...]) -> dict:
         c = dataclasses.replace(cfg, num_layers=len(k), sliding_layers=tuple(x == "sliding" for x in k),
@@ -315,10 +318,10 @@ def _step_cost(cfg, compile_layers) -> dict:
                 **{f"mxu:{t}": f for t, f in _mxu_flops(hlo).items()},
                 **{f"collective:{op}": b for op, b in _collectives(hlo).items()}}
 
-    base = measure(kinds[:1])
-    per = {k: {m: v - base.get(m, 0) for m, v in measure(kinds[:1] + (k,)).items()} for k in cfg.kinds}
+    base = measure((first,))
+    per = {k: {m: v - base.get(m, 0) for m, v in measure((first, k)).items()} for k in cfg.kinds}
     metrics = set(base).union(*per.values())
-    return {m: int(base.get(m, 0) - per[kinds[0]].get(m, 0) + sum(kinds.count(k) * per[k].get(m, 0) for k in per))
+    return {m: int(base.get(m, 0) - per[first].get(m, 0) + sum(kinds.count(k) * per[k].get(m, 0) for k in per))
             for m in metrics}
 
 

@@ -182,7 +182,7 @@ def test_decode_steps_run_the_decode_program(moe_ckpt):
 @pytest.mark.slow
 def test_decode_kernel_in_the_interpreted_tpu_step(tmp_path):
     """On the TPU path (its kernels in Pallas interpret mode) the DECODE program's GDN layers update each
-    row's state with the decode kernel (kernels/gdn_decode.py), in place in the state cache: after a prefill
+    row's states with the decode kernels (kernels/gdn_decode.py), in place in the state cache: after a prefill
     of three sequences, a decode step gives the CPU path's tokens and GDN states (1e-5; the attention kernel
     and the recurrence sum in other orders), and the traced step calls the kernel. (The MoE model at head size
     64, which the attention kernel takes.)"""
@@ -210,7 +210,7 @@ def test_decode_kernel_in_the_interpreted_tpu_step(tmp_path):
         jaxpr = str(jax.make_jaxpr(step_function(model.cfg, 8, decode=True))(tpu.params, tpu.kv, tpu.last, tpu.empty(8)))
     assert (tok_tpu == tok_cpu).all()
     assert all(rel_err(a, b) < 1e-5 for a, b in zip(state_tpu, state_cpu))
-    assert "name=gdn_decode" in jaxpr
+    assert "name=gdn_decode" in jaxpr and "name=conv_decode" in jaxpr
 
 
 def test_engine_serves_staggered_requests_without_prefix_caching(moe_ckpt):

@@ -53,12 +53,13 @@ def hbm_bytes(shape: tuple[int, ...], bits: int, chip: Chip) -> int:
 
     On TPU the two minor dimensions are stored in (sublanes, 128) tiles: the last dimension is padded
     to a multiple of 128 and the second-to-last to 8 * (32 / bits) rows (f32: 8, bf16: 16, 8-bit: 32,
-    4-bit: 64), the native tile of each width. On CPU arrays are dense. Sub-byte types are packed.
+    4-bit: 64), the native tile of each width, except a float32 [.., 1, n] (XLA tiles it by (1, 128): the
+    GDN conv state's rows). On CPU arrays are dense. Sub-byte types are packed.
     """
     dims = list(shape) or [1]
     if chip.tpu:
         dims[-1] = round_up(dims[-1], LANES)
-        if len(dims) >= 2:
+        if len(dims) >= 2 and (dims[-2], bits) != (1, 32):
             dims[-2] = round_up(dims[-2], 8 * 32 // bits)
     n = 1
     for d in dims:

@@ -16,7 +16,7 @@ of a chunk's own tokens), plus ceil(max_num_batched_tokens / ps) for the chunks 
 
 Gated DeltaNet layers (Qwen3.5, kind "linear") keep no pages: each sequence has a state slot (its engine
 slot; slot max_num_seqs is the padding rows' scratch) holding per layer the last K - 1 conv inputs
-[K - 1, conv channels] and the recurrent state [Hv, dk, dv], both float32, whatever the sequence's length
+[1, (K - 1) * conv channels] and the recurrent state [Hv, dk, dv], both float32, whatever the sequence's length
 (models/gdn.py). A state is not a function of a page's tokens: prefix caching for these models keeps
 snapshots instead (below).
 
@@ -119,7 +119,9 @@ def cache_layout(cfg: ModelConfig, max_model_len: int, max_num_seqs: int, page_s
     if "linear" in kinds:  # a slot per sequence (engine slot), the scratch slot of padding rows, the snapshots
         n, slots = kinds.count("linear"), max_num_seqs + 1 + snapshots
         conv = cfg.gdn_dims[0]
-        states = ((n, slots, cfg.conv_kernel - 1, conv),
+        # the conv inputs flattened into one row [1, (K - 1) * C]: the layout a TPU keeps row-major, which
+        # the decode kernel reads a slot of in place (as [K - 1, C], XLA:TPU orders the dims otherwise)
+        states = ((n, slots, 1, (cfg.conv_kernel - 1) * conv),
                   (n, slots, cfg.linear_v_heads, cfg.linear_k_dim, cfg.linear_v_dim))
         if speculative:
             states += tuple((n, slots, speculative, *shape[2:]) for shape in states)

@@ -27,7 +27,7 @@ class Slot:
     per expert), "embed" [vocab, hidden], "bias" [out], "norm" [d] (float32), "router" [hidden, experts]
     (float32), "experts_bias" [experts, out] (modules: one per expert, their biases; gpt-oss), "tensor" (a bare
     parameter, float32: Gemma 4's layer_scalar, router scales, Qwen3.5's A_log, gpt-oss's sinks),
-    "conv" (a module's weight as stored, float32: Qwen3.5's conv1d [channels, 1, K]) and "stack": the
+    "conv" (Qwen3.5's conv1d, stored [channels, 1, K], as [K, channels], float32) and "stack": the
     same leaf of every layer of a kind (module: their Slots), stacked along a new leading axis (QTensors
     along their group axis: [layers * groups, in, out]).
     packed (experts only): where a bf16 checkpoint keeps all experts in one 3-D tensor instead (Gemma 4:

@@ -155,6 +155,8 @@ class _Reader:
             return self.experts(list(s.module), s.packed, s.shape)
         if s.kind == "router":
             return self.array(s.module).T  # [hidden, experts]
+        if s.kind == "conv":  # [K, channels]: channels on the lanes (as stored, [channels, 1, K], a TPU pads
+            return self.array(s.module)[:, 0, :].T  # each channel's K taps to 128)
         if s.kind == "experts_bias":
             return _pad(np.stack([self.array(m, "bias") for m in s.module]), s.shape)
         return self.array(s.module, {"tensor": "tensor", "bias": "bias"}.get(s.kind, "weight"))

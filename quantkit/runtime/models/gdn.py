@@ -12,9 +12,9 @@ A GDN layer (transformers models/qwen3_5, Qwen3_5GatedDeltaNet), per token x [hi
   out_proj(RMSNorm_w(o) * silu(in_proj_z x))          per head, weight w (not 1 + w)
 
 A sequence's state between steps is one slot of the "linear" cache (runtime/cache.py): the last K - 1 conv
-inputs [K - 1, conv channels] and S per layer. A row that starts at position 0 starts from zeros, so a slot
-freed by a finished request needs no clearing; padding rows use the scratch slot max_num_seqs and padding
-tokens are masked out of every state update.
+inputs (one row [1, (K - 1) * conv channels]) and S per layer. A row that starts at position 0 starts from
+zeros, so a slot freed by a finished request needs no clearing; padding rows use the scratch slot
+max_num_seqs and padding tokens are masked out of every state update.
 
 Each row's tokens run in chunks of CHUNK (the chunked delta rule: within a chunk a unit lower-triangular
 solve (I + A) X = B replaces the token loop; the state passes from chunk to chunk and step to step); a step
@@ -83,17 +83,30 @@ def _rows(batch: dict, t: int):
     return row, tok - cu[row], cu[:-1], cu[1:] - cu[:-1]
 
 
+def _slots_of(stack: jax.Array, i, slot) -> jax.Array:
+    """Layer i's slots `slot` of a stacked conv state [L, slots, ...]: the layer sliced first, so that XLA
+    keeps the stack's row-major layout (a gather over both indices had it copy the whole stack into another
+    order and back: the step program of one Qwen3.5-35B-A3B layer counted 1,385 MB instead of 981)."""
+    return jax.lax.dynamic_index_in_dim(stack, i, 0, keepdims=False)[slot]
+
+
+def _set_slots(stack: jax.Array, i, slot, rows: jax.Array) -> jax.Array:
+    """`stack` with layer i's slots `slot` set to rows (as `_slots_of`: through the layer's slice)."""
+    layer = jax.lax.dynamic_index_in_dim(stack, i, 0, keepdims=False)
+    return jax.lax.dynamic_update_index_in_dim(stack, layer.at[slot].set(rows.astype(stack.dtype)), i, 0)
+
+
 def _conv(qkv: jax.Array, w: jax.Array, c0: jax.Array, row, j, first, n):
-    """Depthwise causal conv + SiLU of qkv [T, C] (w [C, 1, K]) over each row's previous K - 1 inputs c0
+    """Depthwise causal conv + SiLU of qkv [T, C] (w [K, C]) over each row's previous K - 1 inputs c0
     [rows, K - 1, C] and its own tokens; returns (out [T, C], each row's last K - 1 inputs)."""
-    kk = w.shape[-1]
+    kk = w.shape[0]
     t = qkv.shape[0]
     out = jnp.zeros(qkv.shape, jnp.float32)
     for m in range(kk):  # m tokens back
         back = j - m
         x = jnp.where((back >= 0)[:, None], qkv[jnp.maximum(jnp.arange(t) - m, 0)],
                       c0[row, jnp.clip(kk - 1 + back, 0, kk - 2)])
-        out = out + x.astype(jnp.float32) * w[:, 0, kk - 1 - m].astype(jnp.float32)
+        out = out + x.astype(jnp.float32) * w[kk - 1 - m].astype(jnp.float32)
     return jax.nn.silu(out).astype(qkv.dtype), _conv_tail(qkv, c0, first, n)
 
 
@@ -150,7 +163,7 @@ def _recurrence(q, k, v, g, beta, s0, first, n, decode: bool = False):
 
 def gdn_block(p: dict, x: jax.Array, state: tuple, i, batch: dict, cfg: ModelConfig) -> tuple[jax.Array, tuple]:
     """A Gated DeltaNet layer on x [T, hidden] (already normed); state: the "linear" cache (conv [L, slots,
-    K - 1, C], recurrent [L, slots, Hv, dk, dv]; with speculative decoding also their checkpoints [L,
+    1, (K - 1) * C], recurrent [L, slots, Hv, dk, dv]; with speculative decoding also their checkpoints [L,
     slots, k, ...] after each of a row's first k tokens, `_checkpoints`), layer i read and written at the
     rows' slots."""
     conv_all, rec_all, *ckpt = state
@@ -159,38 +172,48 @@ def gdn_block(p: dict, x: jax.Array, state: tuple, i, batch: dict, cfg: ModelCon
     row, j, first, n = _rows(batch, t)
     slot = batch["slot"]
     fresh = (batch["kv_lens"] - n == 0)[:, None, None]  # rows starting at position 0 start from zeros
-    c0 = jnp.where(fresh, 0, conv_all[i, slot])
-    s0 = jnp.where(fresh[..., None], 0, rec_all[i, slot])
+    fused = batch.get("decode") and not ckpt and tpu_chip() is not None  # each row's states read, written once
     raw = linear(x, p["in_qkv"])
-    qkv, c1 = _conv(raw, p["conv"], c0, row, j, first, n)
-    qkv = qkv.astype(jnp.float32)
-    rep = hv // hk
-    q = jnp.repeat(_l2norm(qkv[:, :hk * dk].reshape(t, hk, dk)), rep, axis=1) * dk ** -0.5
-    k = jnp.repeat(_l2norm(qkv[:, hk * dk:2 * hk * dk].reshape(t, hk, dk)), rep, axis=1)
-    v = qkv[:, 2 * hk * dk:].reshape(t, hv, dv)
-    beta = jax.nn.sigmoid(linear(x, p["in_b"]).astype(jnp.float32))  # [T, Hv]
-    g = -jnp.exp(p["A_log"]) * jax.nn.softplus(linear(x, p["in_a"]).astype(jnp.float32) + p["dt_bias"])
-    if batch.get("decode") and not ckpt and tpu_chip() is not None:  # each row's state read and written once
-        from quantkit.kernels.gdn_decode import gdn_decode
+    if fused:
+        from quantkit.kernels.gdn_decode import conv_decode, gdn_decode
 
-        at = jnp.minimum(first, t - 1)  # each row's one token
-        run = lambda *a: gdn_decode(*a, interpret=interpret())  # noqa: E731
+        at, valid = jnp.minimum(first, t - 1), n > 0  # each row's one token
+        conv_run = lambda *a: conv_decode(*a, interpret=interpret())  # noqa: E731
+        rec_run = lambda *a: gdn_decode(*a, interpret=interpret())  # noqa: E731
         if batch.get("mesh") is not None:  # states and their inputs replicated: every device runs the same rows
             from jax.sharding import PartitionSpec as P
 
-            run = jax.shard_map(run, mesh=batch["mesh"], in_specs=P(), out_specs=P(), check_vma=False)
-        o_rows, rec_all = run(q[at], k[at], v[at], g[at], beta[at], rec_all, i, slot, fresh[:, 0, 0], n > 0)
-        o = jnp.zeros(v.shape, jnp.float32).at[jnp.where(n > 0, first, t)].set(o_rows, mode="drop")
+            conv_run, rec_run = (jax.shard_map(f, mesh=batch["mesh"], in_specs=P(), out_specs=P(), check_vma=False)
+                                 for f in (conv_run, rec_run))
+        qkv, conv_all = conv_run(raw[at], p["conv"], conv_all, i, slot, fresh[:, 0, 0], valid)
+        x_rows = x[at]
+    else:
+        kk1 = cfg.conv_kernel - 1
+        c0 = jnp.where(fresh, 0, _slots_of(conv_all, i, slot).reshape(-1, kk1, raw.shape[-1]))
+        s0 = jnp.where(fresh[..., None], 0, rec_all[i, slot])
+        qkv, c1 = _conv(raw, p["conv"], c0, row, j, first, n)
+        conv_all, x_rows = _set_slots(conv_all, i, slot, c1.reshape(-1, 1, kk1 * raw.shape[-1])), x
+    m = qkv.shape[0]  # tokens, or (fused) rows
+    qkv = qkv.astype(jnp.float32)
+    rep = hv // hk
+    q = jnp.repeat(_l2norm(qkv[:, :hk * dk].reshape(m, hk, dk)), rep, axis=1) * dk ** -0.5
+    k = jnp.repeat(_l2norm(qkv[:, hk * dk:2 * hk * dk].reshape(m, hk, dk)), rep, axis=1)
+    v = qkv[:, 2 * hk * dk:].reshape(m, hv, dv)
+    beta = jax.nn.sigmoid(linear(x_rows, p["in_b"]).astype(jnp.float32))  # [m, Hv]
+    g = -jnp.exp(p["A_log"]) * jax.nn.softplus(linear(x_rows, p["in_a"]).astype(jnp.float32) + p["dt_bias"])
+    if fused:
+        o_rows, rec_all = rec_run(q, k, v, g, beta, rec_all, i, slot, fresh[:, 0, 0], valid)
+        o = jnp.zeros((t, hv, dv), jnp.float32).at[jnp.where(valid, first, t)].set(o_rows, mode="drop")
     else:
         o, s1 = _recurrence(q, k, v, g, beta, s0, first, n, batch.get("decode", False))
         rec_all = rec_all.at[i, slot].set(s1)
     z = linear(x, p["in_z"]).reshape(t, hv, dv)
     o = rms_norm(o.astype(x.dtype), p["gdn_norm"], cfg.rms_norm_eps) * jax.nn.silu(z.astype(jnp.float32))
     out = linear(o.astype(x.dtype).reshape(t, hv * dv), p["out"])
-    state = (conv_all.at[i, slot].set(c1.astype(conv_all.dtype)), rec_all)
+    state = (conv_all, rec_all)
     if ckpt and batch.get("verify"):  # (a step without drafts passes them on)
         c, r = _checkpoints(raw, c0, s0, q, k, v, g, beta, first, n, ckpt[1].shape[2])
-        ckpt = (ckpt[0].at[i, slot].set(c.astype(ckpt[0].dtype)), ckpt[1].at[i, slot].set(r))
+        ckpt = (_set_slots(ckpt[0], i, slot, c.reshape(*c.shape[:2], 1, -1)), ckpt[1].at[i, slot].set(r))
     return out, (*state, *ckpt)
 
 

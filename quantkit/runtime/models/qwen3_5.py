@@ -52,7 +52,7 @@ def layer(cfg: ModelConfig, pre: str, kind: str, widths: tuple[int, int]) -> dic
         hv, dv = cfg.linear_v_heads, cfg.linear_v_dim
         dims = {"in_qkv": (h, conv), "in_z": (h, hv * dv), "in_b": (h, hv), "in_a": (h, hv), "out": (hv * dv, h)}
         out |= {key: Slot("linear", pre + mod, dims[key]) for key, mod in GDN.items()}
-        out |= {"conv": Slot("conv", pre + "linear_attn.conv1d", (conv, 1, cfg.conv_kernel)),
+        out |= {"conv": Slot("conv", pre + "linear_attn.conv1d", (cfg.conv_kernel, conv)),
                 "A_log": Slot("tensor", pre + "linear_attn.A_log", (hv,)),
                 "dt_bias": Slot("tensor", pre + "linear_attn.dt_bias", (hv,)),
                 "gdn_norm": Slot("norm", pre + "linear_attn.norm", (dv,))}
