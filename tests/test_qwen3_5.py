@@ -182,8 +182,9 @@ def test_decode_steps_run_the_decode_program(moe_ckpt):
 @pytest.mark.slow
 def test_decode_kernel_in_the_interpreted_tpu_step(tmp_path):
     """On the TPU path (its kernels in Pallas interpret mode) the DECODE program's GDN layers update each
-    row's states with the decode kernels (kernels/gdn_decode.py), in place in the state cache: after a prefill
-    of three sequences, a decode step gives the CPU path's tokens and GDN states (1e-5; the attention kernel
+    row's states with the decode kernels (kernels/gdn_decode.py), in place in the state cache, and the prefill
+    runs the chunked rule's kernel (kernels/gdn_prefill.py): after a prefill of three sequences, a decode step
+    gives the CPU path's tokens and GDN states (1e-5; the attention kernel
     and the recurrence sum in other orders), and the traced step calls the kernel. (The MoE model at head size
     64, which the attention kernel takes.)"""
     import jax
@@ -208,9 +209,10 @@ def test_decode_kernel_in_the_interpreted_tpu_step(tmp_path):
         tpu = Runner(model, max_model_len=64, max_num_seqs=4, page_size=8, scan=True)
         tok_tpu, state_tpu = decode_step(tpu)
         jaxpr = str(jax.make_jaxpr(step_function(model.cfg, 8, decode=True))(tpu.params, tpu.kv, tpu.last, tpu.empty(8)))
+        prefill = str(jax.make_jaxpr(step_function(model.cfg, 8))(tpu.params, tpu.kv, tpu.last, tpu.empty(32)))
     assert (tok_tpu == tok_cpu).all()
     assert all(rel_err(a, b) < 1e-5 for a, b in zip(state_tpu, state_cpu))
-    assert "name=gdn_decode" in jaxpr and "name=conv_decode" in jaxpr
+    assert "name=gdn_decode" in jaxpr and "name=conv_decode" in jaxpr and "name=gdn_prefill" in prefill
 
 
 def test_engine_serves_staggered_requests_without_prefix_caching(moe_ckpt):

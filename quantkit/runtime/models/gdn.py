@@ -172,7 +172,8 @@ def gdn_block(p: dict, x: jax.Array, state: tuple, i, batch: dict, cfg: ModelCon
     row, j, first, n = _rows(batch, t)
     slot = batch["slot"]
     fresh = (batch["kv_lens"] - n == 0)[:, None, None]  # rows starting at position 0 start from zeros
-    fused = batch.get("decode") and not ckpt and tpu_chip() is not None  # each row's states read, written once
+    kernels = not ckpt and tpu_chip() is not None  # each row's recurrent state read and written once
+    fused = kernels and batch.get("decode")  # and the conv state
     raw = linear(x, p["in_qkv"])
     if fused:
         from quantkit.kernels.gdn_decode import conv_decode, gdn_decode
@@ -204,6 +205,15 @@ def gdn_block(p: dict, x: jax.Array, state: tuple, i, batch: dict, cfg: ModelCon
     if fused:
         o_rows, rec_all = rec_run(q, k, v, g, beta, rec_all, i, slot, fresh[:, 0, 0], valid)
         o = jnp.zeros((t, hv, dv), jnp.float32).at[jnp.where(valid, first, t)].set(o_rows, mode="drop")
+    elif kernels:  # the chunked rule, each row's state carried in VMEM across its chunks
+        from quantkit.kernels.gdn_prefill import gdn_prefill
+
+        run = lambda *a: gdn_prefill(*a, chunk=CHUNK, interpret=interpret())  # noqa: E731
+        if batch.get("mesh") is not None:
+            from jax.sharding import PartitionSpec as P
+
+            run = jax.shard_map(run, mesh=batch["mesh"], in_specs=P(), out_specs=P(), check_vma=False)
+        o, rec_all = run(q, k, v, g, beta, rec_all, i, slot, fresh[:, 0, 0], first, n)
     else:
         o, s1 = _recurrence(q, k, v, g, beta, s0, first, n, batch.get("decode", False))
         rec_all = rec_all.at[i, slot].set(s1)
