@@ -398,6 +398,9 @@ def plan(
     cost: Annotated[bool, typer.Option(help="Also XLA's cost analysis of the decode step (bytes, FLOPs, "
                                             "collectives): a few more, smaller compiles.")] = True,
     speculative_config: SpecOption = None,
+    enable_prefix_caching: Annotated[bool, typer.Option(help="As serve's: with Gated DeltaNet layers (Qwen3.5), "
+                                                             "count the state slots of its prefix snapshots "
+                                                             "(--max-num-seqs more).")] = True,
     json_out: Annotated[bool, typer.Option("--json", help="One JSON document on stdout.")] = False,
 ) -> None:
     """Compile the serving steps for a TPU without one (libtpu, deviceless) and report HBM for weights, KV
@@ -422,7 +425,8 @@ def plan(
 
         report = run(path, target.value, max_model_len, max_num_seqs, tp,
                      scheme.value if scheme is not None else None, group_size, search, note, kv_cache_dtype.value,
-                     enable_expert_parallel, cost, speculative=speculative.k if speculative else 0)
+                     enable_expert_parallel, cost, speculative=speculative.k if speculative else 0,
+                     prefix_caching=enable_prefix_caching)
         _emit(report, json_out, print_plan)
     except (QuantkitError, Exception) as e:  # noqa: BLE001 - one line, never a traceback
         raise _fail(e) from None

@@ -61,7 +61,7 @@ def _nbytes(leaf, layout, chip) -> int:
 def plan(path: str | Path, target: str = "v6e", max_model_len: int = 2048, max_num_seqs: int = 16, tp: int = 1,
          scheme: str | None = None, group_size: int = 128, search: bool = True, progress=None,
          kv_cache_dtype: str = "auto", ep: bool = False, cost: bool = True, prefill_cost: bool = True,
-         speculative: int = 0) -> dict:
+         speculative: int = 0, prefix_caching: bool = True) -> dict:
     """Compiles the serving steps for `tp` chips of `target` and reports HBM (per chip), VMEM, compile time and
     fit (docs/cli.md keys).
 
@@ -79,6 +79,8 @@ def plan(path: str | Path, target: str = "v6e", max_model_len: int = 2048, max_n
             `decode_step_collectives` are None.
         prefill_cost: with `cost`, also the prefill program's (its own shallow compiles); else
             `prefill_step_cost` is None.
+        prefix_caching: as serve's; with Gated DeltaNet layers it keeps max_num_seqs more state slots for
+            the snapshots of prompt prefixes (runtime/cache.py), which the cache then holds.
     """
     import importlib.util
 
@@ -125,6 +127,11 @@ def plan(path: str | Path, target: str = "v6e", max_model_len: int = 2048, max_n
     experts = [path[0].key == "layers" and is_expert(cfg, path[2].key) for path, _ in flat]
     layouts = {"params": [None] * len(param_leaves), "cache": None}  # from the first compiled decode step
     budget = min(BUDGET, max_model_len)
+
+    def layout(c, n: int):
+        """The Runner's cache layout for n sequences, with serve's n snapshot slots under prefix caching."""
+        return cache_layout(c, max_model_len, n, PAGE_SIZE, budget, speculative, n if prefix_caching else 0)
+
     buckets = token_buckets(budget, verify=max_num_seqs * (1 + speculative) if speculative else 0)
 
     def decode_bucket(n: int) -> int:
@@ -137,7 +144,7 @@ def plan(path: str | Path, target: str = "v6e", max_model_len: int = 2048, max_n
             sh = None if mesh is None else cache_sharding(c, mesh, k) if k != "linear" else NamedSharding(mesh, P())
             return jax.ShapeDtypeStruct(s, d or kv_dtype, sharding=sh)
 
-        return cache_layout(c, max_model_len, n, PAGE_SIZE, budget, speculative).cache(leaf)
+        return layout(c, n).cache(leaf)
 
     def weight_bytes(only_experts: bool = False) -> int:
         return sum(_nbytes(x, lay, chip) for x, lay, e in zip(param_leaves, layouts["params"], experts)
@@ -157,7 +164,7 @@ def plan(path: str | Path, target: str = "v6e", max_model_len: int = 2048, max_n
         step of n sequences is compiled as the Runner's DECODE program (one token a row; it differs from the
         plain step only in Gated DeltaNet layers, step.py `step_function`)."""
         batch = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
-                                       empty_batch(t, min(t, n), cache_layout(c, max_model_len, n, PAGE_SIZE, budget, speculative), n,
+                                       empty_batch(t, min(t, n), layout(c, n), n,
                                                    c.vocab_size))
         return compile_for(target, step_function(c, PAGE_SIZE, mesh=mesh, unroll=unroll, kv_fp8=fp8,
                                                  ep=ep and mesh is not None, spec=spec,
@@ -220,16 +227,19 @@ def plan(path: str | Path, target: str = "v6e", max_model_len: int = 2048, max_n
     kv, state = kv_bytes(max_num_seqs), kv_bytes(max_num_seqs, states=True)
     state_per_seq = kv_bytes(max_num_seqs + 1, states=True) - state  # of per_seq and fixed: the state's part
     state_fixed = state - max_num_seqs * state_per_seq
+    full = layout(cfg, max_num_seqs)
+    snapshots = state * full.snapshots // (max_num_seqs + 1 + full.snapshots)  # of `state`: equal slots
     # a decode step at full context reads every weight and every cached token once, and reads and writes each
-    # sequence's recurrent state (each chip its share, in parallel; the all-reduces of a tensor-parallel step
-    # are left out)
-    step_bytes = weights + kv + state
+    # sequence's recurrent state, not the snapshots' (each chip its share, in parallel; the all-reduces of a
+    # tensor-parallel step are left out)
+    step_bytes = weights + (kv - state) + 2 * (state - snapshots)
     collectives = {k.split(":")[1]: v for k, v in (cost or {}).items() if k.startswith("collective:")}
     return {
         "path": str(path), "target": target, "scheme": scheme or ("checkpoint" if qc else "DENSE"),
         "max_model_len": max_model_len, "max_num_seqs": max_num_seqs, "tp": tp, "kv_cache_dtype": kv_dtype.name,
         "topology": topology_name(target, tp), "chips": chips(target, tp), "fits": bool(fits),
-        "hbm_bytes": {"weights": weights, "kv_cache": kv - state, "recurrent_state": state, "temporaries": temp,
+        "hbm_bytes": {"weights": weights, "kv_cache": kv - state, "recurrent_state": state,
+                      "of_recurrent_state_snapshots": snapshots, "temporaries": temp,
                       "total": weights + kv + temp, "capacity": chip.hbm_bytes, "of_weights_experts": weight_bytes(True)},
         "expert_parallel": bool(ep and tp > 1),
         "max_num_seqs_that_fit": best,
@@ -588,6 +598,8 @@ def print_plan(r: dict, out=sys.stdout) -> None:
         print(f"  {k if k != 'recurrent_state' else 'state':<12}{h[k] / gib:9.2f} GiB", file=out)
         if k == "weights" and h["of_weights_experts"]:
             print(f"   (experts {h['of_weights_experts'] / gib:8.2f} GiB)", file=out)
+        if k == "recurrent_state" and h["of_recurrent_state_snapshots"]:
+            print(f"   (prefix snapshots {h['of_recurrent_state_snapshots'] / gib:.2f} GiB)", file=out)
     if (c := r["decode_step_collectives"]) is not None:
         kinds = ", ".join(f"{op} {b / (1 << 20):.2f}" for op, b in sorted(c["bytes"].items())) or "none"
         print(f"  collectives {c['total'] / (1 << 20):9.2f} MiB a decode step ({kinds} MiB; floor "

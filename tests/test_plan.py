@@ -268,8 +268,28 @@ def test_gated_deltanet_decode_program_on_two_devices(tmp_path):
     r = plan(tmp_path / "config.json", "v6e", 256, 8, tp=2, ep=True, scheme="W4A16", group_size=32, search=False,
              prefill_cost=False)
     assert r["fits"] and r["topology"] == "v6e:1x2"
-    assert r["decode_step_cost"]["bytes_accessed"] > r["hbm_bytes"]["recurrent_state"]  # the states, and more
+    h = r["hbm_bytes"]
+    assert r["decode_step_cost"]["bytes_accessed"] > h["recurrent_state"] - h["of_recurrent_state_snapshots"]
     assert r["step_programs"] == len((8, 16, 32, 64, 128, 256)) + 1  # + the DECODE program of bucket 8
+
+
+def test_prefix_snapshot_slots_are_counted(tmp_path):
+    """As serve runs a Qwen3.5 with prefix caching, its cache holds max_num_seqs more GDN state slots for the
+    prefix snapshots (runtime/cache.py): 8 + 1 + 8 slots against 9 without, so the state grows by 8 / 9 of
+    its size, which `of_recurrent_state_snapshots` reports; the decode step's floor is the same either way
+    (a step reads the sequences' slots, not the snapshots)."""
+    from helpers import qwen3_5_model
+    from quantkit.plan import plan
+
+    qwen3_5_model(True, head_dim=64).save_pretrained(tmp_path)
+    reports = [plan(tmp_path / "config.json", "v6e", 256, 8, scheme="W4A16", group_size=32, search=False, cost=False,
+                    prefix_caching=p) for p in (True, False)]
+    assert reports[0]["decode_step_estimate"]["bytes"] == reports[1]["decode_step_estimate"]["bytes"]
+    on, off = (r["hbm_bytes"] for r in reports)
+    assert off["of_recurrent_state_snapshots"] == 0 and off["recurrent_state"] > 0
+    assert on["of_recurrent_state_snapshots"] == on["recurrent_state"] - off["recurrent_state"]
+    assert on["of_recurrent_state_snapshots"] * 9 == off["recurrent_state"] * 8
+    assert on["total"] - off["total"] == on["of_recurrent_state_snapshots"] + on["temporaries"] - off["temporaries"]
 
 
 def test_fp8_kv_cache_halves_the_kv_bytes(tmp_path):
