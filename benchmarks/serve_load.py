@@ -319,6 +319,7 @@ def speculative(args) -> None:
     import re
 
     name, model = "tiny-llama", str(ROOT / "assets/tiny-llama")
+    Path(args.dir).mkdir(parents=True, exist_ok=True)  # the servers' logs
     specs = {json.loads(c)["method"]: c for c in args.spec_config}  # one server each, named by its method
     ports = {k: args.port + i for i, k in enumerate(["plain", *specs])}
     flags = {"plain": [], **{k: ["--speculative-config", c] for k, c in specs.items()}}
