@@ -23,6 +23,8 @@ whose rows all have one token (decode) runs one recurrence step per row instead 
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -161,6 +163,18 @@ def _recurrence(q, k, v, g, beta, s0, first, n, decode: bool = False):
     return jax.lax.cond(jnp.max(n) <= 1, lambda s: run(1, s), lambda s: run(c, s), s0)
 
 
+def _kernel(f, batch: dict, **kw):
+    """A GDN kernel (kernels/gdn_decode.py, gdn_prefill.py) as the step runs it: in Pallas interpret mode
+    under ops.interpreted_tpu_kernels, and on a mesh under shard_map with everything replicated (the states
+    and their inputs: every device runs the same rows; XLA cannot partition a Mosaic call)."""
+    run = functools.partial(f, interpret=interpret(), **kw)
+    if batch.get("mesh") is None:
+        return run
+    from jax.sharding import PartitionSpec as P
+
+    return jax.shard_map(run, mesh=batch["mesh"], in_specs=P(), out_specs=P(), check_vma=False)
+
+
 def gdn_block(p: dict, x: jax.Array, state: tuple, i, batch: dict, cfg: ModelConfig) -> tuple[jax.Array, tuple]:
     """A Gated DeltaNet layer on x [T, hidden] (already normed); state: the "linear" cache (conv [L, slots,
     1, (K - 1) * C], recurrent [L, slots, Hv, dk, dv]; with speculative decoding also their checkpoints [L,
@@ -179,14 +193,7 @@ def gdn_block(p: dict, x: jax.Array, state: tuple, i, batch: dict, cfg: ModelCon
         from quantkit.kernels.gdn_decode import conv_decode, gdn_decode
 
         at, valid = jnp.minimum(first, t - 1), n > 0  # each row's one token
-        conv_run = lambda *a: conv_decode(*a, interpret=interpret())  # noqa: E731
-        rec_run = lambda *a: gdn_decode(*a, interpret=interpret())  # noqa: E731
-        if batch.get("mesh") is not None:  # states and their inputs replicated: every device runs the same rows
-            from jax.sharding import PartitionSpec as P
-
-            conv_run, rec_run = (jax.shard_map(f, mesh=batch["mesh"], in_specs=P(), out_specs=P(), check_vma=False)
-                                 for f in (conv_run, rec_run))
-        qkv, conv_all = conv_run(raw[at], p["conv"], conv_all, i, slot, fresh[:, 0, 0], valid)
+        qkv, conv_all = _kernel(conv_decode, batch)(raw[at], p["conv"], conv_all, i, slot, fresh[:, 0, 0], valid)
         x_rows = x[at]
     else:
         kk1 = cfg.conv_kernel - 1
@@ -203,17 +210,13 @@ def gdn_block(p: dict, x: jax.Array, state: tuple, i, batch: dict, cfg: ModelCon
     beta = jax.nn.sigmoid(linear(x_rows, p["in_b"]).astype(jnp.float32))  # [m, Hv]
     g = -jnp.exp(p["A_log"]) * jax.nn.softplus(linear(x_rows, p["in_a"]).astype(jnp.float32) + p["dt_bias"])
     if fused:
-        o_rows, rec_all = rec_run(q, k, v, g, beta, rec_all, i, slot, fresh[:, 0, 0], valid)
+        o_rows, rec_all = _kernel(gdn_decode, batch)(q, k, v, g, beta, rec_all, i, slot, fresh[:, 0, 0], valid)
         o = jnp.zeros((t, hv, dv), jnp.float32).at[jnp.where(valid, first, t)].set(o_rows, mode="drop")
     elif kernels:  # the chunked rule, each row's state carried in VMEM across its chunks
         from quantkit.kernels.gdn_prefill import gdn_prefill
 
-        run = lambda *a: gdn_prefill(*a, chunk=CHUNK, interpret=interpret())  # noqa: E731
-        if batch.get("mesh") is not None:
-            from jax.sharding import PartitionSpec as P
-
-            run = jax.shard_map(run, mesh=batch["mesh"], in_specs=P(), out_specs=P(), check_vma=False)
-        o, rec_all = run(q, k, v, g, beta, rec_all, i, slot, fresh[:, 0, 0], first, n)
+        o, rec_all = _kernel(gdn_prefill, batch, chunk=CHUNK)(q, k, v, g, beta, rec_all, i, slot, fresh[:, 0, 0],
+                                                              first, n)
     else:
         o, s1 = _recurrence(q, k, v, g, beta, s0, first, n, batch.get("decode", False))
         rec_all = rec_all.at[i, slot].set(s1)
