@@ -259,6 +259,11 @@ EpOption = Annotated[bool, typer.Option("--enable-expert-parallel",
                                         help="With --tp: MoE experts split whole over the devices (each runs its "
                                              "own experts; one all-reduce combines) instead of each expert split "
                                              "over all of them.")]
+DpOption = Annotated[int, typer.Option("--data-parallel-size", min=1,
+                                      help="Devices that each serve their own sequences with a whole copy of the "
+                                           "weights (vLLM's --data-parallel-size; with --enable-expert-parallel "
+                                           "the MoE experts split over them instead). --max-num-seqs must be a "
+                                           "multiple; not with --tp.")]
 CoordinatorOption = Annotated[str | None, typer.Option(
     help="Join a multi-process run (jax.distributed): HOST:PORT of process 0 (with --num-processes and "
          "--process-id), or 'auto' on a TPU slice. Start the same command on every host; process 0 prints the "
@@ -324,6 +329,7 @@ def generate(
     kv_cache_dtype: Annotated[KvCacheDtype, typer.Option(help=KV_HELP)] = KvCacheDtype.auto,
     tp: TpOption = 1,
     enable_expert_parallel: EpOption = False,
+    data_parallel_size: DpOption = 1,
     coordinator_address: CoordinatorOption = None,
     num_processes: NumProcessesOption = None,
     process_id: ProcessIdOption = None,
@@ -357,7 +363,7 @@ def generate(
 
         r = run(path, prompt, max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, chat=chat,
                 stop=stop or (), max_model_len=max_model_len, kv_cache_dtype=kv_cache_dtype.value, tp=tp,
-                ep=enable_expert_parallel, distributed=(coordinator_address, num_processes, process_id),
+                ep=enable_expert_parallel, dp=data_parallel_size, distributed=(coordinator_address, num_processes, process_id),
                 on_text=stream, on_loaded=loaded, speculative=speculative)
         if r is not None and json_out:
             _emit(r.report(), True, None)
@@ -395,6 +401,10 @@ def plan(
     search: Annotated[bool, typer.Option(help="Also find the largest --max-num-seqs that fits.")] = True,
     kv_cache_dtype: Annotated[KvCacheDtype, typer.Option(help=KV_HELP)] = KvCacheDtype.auto,
     enable_expert_parallel: EpOption = False,
+    data_parallel_size: Annotated[int, typer.Option("--data-parallel-size", help="Data-parallel devices (1, 2, 4 "
+                                                    "or 8, with --tp 1): each holds the weights (with "
+                                                    "--enable-expert-parallel, its share of the experts) and "
+                                                    "--max-num-seqs / N sequences; figures per device.")] = 1,
     cost: Annotated[bool, typer.Option(help="Also XLA's cost analysis of the decode step (bytes, FLOPs, "
                                             "collectives): a few more, smaller compiles.")] = True,
     speculative_config: SpecOption = None,
@@ -410,11 +420,14 @@ def plan(
                quantkit plan ./gemma-3-27b-it --scheme DENSE --tp 4 --json
                quantkit plan ./Qwen3-30B-A3B/config.json --scheme W4A16 --tp 4 --enable-expert-parallel
                quantkit plan ./Qwen3.5-397B-A17B --scheme W4A16 --target v7x --tp 4 --enable-expert-parallel
+               quantkit plan ./Qwen3.5-397B-A17B --scheme W4A16 --target v7x --data-parallel-size 8
+                   --enable-expert-parallel --max-num-seqs 512 --max-model-len 9216
                quantkit plan ./Llama-3.1-8B/config.json --scheme W4A16 --speculative-config
                    '{"method": "ngram", "num_speculative_tokens": 4}'   (the verifying step's cost too)
     """
-    if tp not in (1, 2, 4, 8):
-        raise typer.BadParameter(f"{tp} devices: plans cover 1, 2, 4 or 8", param_hint="--tp")
+    for n, flag in ((tp, "--tp"), (data_parallel_size, "--data-parallel-size")):
+        if n not in (1, 2, 4, 8):
+            raise typer.BadParameter(f"{n} devices: plans cover 1, 2, 4 or 8", param_hint=flag)
     speculative = _speculative(speculative_config)
     try:
         from quantkit.plan import plan as run, print_plan
@@ -426,7 +439,7 @@ def plan(
         report = run(path, target.value, max_model_len, max_num_seqs, tp,
                      scheme.value if scheme is not None else None, group_size, search, note, kv_cache_dtype.value,
                      enable_expert_parallel, cost, speculative=speculative.k if speculative else 0,
-                     prefix_caching=enable_prefix_caching)
+                     prefix_caching=enable_prefix_caching, dp=data_parallel_size)
         _emit(report, json_out, print_plan)
     except (QuantkitError, Exception) as e:  # noqa: BLE001 - one line, never a traceback
         raise _fail(e) from None
@@ -505,6 +518,7 @@ def serve(
     kv_cache_dtype: Annotated[KvCacheDtype, typer.Option(help=KV_HELP)] = KvCacheDtype.auto,
     tp: TpOption = 1,
     enable_expert_parallel: EpOption = False,
+    data_parallel_size: DpOption = 1,
     coordinator_address: CoordinatorOption = None,
     num_processes: NumProcessesOption = None,
     process_id: ProcessIdOption = None,
@@ -517,6 +531,7 @@ def serve(
 
     Examples: quantkit serve models/tiny-llama-W4A16 --port 8000
               quantkit serve ./gemma-3-27b-it --tp 4      (one v6e:2x2 host)
+              quantkit serve ./Qwen3.5-35B-A3B-W4A16 --data-parallel-size 4 --enable-expert-parallel --max-num-seqs 64
               quantkit serve assets/tiny-llama --speculative-config '{"method": "ngram", "num_speculative_tokens": 4}'
               quantkit serve assets/tiny-llama --speculative-config
                   '{"method": "eagle3", "model": "assets/tiny-llama-eagle3", "num_speculative_tokens": 3}'
@@ -531,7 +546,7 @@ def serve(
         code = run(path, host, port, served_model_name=served_model_name, max_model_len=max_model_len,
                    max_num_seqs=max_num_seqs, api_key=api_key, max_num_batched_tokens=max_num_batched_tokens, max_waiting=max_waiting,
                    grace=grace, enable_prefix_caching=enable_prefix_caching,
-                   kv_cache_dtype=kv_cache_dtype.value, tp=tp, ep=enable_expert_parallel,
+                   kv_cache_dtype=kv_cache_dtype.value, tp=tp, ep=enable_expert_parallel, dp=data_parallel_size,
                    distributed=(coordinator_address, num_processes, process_id), speculative=speculative)
     except (QuantkitError, Exception) as e:  # noqa: BLE001 - one line, never a traceback
         raise _fail(e) from None

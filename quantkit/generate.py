@@ -64,7 +64,7 @@ def devices(mesh) -> str:
 
 def generate(path: str | Path, prompt: str, max_tokens: int = 128, *, temperature: float = 0.0, top_p: float = 1.0,
              top_k: int = 0, seed: int = 0, chat: bool = False, stop: Sequence[str] = (), max_model_len: int = 2048,
-             kv_cache_dtype: str = "auto", tp: int = 1, ep: bool = False, distributed=(None, None, None),
+             kv_cache_dtype: str = "auto", tp: int = 1, ep: bool = False, dp: int = 1, distributed=(None, None, None),
              dtype=jnp.bfloat16, on_text: Callable[[str], None] | None = None,
              on_loaded: Callable[[LoadedModel, str], None] | None = None, speculative=None) -> Generation | None:
     """Loads the checkpoint at `path` with the JAX runtime and completes `prompt`.
@@ -78,6 +78,7 @@ def generate(path: str | Path, prompt: str, max_tokens: int = 128, *, temperatur
         max_model_len: KV cache length (prompt + output), at most the model's.
         kv_cache_dtype: as serve's (runtime/cache.py).
         tp, ep: devices to split the model over; MoE experts split whole (runtime/sharding.py).
+        dp: data-parallel devices instead (each with the weights but its experts, and its own sequences).
         distributed: (coordinator address, number of processes, process id) of a multi-process run.
         dtype: activation and dense-weight dtype (float32 for parity tests).
         on_text: receives the completion's text as it grows.
@@ -96,15 +97,15 @@ def generate(path: str | Path, prompt: str, max_tokens: int = 128, *, temperatur
     t0 = time.monotonic()
     codec = TextCodec(path)
     enable_compilation_cache()
-    mesh = start(tp, *distributed)
-    model = load(path, dtype=dtype, mesh=mesh, ep=ep, mtp=speculative is not None and speculative.method == "mtp")
+    mesh = start(tp, *distributed, dp=dp)
+    model = load(path, dtype=dtype, mesh=mesh, ep=ep, dp=dp > 1, mtp=speculative is not None and speculative.method == "mtp")
     leader = jax.process_index() == 0
     if leader and on_loaded is not None:
         on_loaded(model, devices(mesh))
     text = codec.chat([{"role": "user", "content": prompt}]) if chat else prompt
     ids = codec.encode(text, special=not chat)  # a chat template writes its own special tokens
     stop_ids = tuple(i for i in (*model.cfg.eos_token_ids, codec.token_id("eos_token")) if i is not None)
-    runner = Runner(model, max_model_len=min(max_model_len, model.cfg.max_position_embeddings),
+    runner = Runner(model, max_model_len=min(max_model_len, model.cfg.max_position_embeddings), max_num_seqs=dp,
                     kv_cache_dtype=kv_cache_dtype, speculative=speculative.k if speculative else 0,
                     drafter=drafter_for(speculative, model))
     if not leader:

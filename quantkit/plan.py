@@ -7,7 +7,9 @@ token budget (prompt chunks); the quantized matmuls trace to gmm_v2 and attentio
 kernel as they would on the chip. HBM comes from the compiled programs: temporaries from their memory
 analysis, weights and KV cache from the layouts XLA chose for the arguments; the decode program's own
 cost analysis (bytes accessed, flops) is reported beside the roofline floor. With --tp, weights and cache are placed on the topology's mesh as runtime/sharding.py places
-them, and every figure is per chip.
+them, and every figure is per chip. With --data-parallel-size, every device holds the weights (but its share of
+the experts under expert parallelism) and its own max_num_seqs / dp sequences, and runs its own step beside
+the others' (runtime/step.py `_data_parallel`): the figures are one device's.
 """
 
 from __future__ import annotations
@@ -61,7 +63,7 @@ def _nbytes(leaf, layout, chip) -> int:
 def plan(path: str | Path, target: str = "v6e", max_model_len: int = 2048, max_num_seqs: int = 16, tp: int = 1,
          scheme: str | None = None, group_size: int = 128, search: bool = True, progress=None,
          kv_cache_dtype: str = "auto", ep: bool = False, cost: bool = True, prefill_cost: bool = True,
-         speculative: int = 0, prefix_caching: bool = True) -> dict:
+         speculative: int = 0, prefix_caching: bool = True, dp: int = 1) -> dict:
     """Compiles the serving steps for `tp` chips of `target` and reports HBM (per chip), VMEM, compile time and
     fit (docs/cli.md keys).
 
@@ -81,6 +83,7 @@ def plan(path: str | Path, target: str = "v6e", max_model_len: int = 2048, max_n
             `prefill_step_cost` is None.
         prefix_caching: as serve's; with Gated DeltaNet layers it keeps max_num_seqs more state slots for
             the snapshots of prompt prefixes (runtime/cache.py), which the cache then holds.
+        dp: data-parallel devices (with tp 1): each serves max_num_seqs / dp sequences (runtime/step.py).
     """
     import importlib.util
 
@@ -88,6 +91,7 @@ def plan(path: str | Path, target: str = "v6e", max_model_len: int = 2048, max_n
         raise Unsupported("plan compiles for TPU with libtpu, which is not installed: pip install 'quantkit[tpu]'")
     import jax
     import jax.numpy as jnp
+    import numpy as np
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
@@ -101,6 +105,9 @@ def plan(path: str | Path, target: str = "v6e", max_model_len: int = 2048, max_n
     from quantkit.runtime.step import empty_batch, step_function, token_buckets
 
     path, chip = Path(path), CHIPS[target]
+    if dp > 1 and (tp > 1 or max_num_seqs % dp):
+        raise InvalidInput(f"--data-parallel-size {dp} takes --tp 1 and a --max-num-seqs that it divides")
+    devices = max(tp, dp)
     raw = _config(path)
     cfg = from_hf(raw)
     qc = _quantization(raw, scheme, group_size)
@@ -108,10 +115,10 @@ def plan(path: str | Path, target: str = "v6e", max_model_len: int = 2048, max_n
     fp8 = kv_fp8_dtype(kv_cache_dtype, kv_scheme is not None and kv_scheme_reason(kv_scheme) is None)
     kv_dtype = jnp.dtype(fp8 or jnp.bfloat16)
     mesh = None
-    if tp > 1:  # weights and KV cache placed on the topology's mesh as the runtime places them
-        from quantkit.runtime.sharding import cache_sharding, shard_params
+    if devices > 1:  # weights and KV cache placed on the topology's mesh as the runtime places them
+        from quantkit.runtime.sharding import AXIS, cache_sharding, shard_params
 
-        mesh = target_mesh(target, tp)
+        mesh = target_mesh(target, devices)
 
     def weights_of(c):
         p = abstract(c, qc)
@@ -119,7 +126,8 @@ def plan(path: str | Path, target: str = "v6e", max_model_len: int = 2048, max_n
             p = with_kv_scales(p, c, None, lambda a: jax.ShapeDtypeStruct(a.shape, jnp.float32))
         if mesh is None:
             return p
-        return shard_params(p, c, mesh, put=lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), ep=ep)
+        return shard_params(p, c, mesh, put=lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), ep=ep,
+                            dp=dp > 1)
 
     params = weights_of(cfg)
     flat = jax.tree_util.tree_flatten_with_path(params)[0]
@@ -129,20 +137,22 @@ def plan(path: str | Path, target: str = "v6e", max_model_len: int = 2048, max_n
     budget = min(BUDGET, max_model_len)
 
     def layout(c, n: int):
-        """The Runner's cache layout for n sequences, with serve's n snapshot slots under prefix caching."""
+        """The Runner's cache layout for n sequences (a device's n / dp), with serve's snapshot slots under
+        prefix caching (as many)."""
+        n //= dp
         return cache_layout(c, max_model_len, n, PAGE_SIZE, budget, speculative, n if prefix_caching else 0)
 
     buckets = token_buckets(budget, verify=max_num_seqs * (1 + speculative) if speculative else 0)
 
     def decode_bucket(n: int) -> int:
-        """The token bucket a decode step of n sequences runs in."""
-        return next(b for b in buckets if b >= min(n, budget))
+        """The token bucket a decode step of n sequences runs in (on each of dp devices: n / dp)."""
+        return next(b for b in buckets if b >= min(n // dp, budget))
 
     def cache(n: int, c=cfg) -> dict:
         """As the Runner's: per kind stacked pages for n sequences (and Gated DeltaNet state slots)."""
         def leaf(k, s, d):
-            sh = None if mesh is None else cache_sharding(c, mesh, k) if k != "linear" else NamedSharding(mesh, P())
-            return jax.ShapeDtypeStruct(s, d or kv_dtype, sharding=sh)
+            sh = None if mesh is None else cache_sharding(c, mesh, k, dp > 1)
+            return jax.ShapeDtypeStruct((s[0], s[1] * dp, *s[2:]), d or kv_dtype, sharding=sh)
 
         return layout(c, n).cache(leaf)
 
@@ -163,13 +173,17 @@ def plan(path: str | Path, target: str = "v6e", max_model_len: int = 2048, max_n
         the verifying step of speculative decoding with up to that many drafts a row). Below the budget a
         step of n sequences is compiled as the Runner's DECODE program (one token a row; it differs from the
         plain step only in Gated DeltaNet layers, step.py `step_function`)."""
-        batch = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
-                                       empty_batch(t, min(t, n), layout(c, n), n,
-                                                   c.vocab_size))
+        s = min(t, n // dp)  # rows a device
+        batch = empty_batch(t, s, layout(c, n), n // dp, c.vocab_size)
+        last = jax.ShapeDtypeStruct((n + dp,), jnp.int32, sharding=NamedSharding(mesh, P(AXIS)) if dp > 1 else None)
+        if dp > 1:  # each device's batch (runtime/step.py Runner.batch)
+            batch = {**jax.tree_util.tree_map(lambda a: np.stack([a] * dp), batch),
+                     "row_order": np.zeros(dp * s, np.int32), "token_order": np.zeros(dp * t, np.int32)}
+        batch = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), batch)
         return compile_for(target, step_function(c, PAGE_SIZE, mesh=mesh, unroll=unroll, kv_fp8=fp8,
                                                  ep=ep and mesh is not None, spec=spec,
-                                                 decode=not spec and t < budget), weights, cache(n, c),
-                           jax.ShapeDtypeStruct((n + 1,), jnp.int32), batch, donate=(1, 2), pinned=(0,), tp=tp)
+                                                 decode=not spec and t < budget, dp=dp > 1), weights, cache(n, c),
+                           last, batch, donate=(1, 2), pinned=(0,), tp=devices)
 
     def compile_step(t: int, n: int):
         """Compiles the step at t tokens for n sequences: (temporary bytes, seconds, compiler message,
@@ -216,19 +230,20 @@ def plan(path: str | Path, target: str = "v6e", max_model_len: int = 2048, max_n
     weights, best = weight_bytes(), None
     # KV grows by `per_seq` bytes a sequence (marginal, taken at max_num_seqs: a tiny sliding-window pool is
     # clamped to the full one's size), on top of `fixed` bytes whatever n (scratch pages, the pages of one
-    # step's prompt chunks)
-    per_seq = kv_bytes(max_num_seqs + 1) - kv_bytes(max_num_seqs)
-    fixed = kv_bytes(max_num_seqs) - max_num_seqs * per_seq
-    if search:
-        best, s = _largest_fit(fits_at, max_num_seqs, fits, temp, message, chip.hbm_bytes - weights - fixed,
-                               per_seq, 4 * cache_layout(cfg, max_model_len, 1, PAGE_SIZE, budget).pages_per_seq,
-                               progress)
-        seconds += s
+    # step's prompt chunks); data parallel: a device's, for each of its max_num_seqs / dp sequences
+    local = max_num_seqs // dp
+    per_seq = kv_bytes(max_num_seqs + dp) - kv_bytes(max_num_seqs)
+    fixed = kv_bytes(max_num_seqs) - local * per_seq
+    if search:  # in sequences a device (data parallel: dp more at a time)
+        best, s = _largest_fit(lambda m, decode=True: fits_at(m * dp, decode), local, fits, temp, message,
+                               chip.hbm_bytes - weights - fixed, per_seq,
+                               4 * cache_layout(cfg, max_model_len, 1, PAGE_SIZE, budget).pages_per_seq, progress)
+        best, seconds = best * dp, seconds + s
     kv, state = kv_bytes(max_num_seqs), kv_bytes(max_num_seqs, states=True)
-    state_per_seq = kv_bytes(max_num_seqs + 1, states=True) - state  # of per_seq and fixed: the state's part
-    state_fixed = state - max_num_seqs * state_per_seq
+    state_per_seq = kv_bytes(max_num_seqs + dp, states=True) - state  # of per_seq and fixed: the state's part
+    state_fixed = state - local * state_per_seq
     full = layout(cfg, max_num_seqs)
-    snapshots = state * full.snapshots // (max_num_seqs + 1 + full.snapshots)  # of `state`: equal slots
+    snapshots = state * full.snapshots // (local + 1 + full.snapshots)  # of `state`: equal slots
     # a decode step at full context reads every weight and every cached token once, and reads and writes each
     # sequence's recurrent state, not the snapshots' (each chip its share, in parallel; the all-reduces of a
     # tensor-parallel step are left out)
@@ -236,16 +251,17 @@ def plan(path: str | Path, target: str = "v6e", max_model_len: int = 2048, max_n
     collectives = {k.split(":")[1]: v for k, v in (cost or {}).items() if k.startswith("collective:")}
     return {
         "path": str(path), "target": target, "scheme": scheme or ("checkpoint" if qc else "DENSE"),
-        "max_model_len": max_model_len, "max_num_seqs": max_num_seqs, "tp": tp, "kv_cache_dtype": kv_dtype.name,
-        "topology": topology_name(target, tp), "chips": chips(target, tp), "fits": bool(fits),
+        "max_model_len": max_model_len, "max_num_seqs": max_num_seqs, "tp": tp, "data_parallel_size": dp,
+        "kv_cache_dtype": kv_dtype.name, "topology": topology_name(target, devices), "chips": chips(target, devices),
+        "fits": bool(fits),
         "hbm_bytes": {"weights": weights, "kv_cache": kv - state, "recurrent_state": state,
                       "of_recurrent_state_snapshots": snapshots, "temporaries": temp,
                       "total": weights + kv + temp, "capacity": chip.hbm_bytes, "of_weights_experts": weight_bytes(True)},
-        "expert_parallel": bool(ep and tp > 1),
+        "expert_parallel": bool(ep and devices > 1),
         "max_num_seqs_that_fit": best,
         "kv_cache_by_dtype": _kv_by_dtype(kv - state, kv_dtype.itemsize, fp8 is not None, best, search,
                                           chip.hbm_bytes - weights - temp, (fixed - state_fixed, state_fixed),
-                                          (per_seq - state_per_seq, state_per_seq)),
+                                          (per_seq - state_per_seq, state_per_seq), dp),
         "compile_seconds": round(seconds, 2), "compiler_message": message,
         "dequantized_weight_buffers": sorted(set(found)),
         "kernels": _kernels(params, chip, max_num_seqs),
@@ -271,9 +287,9 @@ def plan(path: str | Path, target: str = "v6e", max_model_len: int = 2048, max_n
         # [tokens, hidden] activations after each layer's attention and one after its MLP / experts, and one
         # for the vocabulary-split embedding (the vocabulary-split logits need only each chip's best
         # candidates gathered, a few bytes a row)
-        "decode_step_collectives": None if tp == 1 or cost is None else {
+        "decode_step_collectives": None if devices == 1 or cost is None else {
             "bytes": collectives, "total": sum(collectives.values()),
-            "floor_bytes": _collective_floor(cfg, decode_bucket(max_num_seqs))},
+            "floor_bytes": _collective_floor(cfg, decode_bucket(max_num_seqs), dp)},
     }
 
 
@@ -447,24 +463,32 @@ def _kernels(params: dict, chip, m: int) -> list[dict]:
 
 
 def _kv_by_dtype(pages: int, itemsize: int, fp8: bool, best: int | None, search: bool, room: int,
-                 fixed: tuple[int, int], per_seq: tuple[int, int]) -> dict:
+                 fixed: tuple[int, int], per_seq: tuple[int, int], dp: int = 1) -> dict:
     """KV cache bytes and the largest max_num_seqs for bf16 and FP8: the compiled dtype's (`fp8`: the cache
     was compiled FP8; its pages' bytes, `best`), the other's scaled from its layout (1 or 2 bytes a value)
     with this compile's temporaries: an estimate. room: HBM bytes beside the weights and temporaries; fixed,
     per_seq: the compiled cache's bytes whatever the sequences, and per sequence, each as (KV pages,
-    recurrent state): the float32 Gated DeltaNet state does not change with the KV dtype."""
+    recurrent state): the float32 Gated DeltaNet state does not change with the KV dtype. Data parallel:
+    one device's bytes, its sequences dp times over."""
     by_dtype = {}
     for name, size in (("bf16", 2), ("fp8", 1)):
         f = size / itemsize
         this = (size == 1) == fp8
-        n = best if this else (room - fixed[0] * f - fixed[1]) // (per_seq[0] * f + per_seq[1]) if search else None
+        n = best if this else (room - fixed[0] * f - fixed[1]) // (per_seq[0] * f + per_seq[1]) * dp if search \
+            else None
         by_dtype[name] = {"kv_cache": int(pages * f), "max_num_seqs_that_fit": None if n is None else int(n),
                           "compiled": this}
     return by_dtype
 
 
-def _collective_floor(cfg, t: int) -> int:
-    """Bytes of bf16 activations a decode step of t tokens must all-reduce at least; see plan's report."""
+def _collective_floor(cfg, t: int, dp: int = 1) -> int:
+    """Bytes of bf16 activations a decode step of t tokens must all-reduce at least (see plan's report); data
+    parallel (t tokens on each of dp devices): what each MoE layer must gather and scatter, as
+    _collectives counts it (result bytes): every device's tokens and their routing (top-k expert ids and
+    weights, int32 words) all-gathered, the device's own rows' sums reduce-scattered back."""
+    if dp > 1:
+        moe = cfg.num_layers if cfg.num_experts else 0
+        return moe * (dp * t * (cfg.hidden_size * 2 + 2 * cfg.top_k * 4) + t * cfg.hidden_size * 2)
     return (2 * cfg.num_layers + 1) * t * cfg.hidden_size * 2
 
 
@@ -587,8 +611,10 @@ def print_plan(r: dict, out=sys.stdout) -> None:
     gib = 1 << 30
     h = r["hbm_bytes"]
     unit = "TensorCore" if r["target"] == "v7x" else "chip"  # a v7x chip is two devices (runtime/aot.py)
-    chips = f"{r['tp']} {unit}s ({r['topology']}), HBM per {unit}" if r["tp"] > 1 else (
+    n, dp = max(r["tp"], r["data_parallel_size"]), r["data_parallel_size"]
+    chips = f"{n} {unit}s ({r['topology']}), HBM per {unit}" if n > 1 else (
         f"{r['topology']}, one TensorCore" if unit == "TensorCore" else r["topology"])
+    chips += f", data parallel ({r['max_num_seqs'] // dp} sequences each)" if dp > 1 else ""
     chips += ", experts split whole (expert parallel)" if r["expert_parallel"] else ""
     print(f"{r['path']} on {r['target']}: {r['scheme']}, {r['max_num_seqs']} sequences of {r['max_model_len']} tokens, "
           f"{r['kv_cache_dtype']} KV cache, {chips}", file=out)

@@ -356,3 +356,28 @@ def test_runners_of_one_configuration_compile_each_step_once(tmp_path):
     assert once == 1, traced
     assert len(traced) == once, "the second Runner traced (and compiled) the step again"
     np.testing.assert_array_equal(first, second)
+
+
+def test_data_parallel_pools_keep_each_devices_pages_and_states_apart():
+    """cache.DataParallelPools (4 sequences on 2 devices, 2 state snapshots each): engine slots 0-1 are
+    device 0's, 2-3 device 1's; a prefix cached by a sequence on device 0 is found for its neighbour there
+    and not for a sequence on device 1 (whose pages it cannot read); state slots and snapshot slots are
+    numbered within the sequence's own device's block of 2 + 1 + 2 slots; pages are counted over both."""
+    from quantkit.runtime.cache import CacheLayout, DataParallelPools, page_hashes
+
+    layout = CacheLayout(page_size=4, pages_per_seq=4, pages={"full": 9}, layers={"full": 1}, widths={"full": 8},
+                         window=None, states=((1, 5, 1, 8), (1, 5, 1, 2, 2)), snapshots=2)
+    pools = DataParallelPools(layout, 4, 2)
+    assert [pools.device(s) for s in range(4)] == [0, 0, 1, 1]
+    assert [pools.state_slot(s) for s in range(4)] == [0, 1, 5, 6]
+    hashes = page_hashes(list(range(8)), 4, b"salt")
+    assert pools.reserve(0, 0, 7) and pools.reserve(3, 0, 3)
+    pools.register(0, hashes)
+    assert pools.match(1, hashes, states=False) == 2 and pools.match(3, hashes, states=False) == 0
+    assert pools.snapshot(0, hashes[1]) == 0 * 5 + 3 and pools.snapshot(2, hashes[1]) == 1 * 5 + 3
+    assert pools.snapshot(3, hashes[0]) == 1 * 5 + 4 and pools.restore(1, hashes[1]) == 3
+    assert pools.match(1, hashes) == 2 and pools.match(2, hashes) == 0  # device 1 has the states, not the pages
+    assert pools.used == 3 and pools.total == 16 and len(pools.snaps) == 3
+    pools.release(0)
+    pools.release(3)
+    assert pools.used == 0 and pools.cached_pages == 2

@@ -228,6 +228,92 @@ def test_two_processes_give_one_process_tokens(models):
     assert "on 4 cpu devices in 2 processes" in outs[0][1]
 
 
+DATA_PARALLEL_SCRIPT = r"""
+import json, re, sys
+import numpy as np, jax, jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+from quantkit.runtime.engine import Engine, Request, Runner
+from quantkit.runtime.loader import load
+from quantkit.runtime.models.common import pack_routing, unpack_routing
+from quantkit.runtime.sharding import make_mesh
+from quantkit.runtime.step import STEP
+path, gdn = sys.argv[1], sys.argv[2] == "1"
+rng = np.random.default_rng(int(sys.argv[3]))
+mesh = make_mesh(8)
+out = {}
+# forward: eight prompts of different lengths as one ragged step, each on its own device; packed weights
+prompts = [rng.integers(3, 250, n).tolist() for n in (12, 7, 20, 5, 9, 16, 3, 11)]
+kw = dict(max_model_len=64, max_num_seqs=8, weights="packed", scan=True)
+one = Runner(load(path, dtype=jnp.float32), **kw).forward([(i, p, 0) for i, p in enumerate(prompts)])
+dp = Runner(load(path, dtype=jnp.float32, mesh=mesh, ep=True, dp=True), **kw)
+many = dp.forward([(i, p, 0) for i, p in enumerate(prompts)])
+out["rel"] = [float(np.linalg.norm(a - b) / np.linalg.norm(a)) for a, b in zip(one, many)]
+# serving: ten requests sharing a prefix on 4 devices (2 sequences each), dense weights, prefix caching (for the
+# Gated DeltaNet model with state snapshots, copied on each device)
+shared = rng.integers(3, 250, 40).tolist()
+prompts = [shared + rng.integers(3, 250, n).tolist() for n in (12, 7, 20, 5, 9, 16, 3, 11, 4, 6)]
+def serve(runner):
+    e = Engine(runner)
+    reqs = [e.submit(Request(p, 6)) for p in prompts]
+    devices = set()
+    while e.busy():
+        e.step()
+        devices |= {runner.pool.device(r.slot) for r in reqs if r.slot >= 0}
+    return [r.out for r in reqs], sorted(devices), e.prefix_hits
+kw = dict(max_model_len=128, max_num_seqs=8, max_num_batched_tokens=64, prefix_states=8 if gdn else 0)
+out["one"] = serve(Runner(load(path, dtype=jnp.float32), **kw))
+out["dp"] = serve(Runner(load(path, dtype=jnp.float32, mesh=make_mesh(4), ep=True, dp=True), **kw))
+# the compiled step's collectives (layers unrolled: each MoE layer's own)
+r = Runner(load(path, dtype=jnp.float32, mesh=mesh, ep=True, dp=True), max_model_len=64, max_num_seqs=8, scan=False)
+hlo = r._programs[STEP].lower(r.params, r.kv, r.last, r.empty(8)).compile().as_text()
+out["collectives"] = re.findall(r"= (\w+\[[\d,]*\])\S* (all-gather|reduce-scatter|all-reduce|all-to-all)\(", hlo)
+# routing metadata through an all-gather: ids and float32 weights (signed zeros, subnormals, NaNs) bit for bit
+ids = rng.integers(0, 512, (8 * 5, 3)).astype(np.int32)
+w = rng.standard_normal((8 * 5, 3)).astype(np.float32)
+w.reshape(-1)[:5] = [-0.0, 1e-45, np.inf, np.nan, -3e-39]
+w.view(np.int32).reshape(-1)[5] = 0x7FC00123  # a NaN with a payload
+gathered = jax.jit(jax.shard_map(lambda i, v: jax.lax.all_gather(pack_routing(i, v), "model", tiled=True), mesh=mesh,
+                                 in_specs=(P("model"), P("model")), out_specs=P(), check_vma=False))(ids, w)
+back_ids, back_w = unpack_routing(gathered)
+out["metadata"] = [np.array_equal(np.asarray(back_ids), ids), np.array_equal(np.asarray(back_w).view(np.int32),
+                                                                                  w.view(np.int32))]
+print("JSON", json.dumps(out))
+"""
+
+
+@pytest.mark.parametrize("name", ["moe", "qwen3_5_moe"])
+def test_data_parallel_with_expert_parallel_gives_one_devices_logits_and_tokens(models, name, seed):
+    """--data-parallel-size 8 with --enable-expert-parallel (Qwen3-MoE W4A16 in activation order; Qwen3.5-MoE
+    NVFP4A16, with Gated DeltaNet state slots on each device): eight prompts run as one ragged step, one on
+    each device, give one device's float32 logits within 1e-5 (relative norm: only the order of the experts'
+    sums differs); ten requests served on 4 devices give one device's greedy tokens, spread over every
+    device, prefix caching hitting on each device's own pages (and state snapshots); the compiled step
+    exchanges per MoE layer exactly one all-gather of the packed int32 routing [devices * tokens, 2k], one
+    of the tokens [devices * tokens, hidden] and one reduce-scatter of the sums [tokens, hidden] (else
+    only the few-byte all-reduces that gather the sampled tokens); the packed routing round-trips an
+    all-gather bit for bit."""
+    import numpy as np
+
+    p = subprocess.run([sys.executable, "-c", DATA_PARALLEL_SCRIPT, str(models[name]),
+                        "1" if name == "qwen3_5_moe" else "0", str(seed)],
+                       capture_output=True, text=True, timeout=900, env=_env(8))
+    assert p.returncode == 0, p.stderr[-3000:]
+    r = json.loads(next(ln for ln in p.stdout.splitlines() if ln.startswith("JSON"))[5:])
+    assert max(r["rel"]) < 1e-5, r["rel"]
+    (tokens, _, hits), (dp_tokens, devices, dp_hits) = r["one"], r["dp"]
+    assert dp_tokens == tokens and devices == [0, 1, 2, 3], (devices, seed)
+    assert hits > 0 and dp_hits > 0  # each device's requests after its first hit its shared-prefix pages
+    cfg = json.loads((Path(models[name]) / "config.json").read_text())
+    cfg = cfg.get("text_config", cfg)
+    layers, k, hidden = cfg["num_hidden_layers"], cfg["num_experts_per_tok"], cfg["hidden_size"]
+    t = 8  # the decode bucket of one sequence a device
+    ops = sorted((op, shape) for shape, op in r["collectives"] if op != "all-reduce")
+    assert ops == sorted([("all-gather", f"s32[{8 * t},{2 * k}]"), ("all-gather", f"f32[{8 * t},{hidden}]"),
+                          ("reduce-scatter", f"f32[{t},{hidden}]")] * layers), r["collectives"]
+    assert all(str(hidden) not in shape for shape, op in r["collectives"] if op == "all-reduce"), r["collectives"]
+    assert r["metadata"] == [True, True]
+
+
 PLACEMENT_SCRIPT = r"""
 import json, sys
 import numpy as np, jax

@@ -363,6 +363,37 @@ def test_qwen3_30b_a3b_expert_parallel_on_a_2x2_slice(tmp_path):
         plan(tmp_path / "config.json", "v6e", 2048, 16, tp=4, scheme="W4A16", group_size=128, search=False)
 
 
+SMALL_MOE = {**SMALL, "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "num_key_value_heads": 2,
+             "moe_intermediate_size": 256, "num_experts": 16, "num_experts_per_tok": 4, "norm_topk_prob": True}
+
+
+@pytest.mark.slow
+def test_data_parallel_expert_parallel_plan_on_tpu7x(tmp_path):
+    """--data-parallel-size 8 --enable-expert-parallel on tpu7x 2x2x1 (8 TensorCores), 64 sequences: each
+    device holds 8 sequences' KV pages (2 layers x (1 + 8 x 16) pages x 16 tokens x 2 KV heads x (k, v) x
+    128 x 2 bytes, the heads not split) and 2 of the 16 experts of each layer (an eighth of the expert
+    bytes), the attention weights whole. The compiled decode step (8 tokens a device) gathers per MoE layer
+    every device's tokens (64 x 1024 bf16) and their packed routing (64 x 2 x 4 int32), and reduce-scatters
+    its own 8 rows back: exactly those bytes, the rest (the sampled tokens' gathers) within 1.1x of that
+    floor."""
+    from quantkit.plan import plan
+
+    (tmp_path / "config.json").write_text(json.dumps(SMALL_MOE))
+    r = plan(tmp_path / "config.json", "v7x", 256, 64, dp=8, ep=True, scheme="W4A16", group_size=128, search=False,
+             prefill_cost=False)
+    assert r["fits"] and r["topology"] == "tpu7x:2x2x1" and r["data_parallel_size"] == 8 and r["expert_parallel"]
+    h = r["hbm_bytes"]
+    assert h["kv_cache"] == 2 * (1 + 8 * 16) * 16 * 2 * 2 * 128 * 2
+    experts = 2 * 16 * 3 * 1024 * 256 * (1 / 2 + 2 / 128)
+    assert abs(h["of_weights_experts"] - experts / 8) < 0.01 * experts / 8
+    shapes = {k["name"]: k["shape"] for k in r["kernels"]}
+    assert shapes["layers.*.o"] == [1, 1024, 1024] and shapes["layers.*.experts_gate"] == [2, 1024, 256]
+    c = r["decode_step_collectives"]
+    assert c["bytes"]["all-gather"] == 2 * 64 * (1024 * 2 + 2 * 4 * 4)
+    assert c["bytes"]["reduce-scatter"] == 2 * 8 * 1024 * 2
+    assert c["floor_bytes"] <= c["total"] <= 1.1 * c["floor_bytes"], c
+
+
 LLAMA_70B = {**SMALL, "hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80, "num_attention_heads": 64,
              "num_key_value_heads": 8, "vocab_size": 128256, "rope_theta": 500000.0}
 

@@ -184,9 +184,20 @@ class PagePool:
                 self.refs[kind][page] = 1
         return True
 
-    def match(self, hashes: list[bytes], states: bool = True) -> int:
+    devices = 1  # one device's pages (DataParallelPools: several)
+
+    def device(self, slot: int) -> int:
+        """The data-parallel device of engine slot `slot` (0: one device)."""
+        return 0
+
+    def state_slot(self, slot: int) -> int:
+        """The Gated DeltaNet state slot of engine slot `slot` (the same on one device)."""
+        return slot
+
+    def match(self, slot: int, hashes: list[bytes], states: bool = True) -> int:
         """Pages of the longest cached prefix of the chain `hashes` that every kind can serve (and, with
-        Gated DeltaNet layers, unless not `states`, whose last page has a state snapshot)."""
+        Gated DeltaNet layers, unless not `states`, whose last page has a state snapshot), for a sequence in
+        `slot` (whose device's pages it can share)."""
         m = len(hashes)
         if "full" in self.cached:
             m = next((j for j, h in enumerate(hashes) if h not in self.cached["full"]), m)
@@ -199,9 +210,9 @@ class PagePool:
                 m -= 1
         return m
 
-    def snapshot(self, h: bytes) -> int | None:
-        """The state slot to copy the states named `h` into (evicting the least recently used snapshot when
-        all are taken), or None when they are kept already."""
+    def snapshot(self, slot: int, h: bytes) -> int | None:
+        """The state slot to copy the states named `h` of the sequence in `slot` into (evicting the least
+        recently used snapshot when all are taken), or None when they are kept already."""
         if h in self.snaps:
             self.snaps.move_to_end(h)
             return None
@@ -209,8 +220,8 @@ class PagePool:
         self.snaps[h] = j
         return self.first_snapshot_slot + j
 
-    def restore(self, h: bytes) -> int:
-        """The state slot of the snapshot named `h` (a `match`), now the most recently used."""
+    def restore(self, slot: int, h: bytes) -> int:
+        """The state slot of the snapshot named `h` (a `match` for `slot`), now the most recently used."""
         self.snaps.move_to_end(h)
         return self.first_snapshot_slot + self.snaps[h]
 
@@ -261,3 +272,66 @@ class PagePool:
     @property
     def total(self) -> int:
         return sum(n - 1 for n in self.layout.pages.values())
+
+
+class DataParallelPools:
+    """The pages and state slots of a data-parallel Runner: one PagePool per device, each with its own pages,
+    prefix cache and snapshots (a sequence shares only its own device's). Engine slot s is slot s % local of
+    device s // local (local = max_num_seqs / devices); device d's state slots are [d * per, (d + 1) * per)
+    of the stacked states (per: its local + 1 + snapshots). The methods are PagePool's, by engine slot."""
+
+    def __init__(self, layout: CacheLayout, max_num_seqs: int, devices: int):
+        self.layout, self.devices, self.local = layout, devices, max_num_seqs // devices
+        self.pools = [PagePool(layout, self.local) for _ in range(devices)]
+        self.per_device_states = self.local + 1 + layout.snapshots
+
+    def device(self, slot: int) -> int:
+        return slot // self.local
+
+    def _at(self, slot: int) -> tuple[PagePool, int]:
+        return self.pools[slot // self.local], slot % self.local
+
+    def state_slot(self, slot: int) -> int:
+        return self.device(slot) * self.per_device_states + slot % self.local
+
+    def reserve(self, slot: int, first: int, last: int) -> bool:
+        pool, s = self._at(slot)
+        return pool.reserve(s, first, last)
+
+    def match(self, slot: int, hashes: list[bytes], states: bool = True) -> int:
+        return self._at(slot)[0].match(slot, hashes, states)
+
+    def snapshot(self, slot: int, h: bytes) -> int | None:
+        j = self._at(slot)[0].snapshot(slot, h)
+        return None if j is None else self.device(slot) * self.per_device_states + j
+
+    def restore(self, slot: int, h: bytes) -> int:
+        return self.device(slot) * self.per_device_states + self._at(slot)[0].restore(slot, h)
+
+    def share(self, slot: int, hashes: list[bytes]) -> None:
+        pool, s = self._at(slot)
+        pool.share(s, hashes)
+
+    def register(self, slot: int, hashes: list[bytes], start: int = 0) -> None:
+        pool, s = self._at(slot)
+        pool.register(s, hashes, start)
+
+    def release(self, slot: int) -> None:
+        pool, s = self._at(slot)
+        pool.release(s)
+
+    @property
+    def used(self) -> int:
+        return sum(p.used for p in self.pools)
+
+    @property
+    def cached_pages(self) -> int:
+        return sum(p.cached_pages for p in self.pools)
+
+    @property
+    def total(self) -> int:
+        return sum(p.total for p in self.pools)
+
+    @property
+    def snaps(self) -> list:
+        return [h for p in self.pools for h in p.snaps]

@@ -23,7 +23,7 @@ import math
 import os
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -169,9 +169,9 @@ class Engine:
                                f"{limit}; shorten the prompt or lower max_tokens")
         if req.min_tokens and len(req.stop_ids) > BANNED:
             raise InvalidInput(f"min_tokens needs at most {BANNED} stop ids, got {len(req.stop_ids)}")
-        if req.grammar is not None and jax.process_count() > 1:
+        if req.grammar is not None and (jax.process_count() > 1 or self.runner.dp > 1):
             raise InvalidInput("structured outputs and tool_choice required / named are served by one process "
-                               "only, not across hosts yet")
+                               "without data parallelism only, not across hosts or data-parallel devices yet")
         with self._lock:
             if len(self.waiting) + len(self.running) >= self.runner.max_num_seqs + self.max_waiting:
                 raise QueueFull(f"all {self.runner.max_num_seqs} slots are busy and {len(self.waiting)} requests "
@@ -254,8 +254,9 @@ class Engine:
 
     def _schedule(self) -> list[tuple[Request, Row, bool]]:
         """Decodes first, then prompt chunks (running requests, then newcomers) within the token budget.
-        Returns (request, row, whether the row's last token is the request's newest, i.e. samples)."""
-        budget, rows = self.budget, []
+        Returns (request, row, whether the row's last token is the request's newest, i.e. samples). A
+        data-parallel runner's devices each have the budget (`_place` puts a newcomer on one)."""
+        budget, rows, dev = [self.budget] * self.pool.devices, [], self.pool.device
 
         def add(r: Request, n: int, prompt: bool) -> bool:
             if not self.pool.reserve(r.slot, r.done, r.done + n - 1):
@@ -273,25 +274,36 @@ class Engine:
             return True
 
         for r in self.running:  # decodes: a fed-back token, if more tokens are wanted
-            if r.done >= len(r.prompt) and budget and len(r.out) + r.pending < r.max_tokens:
-                budget -= add(r, 1, False)
+            if r.done >= len(r.prompt) and budget[d := dev(r.slot)] and len(r.out) + r.pending < r.max_tokens:
+                budget[d] -= add(r, 1, False)
         for r in self.running:
-            if r.done < len(r.prompt) and budget:
-                n = self._chunk(r, min(len(r.prompt) - r.done, budget))
-                budget -= n if add(r, n, True) else 0
+            if r.done < len(r.prompt) and budget[d := dev(r.slot)]:
+                n = self._chunk(r, min(len(r.prompt) - r.done, budget[d]))
+                budget[d] -= n if add(r, n, True) else 0
         with self._lock:
-            while self.waiting and self.free_slots and budget:
+            while self.waiting and (slot := self._place(budget)) is not None:
                 r = self.waiting.popleft()
                 if r.grammar is not None and not self._fill([r])[0]:  # its first mask: no token allowed
                     self._finish(r, "stop")
                     continue
-                r.slot = self.free_slots.pop()
+                self.free_slots.remove(slot)
+                r.slot, d = slot, dev(slot)
                 self.running.append(r)
                 if self.prefix_caching:
                     self._reuse(r)
-                n = self._chunk(r, min(len(r.prompt) - r.done, budget))
-                budget -= n if add(r, n, True) else 0
+                n = self._chunk(r, min(len(r.prompt) - r.done, budget[d]))
+                budget[d] -= n if add(r, n, True) else 0
         return rows
+
+    def _place(self, budget: list[int]) -> int | None:
+        """The free slot a newcomer takes, None when none can: one device's next free slot; on a
+        data-parallel runner the device with the fewest sequences among those with budget left this step
+        (ties: the lowest), as vLLM's data-parallel coordinator balances by load."""
+        dev = self.pool.device
+        per = Counter(dev(s) for s in self.free_slots)  # free slots a device
+        # the most recently freed slot first (a stack, as on one device)
+        return max((s for s in reversed(self.free_slots) if budget[dev(s)]), key=lambda s: (per[dev(s)], -dev(s)),
+                   default=None)
 
     def _room(self, rows: list) -> int:
         """Draft tokens the scheduled step may take (see __init__): 0 without speculation or decode rows."""
@@ -380,8 +392,8 @@ class Engine:
         for r, row, _ in rows:
             end = row.start + row.n
             if row.tokens is not None and end % ps == 0 and \
-                    (dst := self.pool.snapshot(r.hashes[end // ps - 1])) is not None:
-                pairs.append((r.slot, dst))
+                    (dst := self.pool.snapshot(r.slot, r.hashes[end // ps - 1])) is not None:
+                pairs.append((self.pool.state_slot(r.slot), dst))
         self.runner.copy_states(pairs)
 
     def _reuse(self, r: Request) -> None:
@@ -389,12 +401,12 @@ class Engine:
         Gated DeltaNet models from the states after them."""
         ps = self.pool.layout.page_size
         r.hashes = page_hashes(r.prompt, ps, self.salt)
-        m = self.pool.match(r.hashes[:(len(r.prompt) - 1) // ps])
+        m = self.pool.match(r.slot, r.hashes[:(len(r.prompt) - 1) // ps])
         self.pool.share(r.slot, r.hashes[:m])
         if m and self.runner.layout.states:
-            self.runner.copy_states([(self.pool.restore(r.hashes[m - 1]), r.slot)])
+            self.runner.copy_states([(self.pool.restore(r.slot, r.hashes[m - 1]), self.pool.state_slot(r.slot))])
         if self.runner.layout.states:  # its KV pages may be cached past the last snapshot: a chunk ends there
-            r.align_at = self.pool.match(r.hashes[:(len(r.prompt) - 1) // ps], states=False) * ps
+            r.align_at = self.pool.match(r.slot, r.hashes[:(len(r.prompt) - 1) // ps], states=False) * ps
         r.done, r.named = m * ps, m
         self.prefix_queries += len(r.prompt)
         self.prefix_hits += m * ps

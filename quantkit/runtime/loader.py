@@ -68,8 +68,8 @@ def abstract(cfg: ModelConfig, qc: QuantConfig | None, dtype=jnp.bfloat16) -> di
 class LoadedModel:
     """A model ready to run: its config, its weight pytree (on device) and the HBM the weights take;
     kv_scales: the checkpoint's KV cache scales (kv_cache_scheme), per kind [layers, 2 (k, v), kv_heads];
-    mesh, ep: the mesh the weights were placed on (runtime/sharding.py) and whether experts are split whole
-    (expert parallelism); None, False on one device."""
+    mesh, ep, dp: the mesh the weights were placed on (runtime/sharding.py), whether experts are split whole
+    (expert parallelism) and whether the mesh is data parallel; None, False, False on one device."""
 
     path: Path
     cfg: ModelConfig
@@ -78,6 +78,7 @@ class LoadedModel:
     kv_scales: dict | None = None
     mesh: object = None
     ep: bool = False
+    dp: bool = False
 
     @property
     def weight_bytes(self) -> int:
@@ -239,7 +240,7 @@ def _assemble(read, n: int, outs: list, rows) -> list[jax.Array]:
 
 
 def load(path: str | Path, dtype=jnp.bfloat16, check: bool = True, mesh=None, ep: bool = False,
-         mtp: bool = False) -> LoadedModel:
+         mtp: bool = False, dp: bool = False) -> LoadedModel:
     """Loads a dense or compressed-tensors checkpoint that `quantkit inspect` accepts, each tensor read from
     its safetensors file and placed straight onto the devices that hold its parts.
 
@@ -249,6 +250,7 @@ def load(path: str | Path, dtype=jnp.bfloat16, check: bool = True, mesh=None, ep
         check: validate first, as `quantkit inspect` does (errors and unsupported layers stop the load).
         mesh: place the weights tensor-parallel on this mesh (runtime/sharding.py); None: on one device.
         ep: with `mesh`, split MoE experts whole over the mesh (expert parallelism).
+        dp: with `mesh`, data parallel: every weight but split experts replicated on every device.
         mtp: also load Qwen3.5's MTP layer (`mtp.*`) as params["draft"] (speculative method `mtp`).
     """
     path = Path(path)
@@ -262,7 +264,7 @@ def load(path: str | Path, dtype=jnp.bfloat16, check: bool = True, mesh=None, ep
     ckpt, cfg, qc = checked.ckpt, checked.cfg, checked.qc
     r = _Reader(ckpt, qc)
     tp = 1 if mesh is None else mesh.shape[AXIS]
-    if mesh is not None and cfg.num_heads % tp:
+    if mesh is not None and cfg.num_heads % tp and not dp:
         raise InvalidInput(f"{cfg.num_heads} attention heads do not split over {tp} devices")
     one = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
 
@@ -274,13 +276,13 @@ def load(path: str | Path, dtype=jnp.bfloat16, check: bool = True, mesh=None, ep
         if not quantized:
             shape = (n, *first.shape) if s.kind == "stack" else first.shape
             wdtype = jnp.float32 if entries[0].kind in ("norm", "router", "tensor", "conv") else dtype
-            sh, split = (one, "") if mesh is None else shardings(key, cfg, mesh, shape, kind, ep)
+            sh, split = (one, "") if mesh is None else shardings(key, cfg, mesh, shape, kind, ep, dp=dp)
             outs = [(shape, wdtype, sh)]
         else:
             g = first.values.shape[0]
             shape = (n * g, *first.values.shape[1:])
             (vs, ss), split = ((one, one), "") if mesh is None else \
-                shardings(key, cfg, mesh, shape, kind, ep, first.scales.shape[1])
+                shardings(key, cfg, mesh, shape, kind, ep, first.scales.shape[1], dp)
             where = first.per_array(vs, ss, one if mesh is None else group_sharding(mesh, split))
             outs = [((n * g, *a.shape[1:]), STORAGE[first.qtype] if f == "values" else a.dtype, where[f])
                     for f, a in first.arrays.items()]
@@ -330,7 +332,8 @@ def load(path: str | Path, dtype=jnp.bfloat16, check: bool = True, mesh=None, ep
                      if kind != "linear" else None for i, kind in enumerate(cfg.layer_kinds)]
         kv_scales = {kind: np.stack([s for s, k in zip(per_layer, cfg.layer_kinds) if k == kind])
                      for kind in cfg.paged_kinds}
-    return LoadedModel(path, cfg, params, jnp.dtype(dtype), kv_scales, mesh, ep and mesh is not None)
+    return LoadedModel(path, cfg, params, jnp.dtype(dtype), kv_scales, mesh, ep and mesh is not None,
+                       dp and mesh is not None)
 
 
 def densify(params: dict, dtype) -> dict:

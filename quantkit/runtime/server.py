@@ -201,10 +201,10 @@ class Server:
     def __init__(self, path: Path, served_model_name: str | None = None, max_model_len: int | None = None,
                  max_num_seqs: int = 16, api_key: str | None = None, max_num_batched_tokens: int = 512,
                  max_waiting: int = 256, enable_prefix_caching: bool = True, kv_cache_dtype: str = "auto",
-                 mesh=None, ep: bool = False, speculative=None):
+                 mesh=None, ep: bool = False, speculative=None, dp: bool = False):
         self.prefix_caching, self.kv_cache_dtype = enable_prefix_caching, kv_cache_dtype
         self.speculative = speculative  # runtime/speculative.SpeculativeConfig, or None
-        self.mesh, self.ep = mesh, ep  # runtime/sharding.py
+        self.mesh, self.ep, self.dp = mesh, ep, dp  # runtime/sharding.py (dp: the mesh is data parallel)
         self.path, self.name = Path(path), served_model_name or Path(path).name
         self.max_model_len, self.max_num_seqs, self.api_key = max_model_len, max_num_seqs, api_key
         self.max_num_batched_tokens, self.max_waiting = max_num_batched_tokens, max_waiting
@@ -232,7 +232,7 @@ class Server:
         from quantkit.runtime.speculative import drafter_for
 
         enable_compilation_cache()
-        model = load(self.path, mesh=self.mesh, ep=self.ep,
+        model = load(self.path, mesh=self.mesh, ep=self.ep, dp=self.dp,
                      mtp=self.speculative is not None and self.speculative.method == "mtp")
         limit = min(self.max_model_len or 2048, model.cfg.max_position_embeddings)
         return model, Runner(model, max_model_len=limit, max_num_seqs=self.max_num_seqs,
@@ -264,12 +264,14 @@ class Server:
             def progress(done: int, total: int) -> None:
                 self.status = f"compiling {done}/{total} shapes"
 
-            engine.warmup(progress, structured=jax.process_count() == 1)
+            engine.warmup(progress, structured=jax.process_count() == 1 and not self.dp)
             self.engine_thread = threading.Thread(target=engine.run, args=(self.stop,), name="engine", daemon=True)
             self.engine_thread.start()
             self.engine, self.status = engine, "ready"
             r = engine.runner
-            devices = f"{r.tp} devices" + (" (experts split whole)" if r.ep else "") if r.mesh is not None else "1 device"
+            devices = "1 device" if r.mesh is None else f"{r.dp} devices, data parallel ({r.max_num_seqs // r.dp} " \
+                "sequences each)" if r.dp > 1 else f"{r.tp} devices"
+            devices += " (experts split whole)" if r.ep and r.mesh is not None else ""
             log.warning("ready in %.1f s: %s on %s, max_model_len %d, max_num_seqs %d, KV cache %s, prefix caching "
                         "%s, %d token buckets compiled (%s)",
                         time.monotonic() - t0, self.name, devices, limit,
@@ -809,8 +811,9 @@ def serve(path: Path, host: str = "127.0.0.1", port: int = 8000, **options) -> i
     path = Path(path)
     if not (path / "config.json").is_file():
         raise InvalidInput(f"{path}: not a model directory (no config.json)")
-    mesh = start(options.pop("tp", 1), *options.pop("distributed", (None, None, None)))
-    server = Server(path, mesh=mesh, **options)
+    dp = options.pop("dp", 1)
+    mesh = start(options.pop("tp", 1), *options.pop("distributed", (None, None, None)), dp=dp)
+    server = Server(path, mesh=mesh, dp=dp > 1, **options)
     if jax.process_index() > 0:  # process 0 serves HTTP and schedules; this one runs each step it broadcasts
         from quantkit.runtime.tokenizer import TextCodec
 

@@ -16,6 +16,12 @@ rules for the loader (which places each tensor straight onto its shards), the Ru
 - KV heads (and the KV cache) are split when their count divides the mesh, else replicated.
 Everything else (norms, router, scalars) is replicated. A dimension that does not divide the mesh is refused
 with its name, except KV heads and vocabulary rows, which fall back to replication.
+
+Data parallelism (`dp`, vLLM's --data-parallel-size): every weight is replicated but the experts (split "e"
+under expert parallelism), and each device serves its own sequences: the KV pages and state slots of every
+kind are split along their second axis (pages, slots), a device's block tables pointing into its own
+(`cache_sharding`); the step runs as one shard_map over the devices (runtime/step.py), where the weights are
+each device's own (`local_view`).
 """
 
 from __future__ import annotations
@@ -69,13 +75,15 @@ def is_expert(cfg: ModelConfig, key: str) -> bool:
     return key in EXPERTS
 
 
-def split_of(key: str, cfg: ModelConfig, tp: int, kind: str = "full", ep: bool = False) -> str:
+def split_of(key: str, cfg: ModelConfig, tp: int, kind: str = "full", ep: bool = False, dp: bool = False) -> str:
     """How the leaf `key` of a layer of `kind` (or a top-level leaf) divides over `tp` devices: "n", "k",
-    "e" or "" (replicated); see the module docstring."""
+    "e" or "" (replicated); see the module docstring (dp: data parallel)."""
     if ep and is_expert(cfg, key):
         if cfg.num_experts % tp:
             raise InvalidInput(f"{cfg.num_experts} experts do not split over {tp} devices (expert parallelism)")
         return "e"
+    if dp:
+        return ""
     if key in ("k", "v", "k_bias", "v_bias") and cfg.kv_shape(kind)[0] % tp:
         return ""
     if key in ("embed", "lm_head") and cfg.vocab_size % tp:
@@ -91,11 +99,11 @@ def spec(split: str, ndim: int) -> P:
 
 
 def shardings(key: str, cfg: ModelConfig, mesh: Mesh, shape: tuple, kind: str = "full", ep: bool = False,
-              scale_rows: int | None = None):
+              scale_rows: int | None = None, dp: bool = False):
     """(sharding, split) of a dense leaf of `shape`, or for a QTensor (scale_rows: its scales' row count)
     ((values sharding, scales sharding), split). Refuses a split dimension that does not divide the mesh."""
     tp = mesh.shape[AXIS]
-    split = split_of(key, cfg, tp, kind, ep)
+    split = split_of(key, cfg, tp, kind, ep, dp)
     at = {"n": -1, "k": -2, "e": -3}.get(split)
     if at is not None and shape[at] % tp:
         what = "experts x layers" if split == "e" else "input features" if split == "k" else "output features"
@@ -136,20 +144,21 @@ def _put(x, sharding):
     return jax.device_put(x, sharding)
 
 
-def shard_params(params: dict, cfg: ModelConfig, mesh: Mesh, put=_put, ep: bool = False) -> dict:
-    """Places every leaf of the weight pytree on `mesh` by the rules above (`ep`: expert parallel).
+def shard_params(params: dict, cfg: ModelConfig, mesh: Mesh, put=_put, ep: bool = False, dp: bool = False) -> dict:
+    """Places every leaf of the weight pytree on `mesh` by the rules above (`ep`: expert parallel, `dp`:
+    data parallel).
 
     put(leaf, sharding): places real weights (default); `plan` passes one that makes abstract
     ShapeDtypeStructs. A layer-major expert QTensor (one loaded without the mesh) is reordered device-major
     first; one the loader placed (split "e") is kept."""
     tp = mesh.shape[AXIS]
-    if cfg.num_heads % tp:
+    if cfg.num_heads % tp and not dp:
         raise InvalidInput(f"{cfg.num_heads} attention heads do not split over {tp} devices")
 
     def place(key: str, w, kind: str = "full", layers: int = 1):
         if not isinstance(w, QTensor):
-            return put(w, shardings(key, cfg, mesh, w.shape, kind, ep)[0])
-        (vs, ss), split = shardings(key, cfg, mesh, w.shape, kind, ep, w.scales.shape[1])
+            return put(w, shardings(key, cfg, mesh, w.shape, kind, ep, dp=dp)[0])
+        (vs, ss), split = shardings(key, cfg, mesh, w.shape, kind, ep, w.scales.shape[1], dp)
         arrays = w.arrays
         if split == "e" and w.split != "e" and isinstance(w.values, jax.Array | np.ndarray):
             order = expert_rows(layers, w.shape[0] // layers, tp)
@@ -163,20 +172,49 @@ def shard_params(params: dict, cfg: ModelConfig, mesh: Mesh, put=_put, ep: bool 
     return out
 
 
-def cache_sharding(cfg: ModelConfig, mesh: Mesh, kind: str) -> NamedSharding:
+def cache_sharding(cfg: ModelConfig, mesh: Mesh, kind: str, dp: bool = False) -> NamedSharding:
     """Stacked KV pages of a kind [layers, pages, page_size, kv_heads * 2 * head_dim]: heads split when they
-    divide the mesh (each head's keys and values are adjacent, so a split of the last axis is a split of heads)."""
+    divide the mesh (each head's keys and values are adjacent, so a split of the last axis is a split of heads),
+    Gated DeltaNet states ("linear") replicated; data parallel (`dp`): pages and state slots split, each
+    device's its own."""
+    if dp:
+        return NamedSharding(mesh, P(None, AXIS))
     tp = mesh.shape[AXIS]
-    return NamedSharding(mesh, P(None, None, None, AXIS) if cfg.kv_shape(kind)[0] % tp == 0 else P())
+    return NamedSharding(mesh, P(None, None, None, AXIS) if kind != "linear" and cfg.kv_shape(kind)[0] % tp == 0
+                         else P())
+
+
+def local_view(params: dict, ep: bool) -> tuple[dict, dict]:
+    """(params as a device of the data-parallel step sees them: QTensors without their mesh, the
+    PartitionSpec of each leaf): the shard_map's arguments and in_specs (every weight replicated, the experts
+    split "e" under expert parallelism, as shard_params placed them with `dp`)."""
+    def local(key: str, w):
+        if isinstance(w, QTensor):
+            s = spec(w.split, 3)
+            specs = w.per_array(s, s, P(AXIS) if w.split == "e" else P())
+            return w.with_arrays(w.arrays, mesh=None, split=""), w.with_arrays(specs, mesh=None, split="")
+        split = "e" if ep and key in EXPERTS else ""
+        return w, jax.tree_util.tree_map(lambda a: spec(split, a.ndim), w)  # an array or a layer tuple
+
+    def apart(pairs: dict) -> tuple[dict, dict]:
+        return {k: v[0] for k, v in pairs.items()}, {k: v[1] for k, v in pairs.items()}
+
+    out, specs = apart({k: local(k, w) for k, w in params.items() if k != "layers"})
+    layers = {kind: apart({k: local(k, w) for k, w in stack.items()}) for kind, stack in params["layers"].items()}
+    out["layers"], specs["layers"] = apart(layers)
+    return out, specs
 
 
 def start(tp: int = 1, coordinator: str | None = None, num_processes: int | None = None,
-          process_id: int | None = None) -> Mesh | None:
-    """The mesh `serve`, `generate` and `eval` place a model on: None for one device, else `tp` devices.
+          process_id: int | None = None, dp: int = 1) -> Mesh | None:
+    """The mesh `serve`, `generate` and `eval` place a model on: None for one device, else `tp` devices
+    (tensor parallel) or `dp` (data parallel; one of the two).
 
     coordinator: join a multi-process run first (jax.distributed, JAX's multi-controller runtime): "HOST:PORT"
     of process 0 with `num_processes` and this `process_id`, or "auto" on a TPU slice, where JAX finds all
     three itself. The mesh then spans the devices of every process."""
+    if tp > 1 and dp > 1:
+        raise InvalidInput("--data-parallel-size with --tp is not supported yet: use one of them")
     if coordinator is not None:
         jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU devices across processes
         if coordinator == "auto":
@@ -187,6 +225,9 @@ def start(tp: int = 1, coordinator: str | None = None, num_processes: int | None
             jax.distributed.initialize(coordinator, num_processes, process_id)
     elif num_processes not in (None, 1):
         raise InvalidInput("--num-processes needs --coordinator-address")
+    if jax.process_count() > 1 and dp > 1:
+        raise InvalidInput("--data-parallel-size runs in one process, not across hosts yet")
+    tp = max(tp, dp)
     if jax.process_count() > 1 and tp != len(jax.devices()):
         raise InvalidInput(f"a run of {jax.process_count()} processes spans all {len(jax.devices())} of their "
                            f"devices: --tp {len(jax.devices())}, not {tp}")

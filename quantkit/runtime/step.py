@@ -12,6 +12,7 @@ each row; padding rows: max_num_seqs, dropped) and sampling arrays [S]. Shapes a
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass, field
@@ -25,12 +26,14 @@ from jax.sharding import PartitionSpec as P
 
 from quantkit.errors import InvalidInput
 from quantkit.quant.qtensor import QTensor
-from quantkit.runtime.cache import CacheLayout, PagePool, cache_layout, kv_fp8_dtype, with_kv_scales
+from quantkit.runtime.cache import (CacheLayout, DataParallelPools, PagePool, cache_layout, kv_fp8_dtype,
+                                    with_kv_scales)
 from quantkit.runtime.models import forward_for
 from quantkit.runtime.models.common import argmax as _argmax
 from quantkit.runtime.models.common import logits as project
 from quantkit.runtime.models.gdn import keep_checkpoints
-from quantkit.runtime.sharding import AXIS, cache_sharding, make_mesh, place_row_major, row_major, shard_params
+from quantkit.runtime.sharding import (AXIS, cache_sharding, local_view, make_mesh, place_row_major, row_major,
+                                       shard_params)
 from quantkit.runtime.structured import words
 from quantkit.runtime.ops import dense_as_qtensor, interpreted_chip, interpreted_tpu_kernels, tpu_chip
 
@@ -230,7 +233,8 @@ def draft_rows(params: dict, head, tokens: jax.Array, h: jax.Array, aux: jax.Arr
 
 
 def step_function(cfg, page_size: int, all_logits: bool = False, mesh=None, unroll: bool = False, kv_fp8=None,
-                  ep: bool = False, sample: bool = True, spec: int = 0, drafter=None, decode: bool = False):
+                  ep: bool = False, sample: bool = True, spec: int = 0, drafter=None, decode: bool = False,
+                  dp: bool = False):
     """step(params, kv, last, batch) -> (outputs, kv, last).
 
     kv: per kind stacked pages; last [max_num_seqs + 1]: the last token sampled per slot. outputs: (token,
@@ -246,15 +250,17 @@ def step_function(cfg, page_size: int, all_logits: bool = False, mesh=None, unro
     params["draft"], its cache kv["draft"]): the outputs gain the next step's drafts [S, spec] (`draft_rows`).
     decode: every row of every step has one token (the Runner's DECODE program for models with Gated DeltaNet
     layers, which then compile only their one-token recurrence, not the chunked prompt path beside it).
+    dp: `mesh` is data parallel: each device runs its own sequences (`_data_parallel`).
     """
     fwd = forward_for(cfg.family)
+    tp_mesh = None if dp else mesh  # what the model's own ops split over
 
     def step(params, kv, last, batch):
         if tpu_chip() is not None:  # dense layer weights through gmm_v2 too
-            params = dense_as_qtensor(params, cfg, mesh, ep)
+            params = dense_as_qtensor(params, cfg, tp_mesh, ep and not dp)
         tokens = jnp.where(batch["prev_slot"] >= 0, last[jnp.maximum(batch["prev_slot"], 0)], batch["tokens"])
-        meta = {**batch, "slots": _slots(batch, page_size), "mesh": mesh, "unroll": unroll, "kv_fp8": kv_fp8,
-                "ep_mesh": mesh if ep else None, "verify": bool(spec), "decode": decode}
+        meta = {**batch, "slots": _slots(batch, page_size), "mesh": tp_mesh, "unroll": unroll, "kv_fp8": kv_fp8,
+                "ep_mesh": (AXIS if dp else mesh) if ep else None, "verify": bool(spec), "decode": decode}
         if drafter is not None and not all_logits and drafter.aux:
             meta["aux_layers"] = drafter.aux
         h, kv, *aux = fwd(params, cfg, tokens, kv, meta)
@@ -277,7 +283,31 @@ def step_function(cfg, page_size: int, all_logits: bool = False, mesh=None, unro
         out, last = sample_rows(logits, last, batch, masks=False)
         return out, kv, last
 
-    return step
+    return _data_parallel(step, mesh, ep, all_logits) if dp else step
+
+
+def _data_parallel(step: Callable, mesh, ep: bool, all_logits: bool) -> Callable:
+    """`step` run by every device of the data-parallel `mesh` on its own sequences (one shard_map): the
+    weights as sharding.local_view gives them, each kind's pages and state slots split along their second
+    axis, `last` along its one, every batch array with a leading device axis (`Runner.batch`), each
+    device's rows and tokens laid out as one device's. The model's MoE layers exchange tokens between the
+    devices (models/common.py `_data_parallel_experts`); nothing else does. The outputs, gathered, are put
+    back in the order of the step's rows (batch["row_order"]; the logits of every token: "token_order")."""
+    def run(params, kv, last, batch):
+        params, specs = local_view(params, ep)
+        order = batch["token_order" if all_logits else "row_order"]
+        batch = {k: v for k, v in batch.items() if k not in ("row_order", "token_order")}
+        cache = jax.tree_util.tree_map(lambda _: P(None, AXIS), kv)
+
+        def body(params, kv, last, batch):
+            out, kv, last = step(params, kv, last, jax.tree_util.tree_map(lambda x: x[0], batch))
+            return jax.tree_util.tree_map(lambda x: x[None], out), kv, last
+
+        out, kv, last = jax.shard_map(body, mesh=mesh, in_specs=(specs, cache, P(AXIS), P(AXIS)),
+                                      out_specs=(P(AXIS), cache, P(AXIS)), check_vma=False)(params, kv, last, batch)
+        return jax.tree_util.tree_map(lambda x: x.reshape(-1, *x.shape[2:])[order], out), kv, last
+
+    return run
 
 
 def _frozen(tree) -> tuple:
@@ -287,7 +317,7 @@ def _frozen(tree) -> tuple:
 
 
 @functools.lru_cache(maxsize=16)
-def jitted_step(cfg, page_size: int, mesh, unroll: bool, kv_fp8, ep: bool, formats: tuple, out_shardings,
+def jitted_step(cfg, page_size: int, mesh, unroll: bool, kv_fp8, ep: bool, dp: bool, formats: tuple, out_shardings,
                 interpreted: str | None, all_logits: bool, sample: bool = True, spec: int = 0, drafter=None,
                 decode: bool = False):
     """The jitted step of one static configuration, shared by every Runner that has it: a second Runner of
@@ -300,7 +330,7 @@ def jitted_step(cfg, page_size: int, mesh, unroll: bool, kv_fp8, ep: bool, forma
     if out_shardings is not None:
         pinned["out_shardings"] = jax.tree_util.tree_unflatten(*out_shardings)
     fn = step_function(cfg, page_size, all_logits, mesh=mesh, unroll=unroll, kv_fp8=kv_fp8, ep=ep, sample=sample,
-                       spec=spec, drafter=drafter, decode=decode)
+                       spec=spec, drafter=drafter, decode=decode, dp=dp)
     if interpreted is not None:
         step = fn
 
@@ -310,10 +340,19 @@ def jitted_step(cfg, page_size: int, mesh, unroll: bool, kv_fp8, ep: bool, forma
     return jax.jit(fn, **pinned)
 
 
-@functools.partial(jax.jit, donate_argnums=(0,))
-def _copy_slots(states: tuple, src, dst) -> tuple:
+def _copy(states: tuple, src, dst) -> tuple:
     """The conv and recurrent states (not the speculative checkpoints) of slots `src` copied to `dst`."""
     return tuple(a.at[:, dst].set(a[:, src]) if i < 2 else a for i, a in enumerate(states))
+
+
+_copy_slots = jax.jit(_copy, donate_argnums=(0,))
+
+
+@functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(1,))
+def _copy_slots_on(mesh, states: tuple, src, dst) -> tuple:
+    """`_copy` on each device of a data-parallel mesh, of its own slots (src, dst [devices, n]: local)."""
+    return jax.shard_map(lambda st, s, d: _copy(st, s[0], d[0]), mesh=mesh, in_specs=(P(None, AXIS), P(AXIS), P(AXIS)),
+                         out_specs=P(None, AXIS))(states, src, dst)
 
 
 @functools.lru_cache(maxsize=4)
@@ -382,6 +421,9 @@ class Runner:
     kv_cache_dtype: auto | bf16 | fp8 | fp8_e4m3 | fp8_e5m2 (cache.kv_fp8_dtype); `kv_dtype` is the result.
     tp, ep: tensor-parallel devices and expert parallelism (runtime/sharding.py); a model the loader placed
     on a mesh brings its own (its weights stay where they are).
+    dp: data-parallel devices (vLLM's --data-parallel-size): each holds every weight (but its experts under
+    `ep`) and serves max_num_seqs / dp sequences with its own pages and state slots (cache.DataParallelPools);
+    a step gives each device its own rows (`batch`), and runs as one program over all (`_data_parallel`).
     speculative: the most drafts a row verifies (speculative decoding, runtime/speculative.py); a step with
     drafts then runs the verifying program (`verify_rows`, outputs of speculative + 1 tokens a row; one
     program per token bucket, whatever its drafts), a step without the plain one; with a `drafter` every
@@ -394,6 +436,7 @@ class Runner:
     max_num_batched_tokens: int = 512
     tp: int = 1
     ep: bool = False
+    dp: int = 1
     weights: str = "auto"
     scan: bool | None = None
     kv_cache_dtype: str = "auto"
@@ -404,24 +447,41 @@ class Runner:
 
     def __post_init__(self):
         cfg = self.model.cfg
+        self.mesh = self.model.mesh
+        if self.model.dp:
+            self.dp, self.tp = self.mesh.shape[AXIS], 1
+        elif self.mesh is not None and self.dp > 1:
+            raise InvalidInput("the model was placed tensor parallel; data parallelism needs it loaded with dp")
+        if self.dp > 1:
+            if self.tp > 1:
+                raise InvalidInput("--data-parallel-size with --tp is not supported yet: one of them at a time")
+            if self.max_num_seqs % self.dp:
+                raise InvalidInput(f"--max-num-seqs {self.max_num_seqs} does not split over {self.dp} data-parallel "
+                                   f"devices; make it a multiple of {self.dp}")
+            if self.speculative or self.drafter is not None or jax.process_count() > 1:
+                raise InvalidInput("--data-parallel-size serves from one process without speculative decoding yet")
+        local = self.max_num_seqs // self.dp  # sequences a device serves
         self.buckets = token_buckets(self.max_num_batched_tokens,
                                      verify=self.max_num_seqs * (1 + self.speculative) if self.speculative else 0)
-        self.layout = cache_layout(cfg, self.max_model_len, self.max_num_seqs, self.page_size,
+        self.layout = cache_layout(cfg, self.max_model_len, local, self.page_size,
                                    self.max_num_batched_tokens, self.speculative, self.prefix_states)
-        self.pool = PagePool(self.layout, self.max_num_seqs)
+        self.pool = DataParallelPools(self.layout, self.max_num_seqs, self.dp) if self.dp > 1 else \
+            PagePool(self.layout, self.max_num_seqs)
         fp8 = kv_fp8_dtype(self.kv_cache_dtype, self.model.kv_scales is not None)
         self.kv_dtype = jnp.dtype(fp8 or self.model.dtype).name
-        self.mesh = self.model.mesh
-        if self.mesh is None and self.tp > 1:
-            self.mesh = make_mesh(self.tp)
-        if self.mesh is not None:
+        if self.mesh is None and max(self.tp, self.dp) > 1:
+            self.mesh = make_mesh(max(self.tp, self.dp))
+        if self.mesh is not None and self.dp == 1:
             if self.mesh.shape[AXIS] != self.tp and self.tp > 1:
                 raise InvalidInput(f"the model was placed on {self.mesh.shape[AXIS]} devices, not --tp {self.tp}")
             self.tp, self.ep = self.mesh.shape[AXIS], self.ep or self.model.ep
-        mesh, rep = self.mesh, None if self.mesh is None else NamedSharding(self.mesh, P())
-        # KV pages with their heads split when they divide the mesh; Gated DeltaNet states replicated
-        shard = lambda k: None if mesh is None else cache_sharding(cfg, mesh, k) if k != "linear" else rep  # noqa: E731
+        self.ep = self.ep or self.model.ep
+        mesh, rep, dp = self.mesh, None if self.mesh is None else NamedSharding(self.mesh, P()), self.dp > 1
+        # KV pages with their heads split when they divide the mesh; Gated DeltaNet states replicated; data
+        # parallel: each device's pages and state slots its own, as its `last` tokens
+        shard = lambda k: None if mesh is None else cache_sharding(cfg, mesh, k, dp)  # noqa: E731
         kv_sharding = self.layout.cache(lambda k, s, d: shard(k))
+        last_sharding = NamedSharding(mesh, P(AXIS)) if dp else rep
         draft = self.drafter.spec if self.drafter is not None else None
         if draft is not None and mesh is not None:
             raise InvalidInput("draft heads (eagle3, mtp) run on one device; serve the target with --tp 1")
@@ -430,12 +490,13 @@ class Runner:
         # committed to a device from the start: the step's outputs are, and an uncommitted first argument
         # would make the first two calls of every program two compilations
         here = jax.local_devices()[0]
-        self.kv = self.layout.cache(lambda k, s, d: jnp.zeros(s, d or dtype, device=shard(k) or here))
+        self.kv = self.layout.cache(lambda k, s, d: jnp.zeros((s[0], s[1] * self.dp, *s[2:]), d or dtype,
+                                                               device=shard(k) or here))
         if draft is not None:  # the head's KV: one layer over the target's full-attention pages
             shape = (1, self.layout.pages["full"], self.page_size, 2 * math.prod(draft.cfg.kv_shape("full")))
             self.kv["draft"] = jnp.zeros(shape, jnp.float32 if dtype == jnp.float32 else self.model.dtype,
                                          device=here)
-        self.last = jnp.zeros(self.max_num_seqs + 1, jnp.int32, device=rep or here)
+        self.last = jnp.zeros(self.dp * (local + 1), jnp.int32, device=last_sharding or here)
         self.params = self.model.params
         if fp8 is not None:
             self.params = with_kv_scales(self.params, cfg, self.model.kv_scales, np.asarray if mesh else jnp.asarray)
@@ -444,7 +505,7 @@ class Runner:
 
             self.params = densify(self.params, self.model.dtype)
         if mesh is not None:  # what the loader placed stays; what densify made (or a model loaded whole) moves
-            self.params = shard_params(self.params, cfg, mesh, ep=self.ep)
+            self.params = shard_params(self.params, cfg, mesh, ep=self.ep, dp=dp)
         unroll = not self.scan if self.scan is not None else jax.default_backend() == "cpu"
         if unroll:  # per-layer arrays: a slice of a stacked weight would be copied before every dot on CPU
             def unstack(w):  # each layer placed as the stack's other dims are
@@ -458,8 +519,9 @@ class Runner:
             self.params = {**self.params, "draft": jax.device_put(self.drafter.params, here)}
         self.params = place_row_major(self.params)  # the loader placed them so; a sharded copy may not be
         formats = jax.tree_util.tree_map(lambda x: row_major(x.sharding, x.ndim), self.params)
-        outs = None if mesh is None else _frozen((rep, kv_sharding, rep))  # replicated: every process reads them
-        key = (cfg, self.page_size, mesh, unroll, fp8, self.ep, _frozen(formats), outs, interpreted_chip())
+        # the outputs replicated: every process reads them
+        outs = None if mesh is None else _frozen((rep, kv_sharding, last_sharding))
+        key = (cfg, self.page_size, mesh, unroll, fp8, self.ep, dp, _frozen(formats), outs, interpreted_chip())
         self._step, self._logits = jitted_step(*key, False), jitted_step(*key, True)
         self._forward, self._sample = jitted_step(*key, False, False), jitted_sampler(rep)
         self._programs = {STEP: self._step, LOGITS: self._logits}
@@ -474,22 +536,51 @@ class Runner:
 
     def copy_states(self, pairs: list[tuple[int, int]]) -> None:
         """Gated DeltaNet state slots copied (src, dst) on device, after the steps dispatched so far: a
-        prefix-caching snapshot taken or restored (cache.py). Padded to max_num_seqs pairs (the scratch slot
-        onto itself) so that one program serves any number."""
-        pad = [(self.max_num_seqs, self.max_num_seqs)] * (self.max_num_seqs - len(pairs) % self.max_num_seqs)
-        for i in range(0, len(pairs), self.max_num_seqs):
-            src, dst = np.asarray((pairs + pad)[i:i + self.max_num_seqs], np.int32).T
-            self.kv = {**self.kv, "linear": _copy_slots(self.kv["linear"], src, dst)}
+        prefix-caching snapshot taken or restored (cache.py; data parallel: slots of one device, numbered as
+        cache.DataParallelPools does). Padded to max_num_seqs / dp pairs a device (the scratch slot onto
+        itself) so that one program serves any number."""
+        local = self.max_num_seqs // self.dp
+        per = local + 1 + self.layout.snapshots  # a device's state slots
+        by = [[(a % per, b % per) for a, b in pairs if a // per == d] for d in range(self.dp)]
+        for i in range(0, max(map(len, by)), local):
+            src, dst = np.asarray([(x[i:i + local] + [(local, local)] * local)[:local] for x in by], np.int32).T
+            states = self.kv["linear"]
+            states = _copy_slots(states, src.T[0], dst.T[0]) if self.dp == 1 else \
+                _copy_slots_on(self.mesh, states, src.T, dst.T)
+            self.kv = {**self.kv, "linear": states}
 
     def bucket(self, n: int) -> int:
         return next(b for b in self.buckets if b >= n) if n <= self.buckets[-1] else -(-n // 8) * 8
 
-    def batch(self, rows: list[Row]) -> dict:
-        """The host arrays of a step running `rows` (pages must be reserved)."""
-        n = sum(r.n for r in rows)
-        t = self.bucket(n)
-        b = empty_batch(t, min(t, self.max_num_seqs) if n <= self.buckets[-1] else len(rows), self.layout,
-                        self.max_num_seqs, self.model.cfg.vocab_size)
+    def batch(self, rows: list[Row], tokens: int = 0) -> dict:
+        """The host arrays of a step running `rows` (pages must be reserved), in a bucket of at least
+        `tokens`. Data parallel: each device's rows as one device's batch (its local slots, its tables), all
+        stacked along a leading device axis, with the order that puts the outputs back in `rows`' order
+        ("row_order": each row's index in the flattened [devices * rows] outputs; "token_order": each
+        token's in [devices * tokens])."""
+        local, dev = self.max_num_seqs // self.dp, self.pool.device
+        by = [[i for i, r in enumerate(rows) if dev(r.slot) == d] for d in range(self.dp)]
+        n = max(sum(rows[i].n for i in mine) for mine in by)
+        t = self.bucket(max(n, tokens))
+        s = min(t, local) if n <= self.buckets[-1] else max(map(len, by))
+        if self.dp == 1:
+            return self._batch(rows, self.pool, t, s)
+        parts = [self._batch([dataclasses.replace(rows[i], slot=rows[i].slot % local) for i in mine], pool, t, s)
+                 for mine, pool in zip(by, self.pool.pools)]
+        b = jax.tree_util.tree_map(lambda *xs: np.stack(xs), *parts)
+        b["row_order"], b["token_order"], start = np.zeros(self.dp * s, np.int32), np.zeros(self.dp * t, np.int32), {}
+        for d, mine in enumerate(by):
+            at = d * t
+            for j, i in enumerate(mine):
+                b["row_order"][i], start[i] = d * s + j, at
+                at += rows[i].n
+        flat = [start[i] + k for i, r in enumerate(rows) for k in range(r.n)]
+        b["token_order"][:len(flat)] = flat
+        return b
+
+    def _batch(self, rows: list[Row], pool: PagePool, t: int, s: int) -> dict:
+        """One device's batch of t tokens and s rows running `rows`, their tables from `pool`."""
+        b = empty_batch(t, s, self.layout, self.max_num_seqs // self.dp, self.model.cfg.vocab_size)
         at = 0
         for i, r in enumerate(rows):
             if r.tokens is None:
@@ -501,26 +592,26 @@ class Runner:
             at += r.n
             b["cu_q_lens"][i + 1] = at
             b["kv_lens"][i], b["slot"][i], b["drafts"][i] = r.start + r.n, r.slot, len(r.drafts)
-            for k, tab in self.pool.tables.items():
+            for k, tab in pool.tables.items():
                 b["tables"][k][i] = tab[r.slot]
-            s, p = b["sampling"], r.sampling
-            s["temperature"][i], s["top_k"][i], s["top_p"][i] = p.temperature, p.top_k, p.top_p
-            s["seed"][i], s["logprobs"][i] = p.seed & 0xFFFFFFFF, r.logprobs
-            s["banned"][i, :len(r.banned)] = r.banned
+            sp, p = b["sampling"], r.sampling
+            sp["temperature"][i], sp["top_k"][i], sp["top_p"][i] = p.temperature, p.top_k, p.top_p
+            sp["seed"][i], sp["logprobs"][i] = p.seed & 0xFFFFFFFF, r.logprobs
+            sp["banned"][i, :len(r.banned)] = r.banned
         b["cu_q_lens"][len(rows) + 1:] = at
         b["num_seqs"][0] = len(rows)
         return b
 
     def empty(self, t: int) -> dict:
         """A step of t padding tokens (warm-up)."""
-        return empty_batch(t, min(t, self.max_num_seqs), self.layout, self.max_num_seqs, self.model.cfg.vocab_size)
+        return self.batch([], t)
 
     def run(self, batch: dict, head: bool = True, decode: bool | None = None):
         """Dispatches one step (asynchronously); returns the device outputs (token, logprob, top ids, top
         logprobs), each [S, ...]; for a step with drafts `verify_rows`'s; with a draft head (and `head`, or
         drafts) those and the next step's drafts. `decode`: whether it runs as the DECODE program (models
         with Gated DeltaNet layers; default: when every row has one token)."""
-        self.compiled.add(batch["tokens"].shape[0])
+        self.compiled.add(batch["tokens"].shape[-1])
         drafting = batch["drafts"].any() or self.drafter is not None and head
         if not batch["drafts"].any() and (batch["sampling"]["allow"] != -1).any():
             raise ValueError("a step with structured-output masks and no drafts runs through run_split")
@@ -532,7 +623,7 @@ class Runner:
         """One step as two programs: the forward (dispatched at once), then the sampling with the arrays
         `sampling()` returns, called while the device runs the forward (a structured-output step computes its
         masks there). Outputs as `run`'s. One process only (`_call` broadcasts the one-program step)."""
-        self.compiled.add(batch["tokens"].shape[0])
+        self.compiled.add(batch["tokens"].shape[-1])
         logits, self.kv, self.last = self._forward(self.params, self.kv, self.last, batch)
         s = sampling()
         out, self.last = self._sample(logits, self.last, {"sampling": s, "kv_lens": batch["kv_lens"],

@@ -115,14 +115,18 @@ def grouped(x: jax.Array, w, sizes: jax.Array) -> jax.Array:
 
 
 def routed_experts(x: jax.Array, weights: jax.Array, experts: jax.Array, w: tuple, num_experts: int,
-                   act: Callable, mesh=None, bias: tuple | None = None) -> jax.Array:
+                   act: Callable, mesh=None, bias: tuple | None = None, dtype=None) -> jax.Array:
     """Sum over each token's chosen experts of weight * down(act(gate(x), up(x))).
 
     x [T, hidden]; weights, experts [T, k] (float32, int); w: one layer's (gate, up, down) experts; bias: their
     biases [experts, out] each (gpt-oss), added to each row's outputs. The T * k rows are sorted by expert and
     run through the grouped matmul, one group per expert; rows whose expert is >= num_experts (another
     device's, under expert parallelism) add nothing.
-    mesh: the expert-parallel mesh (runtime/sharding.py "e"), if any: see `_expert_parallel`."""
+    mesh: the expert-parallel mesh (runtime/sharding.py "e"), if any: see `_expert_parallel`; or the mesh
+    axis's name (a str) inside the data-parallel step, whose devices each run their own tokens: see
+    `_data_parallel_experts`. dtype: of the sums (default x's)."""
+    if isinstance(mesh, str):
+        return _data_parallel_experts(x, weights, experts, w, num_experts, act, mesh, bias)
     if mesh is not None:
         return _expert_parallel(x, weights, experts, w, num_experts, act, mesh, bias)
     hidden, served = x.shape[-1], (w[0].w if isinstance(w[0], At) else w[0]).shape[-2]
@@ -145,7 +149,7 @@ def routed_experts(x: jax.Array, weights: jax.Array, experts: jax.Array, w: tupl
     h = act(run(xs, 0), run(xs, 1))
     mine = (flat[order] < num_experts)[:, None]
     y = jnp.where(mine, run(h, 2).astype(jnp.float32) * weights.reshape(-1)[order][:, None], 0.0)
-    return jnp.zeros(x.shape, jnp.float32).at[token].add(y)[:, :hidden].astype(x.dtype)
+    return jnp.zeros(x.shape, jnp.float32).at[token].add(y)[:, :hidden].astype(dtype or x.dtype)
 
 
 def _expert_parallel(x, weights, experts, w: tuple, num_experts: int, act: Callable, mesh,
@@ -170,15 +174,76 @@ def _expert_parallel(x, weights, experts, w: tuple, num_experts: int, act: Calla
     def body(x, weights, experts, parts, bias):
         mine = tuple(At(a.w.with_arrays(p[0], mesh=None, split=""), p[1], local) if isinstance(a, At) else p
                      for p, a in zip(parts, w))
-        first = jax.lax.axis_index(AXIS) * local
-        e = experts - first
-        e = jnp.where((e >= 0) & (e < local), e, local)  # another device's expert: dropped
-        if bias is not None:
-            bias = tuple(jax.lax.dynamic_slice_in_dim(b, first, local) for b in bias)
-        return jax.lax.psum(routed_experts(x, weights, e, mine, local, act, bias=bias), AXIS)  # in x's dtype
+        return jax.lax.psum(_local_experts(x, weights, experts, mine, local, act, AXIS, bias), AXIS)  # x's dtype
 
     return jax.shard_map(body, mesh=mesh, in_specs=(P(), P(), P(), specs, P()), out_specs=P(), check_vma=False)(
         x, weights, experts, parts, bias)
+
+
+def _local_experts(x, weights, experts, w: tuple, local: int, act: Callable, axis: str, bias: tuple | None):
+    """On one device of mesh axis `axis` holding experts [i * local, (i + 1) * local) (i its index; w their
+    weights): the rows of x routed to them through the grouped matmul, every other row adding nothing.
+    Expert biases come whole (replicated); the device takes its experts' rows."""
+    first = jax.lax.axis_index(axis) * local
+    e = experts - first
+    e = jnp.where((e >= 0) & (e < local), e, local)  # another device's expert: dropped
+    if bias is not None:
+        bias = tuple(jax.lax.dynamic_slice_in_dim(b, first, local) for b in bias)
+    return routed_experts(x, weights, e, w, local, act, bias=bias)
+
+
+def pack_routing(experts: jax.Array, weights: jax.Array) -> jax.Array:
+    """Each token's routing [T, k] expert ids and float32 weights as one int32 array [T, 2k] (the weights'
+    bits), so that one all-gather carries both; `unpack_routing` inverts it bit for bit."""
+    return jnp.concatenate([experts.astype(jnp.int32), jax.lax.bitcast_convert_type(weights, jnp.int32)], axis=-1)
+
+
+def unpack_routing(packed: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(expert ids [T, k] int32, weights [T, k] float32) of `pack_routing`'s [T, 2k]."""
+    k = packed.shape[-1] // 2
+    return packed[:, :k], jax.lax.bitcast_convert_type(packed[:, k:], jnp.float32)
+
+
+EXPERT_PASS = 2  # rows a pass of the data-parallel expert loop takes, in multiples of a device's own T * k
+
+
+def _data_parallel_experts(x, weights, experts, w: tuple, num_experts: int, act: Callable, axis: str,
+                           bias: tuple | None = None) -> jax.Array:
+    """routed_experts inside the data-parallel step (runtime/step.py): each device of `axis` has its own
+    tokens x [T, hidden] and holds num_experts / n whole experts (w: already its own). The tokens' routing
+    (ids and weights packed into one int32 array) and the tokens themselves are all-gathered (two
+    all-gathers), each device runs the rows of all n * T tokens routed to its experts, and a reduce-scatter
+    returns each device the sums over all experts of its own T rows (Ironwood's "option B").
+
+    Of the n * T * k rows a device sees, T * k are its own on average (all n * T * k at worst): they are sorted
+    to the front and run in passes of EXPERT_PASS * T * k rows (a loop of as many passes as they need, so
+    a balanced step runs one pass of its expected rows, not the worst case's n times as many; each further
+    pass reads the experts its rows visit again)."""
+    n, (t, k) = jax.lax.axis_size(axis), experts.shape
+    local = num_experts // n
+    ids, weights = unpack_routing(jax.lax.all_gather(pack_routing(experts, weights), axis, tiled=True))
+    xs = jax.lax.all_gather(x, axis, tiled=True)  # [n * T, hidden]
+    first = jax.lax.axis_index(axis) * local
+    e = (ids - first).reshape(-1)
+    e = jnp.where((e >= 0) & (e < local), e, local)  # another device's expert: `local`, sorted last
+    rows = min(n * t * k, 8 * math.ceil(EXPERT_PASS * t * k / 8))
+    order = jnp.argsort(e, stable=True)
+    order = jnp.concatenate([order, jnp.full(-(-order.shape[0] // rows) * rows - order.shape[0], order[-1])])
+    if bias is not None:
+        bias = tuple(jax.lax.dynamic_slice_in_dim(b, first, local) for b in bias)
+
+    mine = jnp.sum(e < local)
+
+    def one_pass(i, out):
+        idx = jax.lax.dynamic_slice_in_dim(order, i * rows, rows)  # sorted rows i * rows ...
+        ids = jnp.where(i * rows + jnp.arange(rows) < mine, e[idx], local)  # (past the last: padding)
+        y = routed_experts(xs[idx // k], weights.reshape(-1)[idx][:, None], ids[:, None], w, local, act,
+                           bias=bias, dtype=jnp.float32)
+        return out.at[idx // k].add(y)
+
+    passes = (mine + rows - 1) // rows
+    out = jax.lax.fori_loop(0, passes, one_pass, jnp.zeros(xs.shape, jnp.float32))
+    return jax.lax.psum_scatter(out.astype(x.dtype), axis, scatter_dimension=0, tiled=True)
 
 
 def rms_norm(x: jax.Array, w: jax.Array | None, eps: float, offset: float = 0.0) -> jax.Array:
