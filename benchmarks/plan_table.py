@@ -93,7 +93,16 @@ ROWS = [  # name, config, scheme, group size, devices (, expert parallel (, targ
     # (split by columns, the experts' 2944 padded columns would leave 1472 a device, not a multiple of 128:
     # the XLA path, measured 21x the floor)
     ("gpt-oss-20b", GPT_OSS_20B, None, 32, 1), ("gpt-oss-120b", GPT_OSS_120B, None, 32, 2, True, "v7x"),
-    ("gpt-oss-120b", GPT_OSS_120B, None, 32, 4, True)]
+    ("gpt-oss-120b", GPT_OSS_120B, None, 32, 4, True),
+    # data parallel + expert parallel (--data-parallel-size N --enable-expert-parallel, tp 1): each device its
+    # own sequences, pages and state slots, the attention and GDN weights whole, num_experts / N experts. The
+    # 397B on TPU7x 2x2x1 (8 TensorCores) at the Ironwood playbook's 512 sequences of 8K + 1K, beside tensor
+    # parallelism over the same devices; the 35B-A3B on a v6e:2x2 and on one TPU7x chip
+    ("Qwen3.5-397B-A17B", QWEN35_397B_A17B, "W4A16", 128, 8, True, "v7x", {"dp": 8, "len": 9216, "seqs": 512}),
+    ("Qwen3.5-397B-A17B", QWEN35_397B_A17B, "W4A16", 128, 8, True, "v7x", {"len": 9216, "seqs": 512}),
+    ("Qwen3.5-397B-A17B", QWEN35_397B_A17B, "W4A16", 128, 4, True, "v7x", {"dp": 4, "len": 9216, "seqs": 128}),
+    ("Qwen3.5-35B-A3B", QWEN35_35B_A3B, "W4A16", 128, 4, True, "v6e", {"dp": 4, "seqs": 64}),
+    ("Qwen3.5-35B-A3B", QWEN35_35B_A3B, "W4A16", 128, 2, True, "v7x", {"dp": 2, "seqs": 32})]
 
 
 def main() -> None:
@@ -115,30 +124,34 @@ def main() -> None:
     results = []
     for (name, cfg, scheme, group, tp, *rest), kv in ((row, kv) for row in ROWS for kv in args.kv_cache_dtype):
         ep, target = bool(rest and rest[0]), rest[1] if len(rest) > 1 else "v6e"
+        shape = rest[2] if len(rest) > 2 else {}  # this row's own data parallelism, max_model_len, max_num_seqs
+        dp, tp = shape.get("dp", 1), 1 if shape.get("dp") else tp
         label = ("MXFP4 as published" if scheme is None else f"{scheme}g{group}" if scheme != "DENSE" else "bf16") \
-            + (" EP" if ep else "")
-        if args.only and f"{name}:{label.replace(' ', ':')}:{tp}" not in args.only:
+            + (" EP" if ep else "") + (" DP" if dp > 1 else "")
+        if args.only and f"{name}:{label.replace(' ', ':')}:{max(tp, dp)}" not in args.only:
             continue
         with tempfile.TemporaryDirectory() as d:
             (Path(d) / "config.json").write_text(json.dumps(cfg))
             t0 = time.perf_counter()
             COMPILES.clear()
-            r = plan(Path(d) / "config.json", target, args.max_model_len, args.max_num_seqs, tp=tp, scheme=scheme,
-                     group_size=group, kv_cache_dtype=kv, ep=ep, search=not args.no_search)
+            r = plan(Path(d) / "config.json", target, shape.get("len", args.max_model_len),
+                     shape.get("seqs", args.max_num_seqs), tp=tp, scheme=scheme, group_size=group, kv_cache_dtype=kv,
+                     ep=ep, search=not args.no_search, dp=dp)
             wall = time.perf_counter() - t0
         h, est, cost = r["hbm_bytes"], r["decode_step_estimate"], r["decode_step_cost"]
         results.append({"model": name, "group": group, "wall_seconds": wall, "compiles": list(COMPILES), **r})
-        lines.append(f"| {name} | {label} | {r['kv_cache_dtype']} | {r['topology']} | {'yes' if r['fits'] else 'no'} | "
+        at = f" ({r['max_num_seqs']} × {r['max_model_len']})" if shape else ""  # a row's own shape
+        lines.append(f"| {name} | {label} | {r['kv_cache_dtype']} | {r['topology']} | {'yes' if r['fits'] else 'no'}{at} | "
                      f"{h['weights'] / gib:.2f} | "
                      f"{h['kv_cache'] / gib:.2f} | {h['recurrent_state'] / gib:.2f} | {h['temporaries'] / gib:.2f} | {r['max_num_seqs_that_fit']} | "
                      f"{wall:.0f} | {sum(COMPILES):.0f} | {max(COMPILES, default=0):.0f} | " + (
                          "— | — |" if cost is None else  # refused by the compiler (out of HBM): nothing to count
                          f"{cost['bytes_accessed'] / 1e9:.2f} GB / {cost['floor_bytes'] / 1e9:.2f} GB = "
                          f"{cost['ratio_to_floor']:.2f}× | {est['seconds'] * 1e3:.1f} ms → "
-                         f"~{est['output_tokens_per_s']:.0f} tok/s at 16 |"))
+                         f"~{est['output_tokens_per_s']:.0f} tok/s at {r['max_num_seqs']} |"))
         print(lines[-1], flush=True)
         moe = cfg.get("num_experts") or cfg.get("num_local_experts")
-        if tp > 1 or moe:
+        if max(tp, dp) > 1 or moe:
             c = r["decode_step_collectives"] or {"bytes": {}, "total": 0, "floor_bytes": 0}
             experts = [k for k in r["kernels"] if "gate" in k["name"] or "down" in k["name"]] if moe else []
             kinds = ", ".join(f"{op} {b / 2**20:.2f}" for op, b in sorted(c["bytes"].items()))
@@ -146,7 +159,8 @@ def main() -> None:
             par.append(f"| {name} | {label.split()[0]} | {r['topology']} | {('whole, expert parallel' if ep else 'split' if tp > 1 else 'all on the chip') if experts else '—'} | "
                        f"{h['of_weights_experts'] / gib:.2f} | {h['weights'] / gib:.2f} | {r['max_num_seqs_that_fit']} | "
                        f"{paths} | " +
-                       (f"{c['total'] / 2**20:.2f} ({kinds}) | {c['floor_bytes'] / 2**20:.2f} |" if tp > 1 else "— | — |"))
+                       (f"{c['total'] / 2**20:.2f} ({kinds}) | {c['floor_bytes'] / 2**20:.2f} |" if max(tp, dp) > 1
+                        else "— | — |"))
             print(par[-1], flush=True)
     print("\n".join(lines))
     print("\n".join(par))

@@ -140,11 +140,15 @@ def _cli(*args: str, devices: int = 8, env=None, **kw) -> subprocess.CompletedPr
 
 def test_generate_cli_takes_tp_and_expert_parallel(models):
     """`generate --tp N` (and vLLM's spelling --tensor-parallel-size) prints one device's greedy text, for the
-    bf16 dense model and the W4A16 MoE with --enable-expert-parallel; what cannot be split is refused in one
-    line."""
-    for name, flags in (("dense", ["--tp", "8"]), ("moe", ["--tensor-parallel-size", "4", "--enable-expert-parallel"])):
+    bf16 dense model and the W4A16 MoE with --enable-expert-parallel, and so does the MoE with
+    --data-parallel-size 4 (its sequence on one device, the experts split over all four); what cannot be split
+    is refused in one line."""
+    outs = {}
+    for name, flags in (("dense", ["--tp", "8"]), ("moe", ["--tensor-parallel-size", "4", "--enable-expert-parallel"]),
+                        ("moe", ["--data-parallel-size", "4", "--enable-expert-parallel"])):
         base = ["generate", str(models[name]), "--prompt", "the data of the model", "--max-tokens", "12"]
-        one, many = _cli(*base), _cli(*base, *flags)
+        one, many = outs.get(name) or _cli(*base), _cli(*base, *flags)
+        outs[name] = one
         assert one.returncode == 0 and many.returncode == 0, many.stderr[-2000:]
         assert many.stdout == one.stdout and len(one.stdout) > 1, (name, one.stdout, many.stdout)
         assert re.search(r"on (4|8) cpu devices", many.stderr), many.stderr
@@ -153,7 +157,9 @@ def test_generate_cli_takes_tp_and_expert_parallel(models):
     assert heads.returncode == 1 and "8 attention heads do not split over 3 devices" in heads.stderr
     more = _cli(*base, "--tp", "16")
     assert more.returncode == 1 and "--tp 16 needs 16 devices, 8 available" in more.stderr
-    for p in (heads, more):
+    both = _cli(*base, "--tp", "2", "--data-parallel-size", "2")
+    assert both.returncode == 1 and "--data-parallel-size with --tp is not supported yet" in both.stderr
+    for p in (heads, more, both):
         assert "Traceback" not in p.stderr and p.stderr.count("\n") == 1
 
 
@@ -170,8 +176,10 @@ def test_eval_cli_takes_tp(models):
     assert (a["devices"], a["expert_parallel"], b["devices"], b["expert_parallel"]) == (1, False, 4, True)
 
 
-def test_serve_with_tp_answers_the_openai_client(models, tmp_path):
-    """`serve --tp 4` (W4A16 MoE, expert parallel) answers the official client with one device's greedy text."""
+def test_serve_with_data_parallel_answers_the_openai_client(models, tmp_path):
+    """`serve --data-parallel-size 4 --enable-expert-parallel` (W4A16 MoE; 4 sequences, one a device) answers
+    the official client with one device's greedy text, four requests at once each their own; a structured
+    output, not served with data parallelism yet, is answered 400 with the reason."""
     import httpx
     import openai
 
@@ -180,7 +188,8 @@ def test_serve_with_tp_answers_the_openai_client(models, tmp_path):
     assert one.returncode == 0, one.stderr
     log = tmp_path / "serve.log"
     p = subprocess.Popen([sys.executable, "-m", "quantkit.cli", "serve", str(models["moe"]), "--port", "0",
-                          "--tp", "4", "--enable-expert-parallel", "--max-model-len", "128", "--max-num-seqs", "4"],
+                          "--data-parallel-size", "4", "--enable-expert-parallel", "--max-model-len", "128",
+                          "--max-num-seqs", "4"],
                          env=_env(4), stdout=subprocess.DEVNULL, stderr=open(log, "w"))
     try:
         deadline = time.monotonic() + 600
@@ -197,9 +206,12 @@ def test_serve_with_tp_answers_the_openai_client(models, tmp_path):
             assert p.poll() is None and time.monotonic() < deadline, log.read_text()
             time.sleep(0.2)
         client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
-        served = client.completions.create(model="moe-w4", prompt=prompt, max_tokens=10, temperature=0)
-        assert one.stdout == served.choices[0].text + "\n" and served.usage.completion_tokens > 0
-        assert "on 4 devices (experts split whole)" in log.read_text()
+        served = client.completions.create(model="moe-w4", prompt=[prompt] * 4, max_tokens=10, temperature=0)
+        assert [one.stdout] * 4 == [c.text + "\n" for c in served.choices] and served.usage.completion_tokens > 0
+        assert "on 4 devices, data parallel (1 sequence each) (experts split whole)" in log.read_text()
+        with pytest.raises(openai.BadRequestError, match="without data parallelism only"):
+            client.completions.create(model="moe-w4", prompt=prompt, max_tokens=4,
+                                      extra_body={"structured_outputs": {"choice": ["yes", "no"]}})
     finally:
         p.terminate()
         assert p.wait(60) == 0

@@ -269,8 +269,9 @@ class Server:
             self.engine_thread.start()
             self.engine, self.status = engine, "ready"
             r = engine.runner
-            devices = "1 device" if r.mesh is None else f"{r.dp} devices, data parallel ({r.max_num_seqs // r.dp} " \
-                "sequences each)" if r.dp > 1 else f"{r.tp} devices"
+            each = r.max_num_seqs // r.dp
+            devices = "1 device" if r.mesh is None else f"{r.dp} devices, data parallel ({each} sequence" \
+                f"{'s' if each > 1 else ''} each)" if r.dp > 1 else f"{r.tp} devices"
             devices += " (experts split whole)" if r.ep and r.mesh is not None else ""
             log.warning("ready in %.1f s: %s on %s, max_model_len %d, max_num_seqs %d, KV cache %s, prefix caching "
                         "%s, %d token buckets compiled (%s)",

@@ -447,11 +447,14 @@ class Runner:
 
     def __post_init__(self):
         cfg = self.model.cfg
-        self.mesh = self.model.mesh
+        self.mesh, self.ep = self.model.mesh, self.ep or self.model.ep
         if self.model.dp:
-            self.dp, self.tp = self.mesh.shape[AXIS], 1
-        elif self.mesh is not None and self.dp > 1:
-            raise InvalidInput("the model was placed tensor parallel; data parallelism needs it loaded with dp")
+            self.dp = self.mesh.shape[AXIS]
+        elif self.mesh is not None:  # placed tensor parallel
+            if self.dp > 1 or self.tp > 1 and self.mesh.shape[AXIS] != self.tp:
+                raise InvalidInput(f"the model was placed on {self.mesh.shape[AXIS]} devices tensor parallel, not "
+                                   f"as asked (--tp {self.tp}, --data-parallel-size {self.dp})")
+            self.tp = self.mesh.shape[AXIS]
         if self.dp > 1:
             if self.tp > 1:
                 raise InvalidInput("--data-parallel-size with --tp is not supported yet: one of them at a time")
@@ -471,11 +474,6 @@ class Runner:
         self.kv_dtype = jnp.dtype(fp8 or self.model.dtype).name
         if self.mesh is None and max(self.tp, self.dp) > 1:
             self.mesh = make_mesh(max(self.tp, self.dp))
-        if self.mesh is not None and self.dp == 1:
-            if self.mesh.shape[AXIS] != self.tp and self.tp > 1:
-                raise InvalidInput(f"the model was placed on {self.mesh.shape[AXIS]} devices, not --tp {self.tp}")
-            self.tp, self.ep = self.mesh.shape[AXIS], self.ep or self.model.ep
-        self.ep = self.ep or self.model.ep
         mesh, rep, dp = self.mesh, None if self.mesh is None else NamedSharding(self.mesh, P()), self.dp > 1
         # KV pages with their heads split when they divide the mesh; Gated DeltaNet states replicated; data
         # parallel: each device's pages and state slots its own, as its `last` tokens

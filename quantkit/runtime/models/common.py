@@ -174,22 +174,21 @@ def _expert_parallel(x, weights, experts, w: tuple, num_experts: int, act: Calla
     def body(x, weights, experts, parts, bias):
         mine = tuple(At(a.w.with_arrays(p[0], mesh=None, split=""), p[1], local) if isinstance(a, At) else p
                      for p, a in zip(parts, w))
-        return jax.lax.psum(_local_experts(x, weights, experts, mine, local, act, AXIS, bias), AXIS)  # x's dtype
+        e, bias = _localized(experts, bias, local, AXIS)
+        return jax.lax.psum(routed_experts(x, weights, e, mine, local, act, bias=bias), AXIS)  # in x's dtype
 
     return jax.shard_map(body, mesh=mesh, in_specs=(P(), P(), P(), specs, P()), out_specs=P(), check_vma=False)(
         x, weights, experts, parts, bias)
 
 
-def _local_experts(x, weights, experts, w: tuple, local: int, act: Callable, axis: str, bias: tuple | None):
-    """On one device of mesh axis `axis` holding experts [i * local, (i + 1) * local) (i its index; w their
-    weights): the rows of x routed to them through the grouped matmul, every other row adding nothing.
-    Expert biases come whole (replicated); the device takes its experts' rows."""
+def _localized(experts: jax.Array, bias: tuple | None, local: int, axis: str):
+    """(experts, bias) as the device of mesh axis `axis` holding experts [i * local, (i + 1) * local) (i its
+    index) runs them: its own experts' ids from 0, every other expert `local` (a row that adds nothing);
+    expert biases come whole (replicated), and it takes its experts' rows."""
     first = jax.lax.axis_index(axis) * local
     e = experts - first
-    e = jnp.where((e >= 0) & (e < local), e, local)  # another device's expert: dropped
-    if bias is not None:
-        bias = tuple(jax.lax.dynamic_slice_in_dim(b, first, local) for b in bias)
-    return routed_experts(x, weights, e, w, local, act, bias=bias)
+    e = jnp.where((e >= 0) & (e < local), e, local)
+    return e, None if bias is None else tuple(jax.lax.dynamic_slice_in_dim(b, first, local) for b in bias)
 
 
 def pack_routing(experts: jax.Array, weights: jax.Array) -> jax.Array:
@@ -223,15 +222,10 @@ def _data_parallel_experts(x, weights, experts, w: tuple, num_experts: int, act:
     local = num_experts // n
     ids, weights = unpack_routing(jax.lax.all_gather(pack_routing(experts, weights), axis, tiled=True))
     xs = jax.lax.all_gather(x, axis, tiled=True)  # [n * T, hidden]
-    first = jax.lax.axis_index(axis) * local
-    e = (ids - first).reshape(-1)
-    e = jnp.where((e >= 0) & (e < local), e, local)  # another device's expert: `local`, sorted last
+    e, bias = _localized(ids.reshape(-1), bias, local, axis)  # another device's expert: `local`, sorted last
     rows = min(n * t * k, 8 * math.ceil(EXPERT_PASS * t * k / 8))
     order = jnp.argsort(e, stable=True)
-    order = jnp.concatenate([order, jnp.full(-(-order.shape[0] // rows) * rows - order.shape[0], order[-1])])
-    if bias is not None:
-        bias = tuple(jax.lax.dynamic_slice_in_dim(b, first, local) for b in bias)
-
+    order = jnp.pad(order, (0, -order.shape[0] % rows), mode="edge")
     mine = jnp.sum(e < local)
 
     def one_pass(i, out):
