@@ -115,30 +115,43 @@ def grouped(x: jax.Array, w, sizes: jax.Array) -> jax.Array:
 
 
 def routed_experts(x: jax.Array, weights: jax.Array, experts: jax.Array, w: tuple, num_experts: int,
-                   act: Callable, mesh=None, bias: tuple | None = None, dtype=None) -> jax.Array:
+                   act: Callable, mesh=None, bias: tuple | None = None) -> jax.Array:
     """Sum over each token's chosen experts of weight * down(act(gate(x), up(x))).
 
     x [T, hidden]; weights, experts [T, k] (float32, int); w: one layer's (gate, up, down) experts; bias: their
     biases [experts, out] each (gpt-oss), added to each row's outputs. The T * k rows are sorted by expert and
-    run through the grouped matmul, one group per expert; rows whose expert is >= num_experts (another
-    device's, under expert parallelism) add nothing.
+    run through the grouped matmul, one group per expert (`_sorted_rows`); rows whose expert is >= num_experts
+    (another device's, under expert parallelism) add nothing.
     mesh: the expert-parallel mesh (runtime/sharding.py "e"), if any: see `_expert_parallel`; or the mesh
     axis's name (a str) inside the data-parallel step, whose devices each run their own tokens: see
-    `_data_parallel_experts`. dtype: of the sums (default x's)."""
+    `_data_parallel_experts`."""
     if isinstance(mesh, str):
         return _data_parallel_experts(x, weights, experts, w, num_experts, act, mesh, bias)
     if mesh is not None:
         return _expert_parallel(x, weights, experts, w, num_experts, act, mesh, bias)
-    hidden, served = x.shape[-1], (w[0].w if isinstance(w[0], At) else w[0]).shape[-2]
-    if served > hidden:  # experts served lane-padded (runtime/family.py experts): zero inputs, outputs cut
-        x = jnp.pad(x, ((0, 0), (0, served - hidden)))
+    hidden = x.shape[-1]
+    x = _served(x, w)
     k = experts.shape[-1]
     flat = experts.reshape(-1)
     order = jnp.argsort(flat, stable=True)
     token = order // k
-    sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
-    xs = x[token]  # [T * k, hidden], grouped by expert
-    row_expert = jnp.minimum(flat[order], num_experts - 1)
+    y = _sorted_rows(x[token], flat[order], weights.reshape(-1)[order], w, num_experts, act, bias)
+    return jnp.zeros(x.shape, jnp.float32).at[token].add(y)[:, :hidden].astype(x.dtype)
+
+
+def _served(x: jax.Array, w: tuple) -> jax.Array:
+    """x [T, hidden] padded to the width the experts are served at (runtime/family.py experts: lane-padded,
+    zero inputs; the outputs' extra columns are cut)."""
+    served = (w[0].w if isinstance(w[0], At) else w[0]).shape[-2]
+    return jnp.pad(x, ((0, 0), (0, served - x.shape[-1]))) if served > x.shape[-1] else x
+
+
+def _sorted_rows(xs: jax.Array, ids: jax.Array, weights: jax.Array, w: tuple, num_experts: int, act: Callable,
+                 bias: tuple | None) -> jax.Array:
+    """Rows xs [R, served] sorted by their expert ids [R] through the grouped matmuls, each output row times
+    its routing weight [R], float32; a row whose id is >= num_experts gives zeros."""
+    sizes = jnp.bincount(ids, length=num_experts).astype(jnp.int32)
+    row_expert = jnp.minimum(ids, num_experts - 1)
 
     def run(rows, j):
         y = grouped(rows, w[j], sizes)
@@ -147,9 +160,7 @@ def routed_experts(x: jax.Array, weights: jax.Array, experts: jax.Array, w: tupl
         return (y.astype(jnp.float32) + bias[j][row_expert].astype(jnp.float32)).astype(y.dtype)
 
     h = act(run(xs, 0), run(xs, 1))
-    mine = (flat[order] < num_experts)[:, None]
-    y = jnp.where(mine, run(h, 2).astype(jnp.float32) * weights.reshape(-1)[order][:, None], 0.0)
-    return jnp.zeros(x.shape, jnp.float32).at[token].add(y)[:, :hidden].astype(dtype or x.dtype)
+    return jnp.where((ids < num_experts)[:, None], run(h, 2).astype(jnp.float32) * weights[:, None], 0.0)
 
 
 def _expert_parallel(x, weights, experts, w: tuple, num_experts: int, act: Callable, mesh,
@@ -221,7 +232,7 @@ def _data_parallel_experts(x, weights, experts, w: tuple, num_experts: int, act:
     n, (t, k) = jax.lax.axis_size(axis), experts.shape
     local = num_experts // n
     ids, weights = unpack_routing(jax.lax.all_gather(pack_routing(experts, weights), axis, tiled=True))
-    xs = jax.lax.all_gather(x, axis, tiled=True)  # [n * T, hidden]
+    xs = _served(jax.lax.all_gather(x, axis, tiled=True), w)  # [n * T, served]
     e, bias = _localized(ids.reshape(-1), bias, local, axis)  # another device's expert: `local`, sorted last
     rows = min(n * t * k, 8 * math.ceil(EXPERT_PASS * t * k / 8))
     order = jnp.argsort(e, stable=True)
@@ -231,12 +242,10 @@ def _data_parallel_experts(x, weights, experts, w: tuple, num_experts: int, act:
     def one_pass(i, out):
         idx = jax.lax.dynamic_slice_in_dim(order, i * rows, rows)  # sorted rows i * rows ...
         ids = jnp.where(i * rows + jnp.arange(rows) < mine, e[idx], local)  # (past the last: padding)
-        y = routed_experts(xs[idx // k], weights.reshape(-1)[idx][:, None], ids[:, None], w, local, act,
-                           bias=bias, dtype=jnp.float32)
-        return out.at[idx // k].add(y)
+        return out.at[idx // k].add(_sorted_rows(xs[idx // k], ids, weights.reshape(-1)[idx], w, local, act, bias))
 
     passes = (mine + rows - 1) // rows
-    out = jax.lax.fori_loop(0, passes, one_pass, jnp.zeros(xs.shape, jnp.float32))
+    out = jax.lax.fori_loop(0, passes, one_pass, jnp.zeros(xs.shape, jnp.float32))[:, :x.shape[-1]]
     return jax.lax.psum_scatter(out.astype(x.dtype), axis, scatter_dimension=0, tiled=True)
 
 
