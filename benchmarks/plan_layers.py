@@ -1,7 +1,7 @@
 """What one layer of each kind adds to a step's compiled bytes: `quantkit plan`'s decode step compiled as its
-cost analysis compiles it (shallow variants, layers unrolled), but reported variant by variant: the base (one
-layer of the first kind: embedding, lm_head, sampling and that layer) and the base plus one layer of each kind.
-XLA's cost analysis (Pallas calls by their declared CostEstimate); deviceless libtpu on this CPU.
+cost analysis compiles it (plan._layer_costs: a base of one layer of each kind, then one more layer of each
+kind, layers unrolled), reported kind by kind, and the rest (embedding, lm_head, sampling). XLA's cost
+analysis (Pallas calls by their declared CostEstimate); deviceless libtpu on this CPU.
 
 Usage: .venv/bin/python benchmarks/plan_layers.py CONFIG_JSON --target v7x --max-model-len 9216 --max-num-seqs 512
        --data-parallel-size 8 --enable-expert-parallel [--set num_experts_per_tok=1 ...]
@@ -11,7 +11,6 @@ Usage: .venv/bin/python benchmarks/plan_layers.py CONFIG_JSON --target v7x --max
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import sys
@@ -46,16 +45,11 @@ def main() -> None:
         cfg.get("text_config", cfg)[key] = int(value)
     out = {}
 
-    def variants(c, compile_layers):
-        first = c.layer_kinds[0]
-        for kinds in ((first,), *((first, k) for k in dict.fromkeys(c.layer_kinds))):
-            v = dataclasses.replace(c, num_layers=len(kinds), sliding_layers=tuple(x == "sliding" for x in kinds),
-                                    linear_layers=tuple(x == "linear" for x in kinds) if c.linear_layers else ())
-            ca = compile_layers(v).cost_analysis()
-            out[kinds] = ((ca[0] if isinstance(ca, (list, tuple)) else ca) or {}).get("bytes accessed", 0.0)
+    def layers(c, compile_layers):
+        out.update(zip(("base", "per"), plan_module._layer_costs(c, compile_layers)))
         raise _Done
 
-    plan_module._step_cost = variants
+    plan_module._step_cost = layers
     with tempfile.TemporaryDirectory() as d:
         (Path(d) / "config.json").write_text(json.dumps(cfg))
         try:
@@ -64,11 +58,11 @@ def main() -> None:
                              search=False, prefill_cost=False)
         except _Done:
             pass
-    base = min(out, key=len)
-    print(f"base ({base[0]}): {out[base] / 1e9:.3f} GB")
-    for kinds, b in out.items():
-        if len(kinds) == 2:
-            print(f"one {kinds[1]} layer: {(b - out[base]) / 1e9:.3f} GB")
+    per = out["per"]
+    rest = out["base"]["bytes_accessed"] - sum(p["bytes_accessed"] for p in per.values())
+    print(f"the rest (embedding, lm_head, sampling): {rest / 1e9:.3f} GB")
+    for kind, p in per.items():
+        print(f"one {kind} layer: {p['bytes_accessed'] / 1e9:.3f} GB")
 
 
 if __name__ == "__main__":

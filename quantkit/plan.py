@@ -324,19 +324,31 @@ def _program_cost(cost: dict, chip) -> dict:
 
 def _step_cost(cfg, compile_layers) -> dict:
     """XLA's cost analysis of a step program (compile_layers(c): it compiled for config c, its layers
-    unrolled) and its matmul FLOPs by MXU operand type (`_mxu_flops`), scaled to the model's depth: XLA counts
-    a loop body once, so shallow variants are compiled (one layer of a base kind alone, then with one more
-    layer of each kind): a kind's layer costs the difference, the rest (embedding, logits, sampling) what is
-    left, and the step costs the rest plus each kind's layers times their count. The base kind is the first
-    layer's, or with Gated DeltaNet layers an attention one: their layer is the slow one to compile (the
-    chunked delta rule), and then only one variant holds it."""
+    unrolled) and its matmul FLOPs by MXU operand type (`_mxu_flops`), scaled to the model's depth
+    (`_layer_costs`): the rest (embedding, logits, sampling) plus each kind's layer times its count."""
+    base, per = _layer_costs(cfg, compile_layers)
     kinds = cfg.layer_kinds
-    first = next((k for k in kinds if k != "linear"), kinds[0])
+    return {m: int(base.get(m, 0) + sum((kinds.count(k) - 1) * per[k].get(m, 0) for k in per))
+            for m in set(base).union(*per.values())}
+
+
+def _layer_costs(cfg, compile_layers) -> tuple[dict, dict]:
+    """(metrics of a base program: one layer of each kind, {kind: what one more layer of it adds}). XLA
+    counts a loop body once, so shallow variants are compiled, their layers unrolled: the base, then the
+    base with one more layer of each kind. A kind's layer costs the difference: a later layer's cost, not
+    the first's, which can carry what the program does once (XLA schedules a copy of the logits
+    differently with a second layer of a kind). Data-parallel expert layers run one pass of their loop, as a
+    balanced step does (models/common.py `balanced_expert_passes`: XLA counts the body of a loop whose trip
+    count the data decides more than once)."""
+    from quantkit.runtime.models.common import balanced_expert_passes
+
+    kinds = tuple(dict.fromkeys(cfg.layer_kinds))
 
     def measure(k: tuple[str, ...]) -> dict:
         c = dataclasses.replace(cfg, num_layers=len(k), sliding_layers=tuple(x == "sliding" for x in k),
                                 linear_layers=tuple(x == "linear" for x in k) if cfg.linear_layers else ())
-        compiled = compile_layers(c)
+        with balanced_expert_passes():
+            compiled = compile_layers(c)
         ca = compiled.cost_analysis()
         ca = (ca[0] if isinstance(ca, (list, tuple)) else ca) or {}
         hlo = compiled.as_text()
@@ -344,11 +356,8 @@ def _step_cost(cfg, compile_layers) -> dict:
                 **{f"mxu:{t}": f for t, f in _mxu_flops(hlo).items()},
                 **{f"collective:{op}": b for op, b in _collectives(hlo).items()}}
 
-    base = measure((first,))
-    per = {k: {m: v - base.get(m, 0) for m, v in measure((first, k)).items()} for k in cfg.kinds}
-    metrics = set(base).union(*per.values())
-    return {m: int(base.get(m, 0) - per[first].get(m, 0) + sum(kinds.count(k) * per[k].get(m, 0) for k in per))
-            for m in metrics}
+    base = measure(kinds)
+    return base, {k: {m: v - base.get(m, 0) for m, v in measure((*kinds, k)).items()} for k in kinds}
 
 
 def _quantized_shapes(params: dict) -> set:

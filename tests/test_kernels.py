@@ -23,7 +23,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from helpers import rel_err as _rel
 from quantkit.kernels.gmm_v2 import gmm_v2, visits
-from quantkit.kernels.tiling import CHIPS, Tiles, choose_tiles, hbm_bytes, weight_bits
+from quantkit.kernels.tiling import CHIPS, Tiles, choose_tiles, hbm_bytes, traffic, weight_bits
 from quantkit.kernels.xla import gmm_xla
 from quantkit.quant.qtensor import make_qtensor
 from quantkit.quant.reference import gmm_reference
@@ -255,6 +255,19 @@ def test_tiles_obey_the_rules(chip, qtype, group):
             weight = k * n * weight_bits(qtype) // 8
             if weight >= 8 << 20:
                 assert (k // t.tk) * (n // t.tn) >= 4, (chip, k, n, t)
+
+
+@pytest.mark.parametrize("chip", ["v5e", "v6e", "v7x"])
+def test_grouped_tiles_read_each_experts_weights_once_when_its_rows_straddle_tiles(chip):
+    """Decode-shaped expert calls (a few rows an expert, so that m tiles straddle experts: Qwen3.5-397B's
+    experts under data parallelism, 1280 rows over 64 of them, and Qwen3-30B-A3B's, 512 rows over 128)
+    declare each expert's weight values and scales once (tiles whose one k tile lets an expert's visits
+    share its block), besides lhs at most once an n tile and the output once; a choice of several k tiles
+    re-reads a straddled expert's weights at each of its visits."""
+    for m, k, n, g in ((1280, 4096, 1024, 64), (1280, 1024, 4096, 64), (512, 2048, 768, 128), (512, 768, 2048, 128)):
+        t = choose_tiles(m, k, n, g, "int4", 128, 2, CHIPS[chip])
+        once = g * (k * n // 2 + k // 128 * n * 2) + (n // t.tn) * m * k * 2 + m * n * 2
+        assert traffic(m, k, n, g, "int4", 128, 2, t)[0] <= once, (chip, m, k, n, t)
 
 
 # ---- which chip's facts a TPU gets -----------------------------------------------------------------
@@ -546,19 +559,22 @@ def _dots(jaxpr) -> list[tuple]:
     return found
 
 
-@pytest.mark.parametrize("act,qtype,group,resident,sizes", [
-    ("int8", "int8", 512, True, [40, 30, 26]), ("int8", "int4", 128, False, [96]), ("", "int8", 128, False, [40, 30, 26]),
-    ("fp8", "fp8", 512, True, [96]), ("", "int4", 32, True, [40, 30, 26]), ("fp8_g128", "fp8", 128, False, [96])])
-def test_declared_cost_equals_the_blocks_the_grid_copies(act, qtype, group, resident, sizes):
+@pytest.mark.parametrize("act,qtype,group,resident,sizes,tk", [
+    ("int8", "int8", 512, True, [40, 30, 26], 128), ("int8", "int4", 128, False, [96], 128),
+    ("", "int8", 128, False, [40, 30, 26], 128), ("fp8", "fp8", 512, True, [96], 128),
+    ("", "int4", 32, True, [40, 30, 26], 128), ("fp8_g128", "fp8", 128, False, [96], 128),
+    ("", "int4", 32, True, [40, 30, 26], 512), ("", "int8", 512, False, [10, 20, 6, 50], 512)])
+def test_declared_cost_equals_the_blocks_the_grid_copies(act, qtype, group, resident, sizes, tk):
     """gmm_v2's CostEstimate (tiling.traffic) against the bytes its pipeline copies for one call, counted by
     walking the grid with the call's own visit metadata (`visits`) through the kernel's own index maps
     (`index_maps`): an input block is copied when its index differs from the previous step's, the output
     written when its index changes. Groups of 40 / 30 / 26 rows over 32-row tiles straddle tiles (5 visits,
     the static bound tiles_m + g - 1, attained); the bound's padding visit copies nothing; 8-bit rows move 1
-    byte an element and a float32 scale a row."""
+    byte an element and a float32 scale a row; with all of k in one tile (tk 512) a group's visits share
+    its weight block."""
     from quantkit.kernels.gmm_v2 import cost, index_maps, visits
 
-    m, k, n, tm, tk, tn = 96, 512, 384, 32, 128, 128
+    m, k, n, tm, tn = 96, 512, 384, 32, 128
     g, nk = len(sizes), k // tk
     _, rhs, _ = _abstract(qtype, g, k, n, group, m)
     rhs = dataclasses.replace(rhs, act=act)

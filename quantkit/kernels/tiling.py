@@ -70,7 +70,8 @@ def hbm_bytes(shape: tuple[int, ...], bits: int, chip: Chip) -> int:
 # ---- gmm_v2 tiles -----------------------------------------------------------------------------------
 
 MAX_TILE = 4096
-MIN_TILE_WEIGHT_BYTES = 512 << 10  # below this, per-step overhead (~0.35 us) outweighs the overlap gained
+STEP_SECONDS = 0.35e-6  # a grid step's fixed overhead
+MIN_TILE_WEIGHT_BYTES = 512 << 10  # below this, per-step overhead outweighs the overlap gained
 BIG_WEIGHT_BYTES = 8 << 20  # weights at least this big get at least MIN_STEPS grid steps along k and n
 MIN_STEPS = 4
 
@@ -154,7 +155,8 @@ def choose_tiles(m: int, k: int, n: int, g: int, qtype: str, group: int, scale_b
         return _choose_kn(m if m <= 512 else 512, k, n, qtype, group, scale_bytes, chip, limit, zero_bytes, int8_lhs,
                           row_group)
     # Grouped: a tall m tile wastes MXU work on rows of other groups, a short one re-reads the weights
-    # of groups that straddle tiles; take the m tile with the lowest roofline time on this chip.
+    # of groups that straddle tiles (unless all of k is one tile), and each grid step has a fixed overhead;
+    # take the m tile with the lowest roofline time plus overhead on this chip.
     best = None
     sizes = (8, 16, 32, 64, 128, 256, 512)
     if int8_lhs:  # int8 rows come in (32, 128) tiles: blocks of a multiple of 32 rows, or all of m
@@ -162,19 +164,20 @@ def choose_tiles(m: int, k: int, n: int, g: int, qtype: str, group: int, scale_b
     for tm in sizes:
         if tm > round_up(m, 8) and tm != 8:
             break
-        tiles = _choose_kn(tm, k, n, qtype, group, scale_bytes, chip, limit, zero_bytes, int8_lhs, row_group)
+        tiles = _choose_kn(tm, k, n, qtype, group, scale_bytes, chip, limit, zero_bytes, int8_lhs, row_group, True)
         if tiles is None:
             continue
         moved, flops = traffic(m, k, n, g, qtype, group, scale_bytes, tiles, zero_bytes=zero_bytes,
                                lhs_bytes=1 if int8_lhs else 2)
-        t = max(moved / chip.hbm_bytes_per_s, flops / chip.bf16_flops)
+        steps = (n // tiles.tn) * (k // tiles.tk) * min(-(-m // tm) + min(g, m) - 1, -(-m // tm) * g)
+        t = max(moved / chip.hbm_bytes_per_s, flops / chip.bf16_flops) + steps * STEP_SECONDS
         if best is None or t < best[0]:
             best = (t, tiles)
     return best[1] if best else None
 
 
 def _choose_kn(tm: int, k: int, n: int, qtype: str, group: int, scale_bytes: int, chip: Chip, limit: int,
-               zero_bytes: int, int8_lhs: bool = False, row_group: int = 0) -> Tiles | None:
+               zero_bytes: int, int8_lhs: bool = False, row_group: int = 0, grouped: bool = False) -> Tiles | None:
     """tk and tn for a given tm (see choose_tiles)."""
     bits = weight_bits(qtype)
     # tk a multiple of the group (scales before the dot), or a divisor of it (scales on partial sums,
@@ -211,8 +214,11 @@ def _choose_kn(tm: int, k: int, n: int, qtype: str, group: int, scale_bytes: int
             vmem = vmem_estimate(tm, tk, tn, k, group, qtype, scale_bytes, resident, zero_bytes, lhs_bytes)
             if vmem * 4 > limit * 3:
                 continue
-            # Prefer big tiles, but not below the overhead floor; ties -> wider tn (lane-dense output).
-            key = (tile_bytes >= MIN_TILE_WEIGHT_BYTES, tile_bytes if tile_bytes <= (4 << 20) else 0, tn)
+            # Prefer big tiles, but not below the overhead floor; ties -> grouped: all of k in one tile
+            # (consecutive visits to one group then share its weight block: `traffic`), then wider tn
+            # (lane-dense output).
+            key = (tile_bytes >= MIN_TILE_WEIGHT_BYTES, tile_bytes if tile_bytes <= (4 << 20) else 0,
+                   grouped and tk == k, tn)
             if best is None or key > best[0]:
                 best = (key, Tiles(tm, tk, tn, group < tk, resident, vmem, limit))
     return best[1] if best else None

@@ -14,6 +14,7 @@ and the ragged layout (cu_q_lens, kv_lens, num_seqs).
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 from dataclasses import dataclass
@@ -149,7 +150,10 @@ def _served(x: jax.Array, w: tuple) -> jax.Array:
 def _sorted_rows(xs: jax.Array, ids: jax.Array, weights: jax.Array, w: tuple, num_experts: int, act: Callable,
                  bias: tuple | None) -> jax.Array:
     """Rows xs [R, served] sorted by their expert ids [R] through the grouped matmuls, each output row times
-    its routing weight [R], float32; a row whose id is >= num_experts gives zeros."""
+    its routing weight [R]; a row whose id is >= num_experts gives zeros. The weight scales the down
+    projection's input (it is linear; rows past the groups come out of it zero): no float32 pass over the
+    [R, hidden] outputs; it scales the outputs, in float32, where the down projection has biases (gpt-oss)
+    or quantizes its input rows (W8A8, NVFP4: their quantization is of the unweighted rows)."""
     sizes = jnp.bincount(ids, length=num_experts).astype(jnp.int32)
     row_expert = jnp.minimum(ids, num_experts - 1)
 
@@ -160,6 +164,8 @@ def _sorted_rows(xs: jax.Array, ids: jax.Array, weights: jax.Array, w: tuple, nu
         return (y.astype(jnp.float32) + bias[j][row_expert].astype(jnp.float32)).astype(y.dtype)
 
     h = act(run(xs, 0), run(xs, 1))
+    if bias is None and not getattr(getattr(w[2], "w", w[2]), "act", None):
+        return run(h * weights[:, None].astype(h.dtype), 2)
     return jnp.where((ids < num_experts)[:, None], run(h, 2).astype(jnp.float32) * weights[:, None], 0.0)
 
 
@@ -214,7 +220,22 @@ def unpack_routing(packed: jax.Array) -> tuple[jax.Array, jax.Array]:
     return packed[:, :k], jax.lax.bitcast_convert_type(packed[:, k:], jnp.float32)
 
 
-EXPERT_PASS = 2  # rows a pass of the data-parallel expert loop takes, in multiples of a device's own T * k
+EXPERT_PASS = 1.5  # rows a pass of the data-parallel expert loop takes, in multiples of a device's own T * k: a
+# balanced step's device gets T * k, and one 1.5x that (hot experts) still runs one pass
+_ONE_PASS = [False]
+
+
+@contextlib.contextmanager
+def balanced_expert_passes():
+    """Programs traced inside run the data-parallel expert loop as the one pass of a balanced step, which
+    is what `plan` costs: XLA's cost analysis counts the body of a loop whose trip count the data decides
+    more than once (+0.43 GB a Qwen3.5-397B layer, docs/plan.md). Not for serving: the rows past the first
+    pass would be dropped."""
+    _ONE_PASS[0] = True
+    try:
+        yield
+    finally:
+        _ONE_PASS[0] = False
 
 
 def _data_parallel_experts(x, weights, experts, w: tuple, num_experts: int, act: Callable, axis: str,
@@ -242,11 +263,13 @@ def _data_parallel_experts(x, weights, experts, w: tuple, num_experts: int, act:
     def one_pass(i, out):
         idx = jax.lax.dynamic_slice_in_dim(order, i * rows, rows)  # sorted rows i * rows ...
         ids = jnp.where(i * rows + jnp.arange(rows) < mine, e[idx], local)  # (past the last: padding)
-        return out.at[idx // k].add(_sorted_rows(xs[idx // k], ids, weights.reshape(-1)[idx], w, local, act, bias))
+        y = _sorted_rows(xs[idx // k], ids, weights.reshape(-1)[idx], w, local, act, bias)
+        return out.at[idx // k].add(y.astype(out.dtype))
 
-    passes = (mine + rows - 1) // rows
-    out = jax.lax.fori_loop(0, passes, one_pass, jnp.zeros(xs.shape, jnp.float32))[:, :x.shape[-1]]
-    return jax.lax.psum_scatter(out.astype(x.dtype), axis, scatter_dimension=0, tiled=True)
+    out = jnp.zeros(xs.shape, x.dtype)  # a token's few rows here (k / n on average); the devices' sums in x.dtype
+    out = one_pass(0, out) if _ONE_PASS[0] else jax.lax.fori_loop(0, (mine + rows - 1) // rows, one_pass, out)
+    out = out[:, :x.shape[-1]]
+    return jax.lax.psum_scatter(out, axis, scatter_dimension=0, tiled=True)
 
 
 def rms_norm(x: jax.Array, w: jax.Array | None, eps: float, offset: float = 0.0) -> jax.Array:
