@@ -46,7 +46,7 @@ def main() -> None:
     out = {}
 
     def layers(c, compile_layers):
-        out.update(zip(("base", "per"), plan_module._layer_costs(c, compile_layers)))
+        out.update(zip(("kinds", "base", "per"), plan_module._layer_costs(c, compile_layers)))
         raise _Done
 
     plan_module._step_cost = layers

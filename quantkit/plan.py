@@ -218,15 +218,15 @@ def plan(path: str | Path, target: str = "v6e", max_model_len: int = 2048, max_n
     if progress:
         progress(f"compiling the step for {target} ({max_num_seqs} sequences of {max_model_len})")
     fits, temp, seconds, message, found = fits_at(max_num_seqs)
-    def step_cost(t: int, spec: int = 0) -> dict:
+    def step_cost(t: int, spec: int = 0, later: bool = True) -> dict:
         return _step_cost(cfg, lambda c: compile_program(c, weights_of(c), t, max_num_seqs, unroll=True,
-                                                         spec=spec)[0])
+                                                         spec=spec)[0], later)
 
     cost = step_cost(decode_bucket(max_num_seqs)) if cost and not message else None
     verify_tokens = decode_bucket(max_num_seqs * (1 + speculative))
     verify = step_cost(verify_tokens, speculative) if speculative and cost is not None else None
     prefill = cost if cost is None or decode_bucket(max_num_seqs) == budget else \
-        step_cost(budget) if prefill_cost else None
+        step_cost(budget, later=False) if prefill_cost else None
     weights, best = weight_bytes(), None
     # KV grows by `per_seq` bytes a sequence (marginal, taken at max_num_seqs: a tiny sliding-window pool is
     # clamped to the full one's size), on top of `fixed` bytes whatever n (scratch pages, the pages of one
@@ -322,27 +322,32 @@ def _program_cost(cost: dict, chip) -> dict:
             "memory_seconds": cost.get("bytes_accessed", 0) / chip.hbm_bytes_per_s}
 
 
-def _step_cost(cfg, compile_layers) -> dict:
+def _step_cost(cfg, compile_layers, later: bool = True) -> dict:
     """XLA's cost analysis of a step program (compile_layers(c): it compiled for config c, its layers
     unrolled) and its matmul FLOPs by MXU operand type (`_mxu_flops`), scaled to the model's depth
     (`_layer_costs`): the rest (embedding, logits, sampling) plus each kind's layer times its count."""
-    base, per = _layer_costs(cfg, compile_layers)
+    base_kinds, base, per = _layer_costs(cfg, compile_layers, later)
     kinds = cfg.layer_kinds
-    return {m: int(base.get(m, 0) + sum((kinds.count(k) - 1) * per[k].get(m, 0) for k in per))
+    return {m: int(base.get(m, 0) + sum((kinds.count(k) - base_kinds.count(k)) * per[k].get(m, 0) for k in per))
             for m in set(base).union(*per.values())}
 
 
-def _layer_costs(cfg, compile_layers) -> tuple[dict, dict]:
-    """(metrics of a base program: one layer of each kind, {kind: what one more layer of it adds}). XLA
+def _layer_costs(cfg, compile_layers, later: bool = True) -> tuple[tuple, dict, dict]:
+    """(the kinds of a base program's layers, its metrics, {kind: what one more layer of it adds}). XLA
     counts a loop body once, so shallow variants are compiled, their layers unrolled: the base, then the
-    base with one more layer of each kind. A kind's layer costs the difference: a later layer's cost, not
-    the first's, which can carry what the program does once (XLA schedules a copy of the logits
-    differently with a second layer of a kind). Data-parallel expert layers run one pass of their loop, as a
-    balanced step does (models/common.py `balanced_expert_passes`: XLA counts the body of a loop whose trip
-    count the data decides more than once)."""
+    base with one more layer of each kind; a kind's layer costs the difference. `later`: the base holds one
+    layer of each kind, so that a kind's cost is a later layer's, not the first's, which can carry what the
+    program does once (with a first layer of a second kind, XLA scheduled a copy of the logits that a
+    one-layer program lacks). Else (the prefill program, whose Gated DeltaNet layers are slow to compile)
+    one layer of the first kind, an attention one where there are Gated DeltaNet layers: then only one
+    variant holds a GDN layer. Data-parallel expert layers run one pass of their loop, as a balanced step
+    does (models/common.py `balanced_expert_passes`: XLA counts the body of a loop whose trip count the data
+    decides more than once)."""
     from quantkit.runtime.models.common import balanced_expert_passes
 
     kinds = tuple(dict.fromkeys(cfg.layer_kinds))
+    if not later:
+        kinds = (next((k for k in kinds if k != "linear"), kinds[0]),)
 
     def measure(k: tuple[str, ...]) -> dict:
         c = dataclasses.replace(cfg, num_layers=len(k), sliding_layers=tuple(x == "sliding" for x in k),
@@ -357,7 +362,7 @@ def _layer_costs(cfg, compile_layers) -> tuple[dict, dict]:
                 **{f"collective:{op}": b for op, b in _collectives(hlo).items()}}
 
     base = measure(kinds)
-    return base, {k: {m: v - base.get(m, 0) for m, v in measure((*kinds, k)).items()} for k in kinds}
+    return kinds, base, {k: {m: v - base.get(m, 0) for m, v in measure((*kinds, k)).items()} for k in cfg.kinds}
 
 
 def _quantized_shapes(params: dict) -> set:
