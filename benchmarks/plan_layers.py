@@ -45,8 +45,8 @@ def main() -> None:
         cfg.get("text_config", cfg)[key] = int(value)
     out = {}
 
-    def layers(c, compile_layers):
-        out.update(zip(("kinds", "base", "per"), plan_module._layer_costs(c, compile_layers)))
+    def layers(c, compile_layers, later=True):  # plan._step_cost's signature; the decode step: later
+        out.update(zip(("kinds", "base", "per"), plan_module._layer_costs(c, compile_layers, later)))
         raise _Done
 
     plan_module._step_cost = layers
