@@ -187,6 +187,53 @@ def test_greedy_and_draws_are_numpys_argmax_and_jax_categoricals(seed):
     assert (np.asarray(drawn) == np.asarray(expect)).all() and len(set(np.asarray(drawn).tolist())) > 20, seed
 
 
+
+@pytest.mark.parametrize("sampled", [False, True])
+def test_pick_against_numpy_and_jax_categorical(sampled):
+    """`pick` (the step's sampler) against references it does not share code with: a greedy row's token is
+    numpy's argmax of its logits with its banned ids removed, a sampled row's (temperature 0.7, no filter) is
+    jax.random.categorical's draw from the unbanned logits over temperature with the key of its seed and
+    position; each row's log-probability and top alternatives are numpy's log-softmax of the raw logits (the
+    banned ids included: vLLM's raw logprobs). Rows 0-2 ban their own
+    best tokens, so that a ban changes a token; the sampled case mixes greedy rows in."""
+    import jax
+
+    from quantkit.runtime.step import BANNED, NO_TOKEN, TOP_LOGPROBS, pick, sampling_arrays
+
+    b, vocab = 6, 700
+    rng = np.random.default_rng()
+    logits = (rng.standard_normal((b, vocab)) * 3).astype(np.float32)
+    s = sampling_arrays(b, vocab)
+    del s["allow"]
+    for r in range(3):  # each bans its 1..3 best tokens
+        best = np.argsort(-logits[r])[:r + 1]
+        s["banned"][r, :len(best)] = best
+    s["banned"][3, :BANNED] = rng.choice(vocab, BANNED, replace=False)
+    s["logprobs"][:] = [True, False, True, True, False, True]
+    s["seed"][:] = rng.integers(0, 2**31, b)
+    if sampled:
+        s["temperature"][[1, 2, 4]] = 0.7
+    pos = rng.integers(0, 1000, b).astype(np.int32)
+    tok, lp, top_ids, top_lps = (np.asarray(x) for x in jax.jit(pick)(
+        jnp.asarray(logits), {k: jnp.asarray(v) for k, v in s.items()}, jnp.asarray(pos)))
+
+    logp = logits.astype(np.float64) - logits.max(-1, keepdims=True)
+    logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
+    for r in range(b):
+        unbanned = logits[r].copy()
+        unbanned[[i for i in s["banned"][r] if i != NO_TOKEN]] = -np.inf
+        if s["temperature"][r] > 0:
+            key = jax.random.fold_in(jax.random.PRNGKey(s["seed"][r]), pos[r])
+            expect = int(jax.random.categorical(key, jnp.asarray(unbanned / np.float32(0.7))))
+        else:
+            expect = int(np.argmax(unbanned))
+        assert tok[r] == expect and tok[r] not in s["banned"][r], (r, tok[r], expect)
+        assert abs(lp[r] - logp[r, tok[r]]) < 1e-5, r
+        if s["logprobs"][r]:
+            order = np.argsort(-logp[r])[:TOP_LOGPROBS]
+            assert (top_ids[r] == order).all() and np.abs(top_lps[r] - logp[r, order]).max() < 1e-5, r
+    assert tok[0] != np.argmax(logits[0])  # the ban took effect
+
 # ---- prefix caching -------------------------------------------------------------------------------------
 
 def _expected_hit(prompt, earlier, ps=8):

@@ -69,41 +69,59 @@ def _cut(x: jax.Array, enough, iters: int = 40) -> jax.Array:
     return jax.lax.fori_loop(0, iters, body, (lo, hi))[0]
 
 
-def _filtered(logits: jax.Array, temperature, top_k, top_p) -> jax.Array:
-    """logits [b, vocab] over temperature with what top-k and then top-p drop at -inf.
+def _filtered(scaled: jax.Array, top_k, top_p) -> jax.Array:
+    """Logits over temperature [b, vocab] with what top-k and then top-p drop at -inf.
 
     top-k keeps the tokens at least as likely as the k-th, top-p then the most likely tokens whose
     probability reaches top_p (the smallest such set; tokens tied at a cut-off are all kept). The cut-offs
-    are found by bisection (`_cut`), and only when some row asks for a filter.
+    are found by bisection (`_cut`).
     """
-    scaled = logits / jnp.maximum(temperature, 1e-6)[:, None]
-
-    def filtered():
-        kth = _cut(scaled, lambda keep: jnp.sum(keep, -1) >= top_k)
-        x = jnp.where((top_k[:, None] > 0) & (scaled < kth[:, None]), -jnp.inf, scaled)
-        p = jax.nn.softmax(x, axis=-1)
-        floor = _cut(p, lambda keep: jnp.sum(jnp.where(keep, p, 0.0), -1) >= top_p)
-        return jnp.where((top_p[:, None] < 1) & (p < floor[:, None]), -jnp.inf, x)
-
-    return jax.lax.cond(jnp.any((top_k > 0) | (top_p < 1)), filtered, lambda: scaled)
+    kth = _cut(scaled, lambda keep: jnp.sum(keep, -1) >= top_k)
+    x = jnp.where((top_k[:, None] > 0) & (scaled < kth[:, None]), -jnp.inf, scaled)
+    p = jax.nn.softmax(x, axis=-1)
+    floor = _cut(p, lambda keep: jnp.sum(jnp.where(keep, p, 0.0), -1) >= top_p)
+    return jnp.where((top_p[:, None] < 1) & (p < floor[:, None]), -jnp.inf, x)
 
 
-def sample(logits: jax.Array, keys: jax.Array, temperature, top_k, top_p) -> jax.Array:
-    """One token per row of logits [b, vocab] with per-row keys [b, 2] and parameters [b] (`_filtered`)."""
-    scaled = _filtered(logits, temperature, top_k, top_p)
-    # jax.random.categorical's Gumbel-max draw, with the cheaper argmax
-    drawn = _argmax(scaled + jax.vmap(lambda k: jax.random.gumbel(k, scaled.shape[-1:], scaled.dtype))(keys))
-    return jnp.where(temperature <= 0, _argmax(logits), drawn)
+def _unbanned(logits: jax.Array, banned: jax.Array | None) -> jax.Array:
+    """logits [b, vocab] with each row's banned ids [b, BANNED] at -inf, elementwise (no scatter into a
+    copy), so that XLA computes it inside each reduction that reads it."""
+    if banned is None:
+        return logits
+    ids = jax.lax.broadcasted_iota(jnp.int32, logits.shape, 1)
+    return jnp.where(functools.reduce(jnp.logical_or, [ids == banned[:, j, None] for j in range(banned.shape[1])]),
+                     -jnp.inf, logits)
+
+
+def sample(logits: jax.Array, keys: jax.Array, temperature, top_k, top_p, banned=None) -> jax.Array:
+    """One token per row of logits [b, vocab] with per-row keys [b, 2], parameters [b] and banned ids
+    (`_unbanned`): the argmax where the temperature is 0, else jax.random.categorical's Gumbel-max draw from
+    the logits over temperature, filtered by top-k and top-p (`_filtered`) only when some row asks for it.
+    One argmax over all rows (a greedy row's logits enter it as they are), written so that XLA fuses the
+    ban, the scaling and the noise into that reduction instead of storing [b, vocab] arrays on the way."""
+    greedy = (temperature <= 0)[:, None]
+
+    def draw(filter_rows):
+        x = _unbanned(logits, banned)
+        scaled = x / jnp.maximum(temperature, 1e-6)[:, None]
+        if filter_rows:
+            scaled = _filtered(scaled, top_k, top_p)
+        noise = jax.vmap(lambda k: jax.random.gumbel(k, logits.shape[-1:], logits.dtype))(keys)
+        return _argmax(jnp.where(greedy, x, scaled + noise))
+
+    return jax.lax.cond(jnp.any((top_k > 0) | (top_p < 1)), lambda: draw(True), lambda: draw(False))
 
 
 def allowed_logits(logits: jax.Array, allow: jax.Array) -> jax.Array:
     """logits [b, vocab] with the tokens a row's bitmask allow [b, ceil(vocab / 32)] (int32 words; token t:
-    bit t % 32 of word t // 32, structured.py) does not set at -inf; skipped when every bit is set."""
-    def masked():
+    bit t % 32 of word t // 32, structured.py) does not set at -inf. The bits are expanded to a boolean
+    [b, vocab] only when some row has a mask (a cond); the selection itself is elementwise, so that XLA
+    computes it inside the reductions that read it instead of storing a masked copy of the logits."""
+    def keep():
         bits = (allow[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1
-        return jnp.where(bits.reshape(allow.shape[0], -1)[:, :logits.shape[-1]] != 0, logits, -jnp.inf)
+        return bits.reshape(allow.shape[0], -1)[:, :logits.shape[-1]] != 0
 
-    return jax.lax.cond(jnp.any(allow != -1), masked, lambda: logits)
+    return jnp.where(jax.lax.cond(jnp.any(allow != -1), keep, lambda: jnp.ones(logits.shape, bool)), logits, -jnp.inf)
 
 
 def pick(logits: jax.Array, s: dict, next_pos: jax.Array, draft: jax.Array | None = None):
@@ -122,15 +140,22 @@ def pick(logits: jax.Array, s: dict, next_pos: jax.Array, draft: jax.Array | Non
     if "allow" in s:
         logits = allowed_logits(logits, s["allow"])
     keys = jax.vmap(lambda seed, p: jax.random.fold_in(jax.random.PRNGKey(seed), p))(s["seed"], next_pos)
-    allowed = jax.lax.cond(jnp.any(s["banned"] != NO_TOKEN), lambda: jax.vmap(
-        lambda row, ids: row.at[ids].set(-jnp.inf, mode="drop"))(logits, s["banned"]), lambda: logits)
-    tok = jax.lax.cond(jnp.all(s["temperature"] <= 0), lambda: _argmax(allowed),
-                       lambda: sample(allowed, keys, s["temperature"], s["top_k"], s["top_p"]))
-    logp = jax.nn.log_softmax(logits, axis=-1)
+    banned = s["banned"]
+    tok = jax.lax.cond(jnp.all(s["temperature"] <= 0), lambda: _argmax(_unbanned(logits, banned)),
+                       lambda: sample(logits, keys, s["temperature"], s["top_k"], s["top_p"], banned))
+    # log-probabilities without a [b, vocab] log-softmax: the chosen token's and the top ones' logits less
+    # the row's log-sum-exp
+    top = jnp.max(logits, axis=-1, keepdims=True)
+    lse = top + jnp.log(jnp.sum(jnp.exp(logits - top), axis=-1, keepdims=True))
     b = logits.shape[0]
-    top = jax.lax.cond(jnp.any(s["logprobs"]), lambda: tuple(jax.lax.top_k(logp, TOP_LOGPROBS)),
-                       lambda: (jnp.zeros((b, TOP_LOGPROBS), logp.dtype), jnp.zeros((b, TOP_LOGPROBS), jnp.int32)))
-    out = tok.astype(jnp.int32), jnp.take_along_axis(logp, tok[:, None], axis=-1)[:, 0], top[1], top[0]
+
+    def alternatives():
+        values, ids = jax.lax.top_k(logits, TOP_LOGPROBS)
+        return ids, values - lse
+
+    alt = jax.lax.cond(jnp.any(s["logprobs"]), alternatives,
+                       lambda: (jnp.zeros((b, TOP_LOGPROBS), jnp.int32), jnp.zeros((b, TOP_LOGPROBS), logits.dtype)))
+    out = tok.astype(jnp.int32), (jnp.take_along_axis(logits, tok[:, None], axis=-1) - lse)[:, 0], *alt
     return out if draft is None else (*out, tok == draft)
 
 
