@@ -53,20 +53,26 @@ class Sampling:
     seed: int = 0
 
 
-def _cut(x: jax.Array, enough, iters: int = 40) -> jax.Array:
-    """Per row of x [b, n], the largest threshold t (to bisection precision) with enough(x >= t) true:
-    a cut-off found by bisection over the row's value range, without sorting the vocabulary (a sort of a
-    262k vocabulary took 32 s of a 40 s TPU compile)."""
+def _cut(x: jax.Array, enough, ways: int = 8, rounds: int = 14) -> jax.Array:
+    """Per row of x [b, n], the largest threshold t (to the search's precision) with enough(x >= t) true:
+    a cut-off found by searching the row's value range, without sorting the vocabulary (a sort of a 262k
+    vocabulary took 32 s of a 40 s TPU compile). enough(keep [b, m, n]) -> [b, m] tests m thresholds at
+    once: each round splits the bracket [lo, hi) into `ways` parts in one pass over x, where bisection
+    takes a pass per halving (8 ways x 14 rounds narrow it as 42 bisection steps: 14 passes, not 42, each
+    with 7 comparisons an element; docs/runtime.md)."""
     lo = jnp.min(jnp.where(jnp.isfinite(x), x, jnp.inf), axis=-1)
     hi = jnp.max(x, axis=-1)
+    frac = jnp.arange(1, ways, dtype=x.dtype) / ways
 
     def body(_, bounds):
         lo, hi = bounds
-        mid = (lo + hi) / 2
-        ok = enough(x >= mid[:, None])
-        return jnp.where(ok, mid, lo), jnp.where(ok, hi, mid)
+        t = lo[:, None] + (hi - lo)[:, None] * frac  # [b, ways - 1], increasing
+        ok = enough(x[:, None, :] >= t[:, :, None])  # true up to some threshold (keeping less is not enough)
+        j = jnp.sum(ok, axis=-1)  # thresholds that keep enough: lo moves to the last, hi to the next
+        edges = jnp.concatenate([lo[:, None], t, hi[:, None]], axis=-1)
+        return (jnp.take_along_axis(edges, j[:, None], -1)[:, 0], jnp.take_along_axis(edges, j[:, None] + 1, -1)[:, 0])
 
-    return jax.lax.fori_loop(0, iters, body, (lo, hi))[0]
+    return jax.lax.fori_loop(0, rounds, body, (lo, hi))[0]
 
 
 def _filtered(scaled: jax.Array, top_k, top_p) -> jax.Array:
@@ -74,12 +80,12 @@ def _filtered(scaled: jax.Array, top_k, top_p) -> jax.Array:
 
     top-k keeps the tokens at least as likely as the k-th, top-p then the most likely tokens whose
     probability reaches top_p (the smallest such set; tokens tied at a cut-off are all kept). The cut-offs
-    are found by bisection (`_cut`).
+    are found by search (`_cut`).
     """
-    kth = _cut(scaled, lambda keep: jnp.sum(keep, -1) >= top_k)
+    kth = _cut(scaled, lambda keep: jnp.sum(keep, -1) >= top_k[:, None])
     x = jnp.where((top_k[:, None] > 0) & (scaled < kth[:, None]), -jnp.inf, scaled)
     p = jax.nn.softmax(x, axis=-1)
-    floor = _cut(p, lambda keep: jnp.sum(jnp.where(keep, p, 0.0), -1) >= top_p)
+    floor = _cut(p, lambda keep: jnp.sum(jnp.where(keep, p[:, None, :], 0.0), -1) >= top_p[:, None])
     return jnp.where((top_p[:, None] < 1) & (p < floor[:, None]), -jnp.inf, x)
 
 
