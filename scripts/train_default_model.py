@@ -1,5 +1,6 @@
 """Trains the embedded default model: a ~5M-parameter Llama on the Python standard library's own sources,
-with the runtime's model code (`runtime/models/llama.py`) under `jax.grad`, on CPU, deterministically.
+with the runtime's layer pieces (`runtime/models/common.py`; dense attention) under `jax.grad`, on CPU,
+deterministically.
 
 Usage: .venv/bin/python scripts/train_default_model.py [OUT_DIR] [--steps N] [--minutes M]
        .venv/bin/python scripts/train_default_model.py --eagle3 [--steps N] [--minutes M]
@@ -80,16 +81,32 @@ def init_params(key) -> dict:
             "lm_head": w(h, v)}
 
 
-def make_step(cfg):
-    pages = SEQ // 16
+def dense_logits(params: dict, cfg, tokens):
+    """The Llama's logits [b, n, vocab] for tokens [b, n]: runtime/models/llama.py's layer (its norms, RoPE,
+    projections and SwiGLU from models/common.py) with dense causal attention in place of the paged
+    kernel, whose loop over pages jax.grad cannot differentiate."""
+    from quantkit.runtime.models.common import apply_rope, linear, logits, rms_norm, rope_frequencies
 
+    b, n = tokens.shape
+    nh, kvh, d, eps = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps
+    inv, pos = rope_frequencies(cfg), jnp.tile(jnp.arange(n), b)
+    causal = jnp.arange(n)[:, None] >= jnp.arange(n)[None]
+    x = params["embed"][tokens]
+    for p in params["layers"]:
+        y = rms_norm(x, p["attn_norm"], eps)
+        q = apply_rope(linear(y, p["q"]).reshape(b * n, nh, d), pos, inv).reshape(b, n, kvh, nh // kvh, d)
+        k = apply_rope(linear(y, p["k"]).reshape(b * n, kvh, d), pos, inv).reshape(b, n, kvh, d)
+        v = linear(y, p["v"]).reshape(b, n, kvh, d)
+        w = jnp.where(causal, jnp.einsum("bthgd,bshd->bhgts", q, k) * cfg.scale, -jnp.inf)
+        x = x + linear(jnp.einsum("bhgts,bshd->bthgd", jax.nn.softmax(w, -1), v).reshape(b, n, nh * d), p["o"])
+        y = rms_norm(x, p["mlp_norm"], eps)
+        x = x + linear(jax.nn.silu(linear(y, p["gate"])) * linear(y, p["up"]), p["down"])
+    return logits(params, rms_norm(x, params["final_norm"], eps).reshape(b * n, -1), cfg).reshape(b, n, -1)
+
+
+def make_step(cfg):
     def loss_fn(params, batch):  # batch [b, SEQ + 1]
-        b = batch.shape[0]
-        cache = [(jnp.zeros((1 + b * pages, 16, cfg.num_kv_heads, cfg.head_dim)),) * 2
-                 for _ in range(cfg.num_layers)]
-        tables = 1 + jnp.arange(b * pages).reshape(b, pages)
-        positions = jnp.broadcast_to(jnp.arange(SEQ), (b, SEQ))
-        logits, _ = forward(params, cfg, batch[:, :-1], positions, cache, (tables, None))
+        logits = dense_logits(params, cfg, batch[:, :-1])
         logp = jax.nn.log_softmax(logits, axis=-1)
         return -jnp.take_along_axis(logp, batch[:, 1:, None], axis=-1).mean()
 

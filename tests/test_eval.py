@@ -173,3 +173,28 @@ def _peak(*cmd: str) -> tuple[int, str]:
         out.seek(0), err.seek(0)
         assert p.returncode == 0, err.read()
         return usage.ru_maxrss * 1024, out.read()  # Linux reports KiB
+
+
+def test_default_models_training_forward_is_transformers_llama(tmp_path):
+    """scripts/train_default_model.py trains with its own dense forward (the runtime's paged one cannot be
+    differentiated): its logits against transformers' LlamaForCausalLM on the checkpoint its `save` writes
+    (random weights and norms, seed fixed; both in float32 on the saved bf16 weights)."""
+    import jax
+    import jax.numpy as jnp
+    import ml_dtypes
+
+    import train_default_model as train
+    from quantkit.runtime.models import from_hf
+
+    params = train.init_params(jax.random.PRNGKey(3))
+    keys = iter(jax.random.split(jax.random.PRNGKey(4), 64))
+    params["layers"] = [{k: v + 0.1 * jax.random.normal(next(keys), v.shape) if v.ndim == 1 else v for k, v in p.items()}
+                        for p in params["layers"]]
+    params = jax.tree_util.tree_map(lambda x: jnp.asarray(np.asarray(x).astype(ml_dtypes.bfloat16), jnp.float32), params)
+    train.save(params, tmp_path)
+    tokens = np.random.default_rng(5).integers(0, train.CONFIG["vocab_size"], (2, 48))
+    ours = np.asarray(train.dense_logits(params, from_hf(train.CONFIG), jnp.asarray(tokens)))
+    ref = T.LlamaForCausalLM.from_pretrained(tmp_path, torch_dtype=torch.float32).eval()
+    with torch.no_grad():
+        theirs = ref(torch.as_tensor(tokens)).logits.numpy()
+    assert np.linalg.norm(ours - theirs) / np.linalg.norm(theirs) < 1e-4
