@@ -188,9 +188,10 @@ def test_default_models_training_forward_is_transformers_llama(tmp_path):
 
     params = train.init_params(jax.random.PRNGKey(3))
     keys = iter(jax.random.split(jax.random.PRNGKey(4), 64))
-    params["layers"] = [{k: v + 0.1 * jax.random.normal(next(keys), v.shape) if v.ndim == 1 else v for k, v in p.items()}
-                        for p in params["layers"]]
-    params = jax.tree_util.tree_map(lambda x: jnp.asarray(np.asarray(x).astype(ml_dtypes.bfloat16), jnp.float32), params)
+    params["layers"] = [{k: v + 0.1 * jax.random.normal(next(keys), v.shape) if v.ndim == 1 else v
+                         for k, v in p.items()} for p in params["layers"]]  # norms away from 1
+    as_saved = lambda x: jnp.asarray(np.asarray(x).astype(ml_dtypes.bfloat16), jnp.float32)  # noqa: E731
+    params = jax.tree_util.tree_map(as_saved, params)
     train.save(params, tmp_path)
     tokens = np.random.default_rng(5).integers(0, train.CONFIG["vocab_size"], (2, 48))
     ours = np.asarray(train.dense_logits(params, from_hf(train.CONFIG), jnp.asarray(tokens)))

@@ -572,29 +572,56 @@ def test_declared_cost_equals_the_blocks_the_grid_copies(act, qtype, group, resi
     the static bound tiles_m + g - 1, attained); the bound's padding visit copies nothing; 8-bit rows move 1
     byte an element and a float32 scale a row; with all of k in one tile (tk 512) a group's visits share
     its weight block."""
-    from quantkit.kernels.gmm_v2 import cost, index_maps, visits
+    from quantkit.kernels.gmm_v2 import cost
 
     m, k, n, tm, tn = 96, 512, 384, 32, 128
-    g, nk = len(sizes), k // tk
-    _, rhs, _ = _abstract(qtype, g, k, n, group, m)
+    _, rhs, _ = _abstract(qtype, len(sizes), k, n, group, m)
     rhs = dataclasses.replace(rhs, act=act)
     tiles = Tiles(tm=tm, tk=tk, tn=tn, predot=group < tk, lhs_resident=resident, vmem_bytes=0, vmem_limit=0)
+    copied, written = _grid_walk(sizes, m, k, n, tiles, qtype, group, act)
+    assert cost(m, k, n, len(sizes), rhs, tiles).bytes_accessed == sum(copied) + written, (copied, written)
+
+
+def _grid_walk(sizes, m, k, n, tiles, qtype, group, act=""):
+    """Bytes gmm_v2's pipeline copies for one call: (per input — lhs, row scales, weight values, scales —
+    the bytes of its blocks, output bytes written), walking the grid with the call's own visit metadata
+    (`visits`) through the kernel's own index maps (`index_maps`): an input block is copied when its index
+    differs from the previous step's, the output written when its index changes."""
+    from quantkit.kernels.gmm_v2 import index_maps, visits
+
+    g, nk, tm, tk, tn = len(sizes), k // tiles.tk, tiles.tm, tiles.tk, tiles.tn
     meta = visits(jnp.asarray(sizes, jnp.int32), m, tm) + (jnp.zeros(1, jnp.int32),)  # + the group offset
     lhs_map, rows_map, q_map, s_map, out_map = index_maps(tiles, g, nk)
     vbits = 8 if qtype in ("int8", "fp8") else 4
     row_scales = k // 128 if act == "fp8_g128" else 1  # float32 scales a row
-    blocks = [(lhs_map, tm * (k if resident else tk) * (1 if act else 2)), (rows_map, tm * 4 * row_scales if act else 0),
-              (q_map, tk * tn * vbits // 8), (s_map, (tk // group if group < tk else k // group) * tn * 2)]
-    copied, last, out_last, written = 0, {}, None, 0
+    blocks = [(lhs_map, tm * (k if tiles.lhs_resident else tk) * (1 if act else 2)),
+              (rows_map, tm * 4 * row_scales if act else 0), (q_map, tk * tn * vbits // 8),
+              (s_map, (tk // group if group < tk else k // group) * tn * 2)]
+    copied, last, out_last, written = [0] * len(blocks), {}, None, 0
     for ni in range(n // tn):
         for v in range(meta[0].shape[0]):
             for ki in range(nk):
                 for j, (index, size) in enumerate(blocks):
                     if last.get(j) != (i := tuple(int(x) for x in index(ni, v, ki, *meta))):
-                        copied, last[j] = copied + size, i
+                        copied[j], last[j] = copied[j] + size, i
                 if (o := tuple(int(x) for x in out_map(ni, v, ki, *meta))) != out_last:
                     written, out_last = written + tm * tn * 2, o
-    assert cost(m, k, n, g, rhs, tiles).bytes_accessed == copied + written, (copied, written)
+    return copied, written
+
+
+@pytest.mark.parametrize("resident,tk,sizes", [(False, 128, [20, 10]), (True, 128, [20, 10]),
+                                               (False, 512, [20, 10]), (False, 128, [0, 0])])
+def test_visits_past_every_group_copy_no_input_blocks(resident, tk, sizes):
+    """Rows past every group (the sentinel group's m tiles, which the kernel only zeroes: under expert
+    parallelism, the rows of other devices' experts) cost their output and nothing else. Walking the grid
+    (`_grid_walk`): 96 rows of which the groups hold 30 (or none) copy exactly the input blocks that 32 rows
+    holding the same groups copy, with several k tiles too (a sentinel visit stays on the k tile and m
+    tile the last grouped visit ended on), and write two more output tiles an n tile."""
+    k, n, tm, tn = 512, 384, 32, 128
+    tiles = Tiles(tm=tm, tk=tk, tn=tn, predot=False, lhs_resident=resident, vmem_bytes=0, vmem_limit=0)
+    wide, wide_out = _grid_walk(sizes, 96, k, n, tiles, "int4", 128)
+    narrow, narrow_out = _grid_walk(sizes, 32, k, n, tiles, "int4", 128)
+    assert wide == narrow and wide_out == narrow_out + 2 * (n // tn) * tm * tn * 2, (wide, narrow)
 
 
 @pytest.mark.slow

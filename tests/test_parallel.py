@@ -444,9 +444,16 @@ def test_host_memory_while_loading_does_not_grow_with_the_model(tmp_path):
     Medians of 3: the larger model's transient is under 8x the largest tensor (22 MiB; mostly the one-time
     compilation of the placement programs, ~100 MiB) and exceeds the smaller one's by less than 2x the
     largest tensor, where a host buffer of any whole stacked weight would add 5 x 22 MiB or more."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import importlib.util
+
     import numpy as np
-    import parallel_load
+
+    # loaded by path: benchmarks/ on sys.path would shadow the `kernels` package that transformers imports
+    # (benchmarks/kernels.py) in every later test of this worker
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "parallel_load.py"
+    spec = importlib.util.spec_from_file_location("parallel_load", path)
+    parallel_load = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(parallel_load)
 
     paths = {n: make_tiny_model.build(tmp_path / f"l{n}", num_hidden_layers=n, **parallel_load.SHAPE) for n in (5, 10)}
     size = sum(f.stat().st_size for f in paths[10].glob("*.safetensors"))

@@ -201,24 +201,31 @@ def cost(m: int, k: int, n: int, g: int, rhs: QTensor, tiles: Tiles, out_bytes: 
 def index_maps(tiles: Tiles, g: int, nk: int) -> tuple:
     """The block index of each operand at grid step (n tile, visit, k tile) — (lhs, row scales, weight values,
     scales and zero points, output) — from the scalar prefetch refs (visit groups and m tiles, the number of
-    real visits, group bounds, the group offset; nvfp4's global scales after them, unused). A padding visit
-    (past the real ones) repeats the last real visit's blocks at its last k tile: an unchanged index copies
-    nothing, so the bound's spare visits move no bytes (the CostEstimate counts real visits only)."""
+    real visits, group bounds, the group offset; nvfp4's global scales after them, unused). A visit that
+    reads no weights — a padding visit (past the real ones), or one of the sentinel group's (m tiles past
+    every group's rows: under expert parallelism, rows of other devices' experts), which the kernel only
+    zeroes — repeats the blocks the last grouped visit ended on (its last k tile, its m tile): an unchanged
+    index copies nothing, so those visits move no bytes but their output's (the CostEstimate counts every
+    visit up to the bound as a grouped one)."""
 
-    def at(v, ki, nv):  # the k tile a visit reads: the last one throughout a padding visit
-        return jnp.where(v < nv[0], ki, nk - 1)
+    def idle(v, vg, nv):
+        return (v >= nv[0]) | (vg[v] >= g)
+
+    def at(v, ki, vg, nv):  # the k tile a visit reads: the last one throughout an idle visit
+        return jnp.where(idle(v, vg, nv), nk - 1, ki)
 
     def lhs_map(ni, v, ki, vg, vt, nv, bounds, off, *_):  # resident: one block per m tile, kept across n tiles
-        return vt[v], 0 if tiles.lhs_resident else at(v, ki, nv)
+        last = jnp.maximum(bounds[g - 1, 1] - 1, 0) // tiles.tm  # the last grouped row's m tile
+        return jnp.where(idle(v, vg, nv), last, vt[v]), 0 if tiles.lhs_resident else at(v, ki, vg, nv)
 
     def rows_map(ni, v, ki, vg, vt, *_):  # 8-bit rows' scales: a block per m tile, like the output's
         return vt[v], 0
 
     def q_map(ni, v, ki, vg, vt, nv, bounds, off, *_):
-        return off[0] + jnp.minimum(vg[v], g - 1), at(v, ki, nv), ni
+        return off[0] + jnp.minimum(vg[v], g - 1), at(v, ki, vg, nv), ni
 
     def s_map(ni, v, ki, vg, vt, nv, bounds, off, *_):  # pre-dot: the k tile's rows; else all rows (few)
-        return off[0] + jnp.minimum(vg[v], g - 1), at(v, ki, nv) if tiles.predot else 0, ni
+        return off[0] + jnp.minimum(vg[v], g - 1), at(v, ki, vg, nv) if tiles.predot else 0, ni
 
     def out_map(ni, v, ki, vg, vt, nv, bounds, off, *_):
         return vt[v], ni
