@@ -108,6 +108,12 @@ def vmem_estimate(tm: int, tk: int, tn: int, k: int, group: int, qtype: str, sca
     return lhs + rhs + scales + out + acc + tmp
 
 
+def _visits(m: int, g: int, tm: int) -> int:
+    """The most (group, m tile) visits a grouped call of m rows in g groups makes (gmm_v2.visits)."""
+    tiles_m = -(-m // tm)
+    return min(tiles_m + min(g, m) - 1, tiles_m * g)
+
+
 def traffic(m: int, k: int, n: int, g: int, qtype: str, group: int, scale_bytes: int, tiles: Tiles,
             out_bytes: int = 2, zero_bytes: int = 0, lhs_bytes: int = 2, row_scales: int = 1) -> tuple[int, int]:
     """(bytes moved, FLOPs executed) by one gmm_v2 call, bounded statically.
@@ -124,7 +130,7 @@ def traffic(m: int, k: int, n: int, g: int, qtype: str, group: int, scale_bytes:
     (test_declared_cost_equals_the_blocks_the_grid_copies walks the grid through the kernel's index maps.)
     """
     tiles_m = -(-m // tiles.tm)
-    visits = min(tiles_m + min(g, m) - 1, tiles_m * g)
+    visits = _visits(m, g, tiles.tm)
     runs = min(g, m, visits)  # runs of consecutive visits to one group
     ktiles = k // tiles.tk > 1  # blocks indexed by the k tile change at every step: a visit reads all of them
     values = (visits if ktiles else runs) * k * n * weight_bits(qtype) // 8
@@ -169,7 +175,7 @@ def choose_tiles(m: int, k: int, n: int, g: int, qtype: str, group: int, scale_b
             continue
         moved, flops = traffic(m, k, n, g, qtype, group, scale_bytes, tiles, zero_bytes=zero_bytes,
                                lhs_bytes=1 if int8_lhs else 2)
-        steps = (n // tiles.tn) * (k // tiles.tk) * min(-(-m // tm) + min(g, m) - 1, -(-m // tm) * g)
+        steps = (n // tiles.tn) * (k // tiles.tk) * _visits(m, g, tm)
         t = max(moved / chip.hbm_bytes_per_s, flops / chip.bf16_flops) + steps * STEP_SECONDS
         if best is None or t < best[0]:
             best = (t, tiles)
