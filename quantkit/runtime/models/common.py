@@ -367,7 +367,9 @@ def attention_block(p: dict, x: jax.Array, kv: jax.Array, i, batch: dict, cfg: M
     pos = batch["positions"]
     q, k = linear(x, p["q"], p.get("q_bias")), linear(x, p["k"], p.get("k_bias"))
     v = linear(x, p["v"], p.get("v_bias")).reshape(t, kvh, d) if "v" in p else k.reshape(t, kvh, d)
-    flat = not (cfg.attn_gate or cfg.qk_norm)  # rotated as they come, before the split into heads
+    # rotated as they come, before the split into heads; not when the heads are split over a mesh, where
+    # the roll along the projection's sharded axis would be a collective
+    flat = not (cfg.attn_gate or cfg.qk_norm) and batch.get("mesh") is None
     if flat:
         q, k = apply_rope(q, pos, inv, scale, d), apply_rope(k, pos, inv, scale, d)
     q, k = q.reshape(t, h, -1), k.reshape(t, kvh, d)
