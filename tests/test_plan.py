@@ -235,13 +235,14 @@ def test_tensor_parallel_plan_on_a_2x2_slice(tmp_path):
     quarter of the int4 values and group-32 bf16 scales of the 9M linear parameters per layer; the bf16
     lm_head split by columns and the embedding (8 MiB) by vocabulary rows. KV: one of 4 heads per chip. Each
     layer all-reduces its attention and MLP outputs: what crosses the chips is within 2x that floor, nothing
-    weight-sized."""
+    weight-sized, and no other kind of collective."""
     from quantkit.plan import plan
 
     (tmp_path / "config.json").write_text(json.dumps(SMALL))
     r = plan(tmp_path / "config.json", "v6e", 128, 4, tp=4, scheme="W4A16", group_size=32, search=False)
     c = r["decode_step_collectives"]
     assert c["floor_bytes"] <= c["total"] < 2 * c["floor_bytes"], c
+    assert set(c["bytes"]) <= {"all-reduce", "all-gather"}, c  # no collective-permute (RoPE after the split)
     assert r["fits"] and r["topology"] == "v6e:2x2" and r["tp"] == 4
     linear = 2 * (1024 * 1024 * 2 + 1024 * 512 * 2 + 3 * 1024 * 2048)
     analytical = (linear // 2 + linear // 32 * 2) // 4 + 4096 * 1024 * 2 * (1 / 4 + 1 / 4)
