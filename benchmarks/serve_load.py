@@ -208,6 +208,8 @@ def main() -> None:
         '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5}',
         '{"method": "eagle3", "model": "assets/tiny-llama-eagle3", "num_speculative_tokens": 3}'],
         help="one speculative server per config, beside the plain one")
+    ap.add_argument("--workloads", nargs="+", choices=["code-edit", "random", "random, temperature 1"],
+                    help="--speculative: only these workloads (default: all three)")
     args = ap.parse_args()
     if args.structured:
         return structured(args)
@@ -339,8 +341,9 @@ def speculative(args) -> None:
         return {kind: tuple(metric(kind, f"vllm:spec_decode_num_{k}_total")
                             for k in ("drafts", "draft_tokens", "accepted_tokens")) for kind in specs}
 
+    chosen = args.workloads or ["code-edit", "random", "random, temperature 1"]
     try:
-        base = code_prompts(64)
+        base = code_prompts(64) if "code-edit" in chosen else []
         # each function, the model's own greedy continuation of it, then the function's start again; asked of
         # both servers, so that both hold the same prefixes in their caches
         edits = []
@@ -352,8 +355,9 @@ def speculative(args) -> None:
             edits.append(text + min(made) + "\n\n\n" + head)
         workloads = {"code-edit": (edits, None), "random": (prompts(64), None),
                      "random, temperature 1": (prompts(64), {"temperature": 1.0, "seed": 0})}
+        workloads = {k: v for k, v in workloads.items() if k in chosen}
         for kind, port in ports.items():  # warm-up traffic
-            asyncio.run(load(f"http://127.0.0.1:{port}", name, 4, edits[:8]))
+            asyncio.run(load(f"http://127.0.0.1:{port}", name, 4, (edits or prompts(8))[:8]))
         rows = []
         for wl, (texts, extra) in workloads.items():
             for conc, n in ((1, 8), (16, 64)):

@@ -17,7 +17,7 @@ import pytest
 
 from quantkit.errors import InvalidInput, Unsupported
 from quantkit.formats.safetensors_io import write_safetensors
-from quantkit.runtime.engine import Engine, Request, Runner
+from quantkit.runtime.engine import Engine, Request, Runner, Sampling
 from quantkit.runtime.loader import load
 from quantkit.runtime.models import eagle3
 from quantkit.runtime.speculative import Drafter, SpeculativeConfig
@@ -210,3 +210,23 @@ def test_greedy_with_the_trained_head_gives_the_targets_tokens(default, budget, 
     assert engine.drafts > 0 and engine.accepted / engine.draft_tokens > 0.4, (engine.accepted, engine.draft_tokens)
     if budget == 16:
         assert (r._step._cache_size(), r._programs[VERIFY]._cache_size()) == warmed
+
+
+def test_a_head_whose_drafts_fail_runs_only_before_each_probe(default):
+    """A sampled stream the target makes all but uniform (temperature 50) rejects the trained head's drafts
+    and stops drafting; from then on the head runs once for each later drafted step (a probe: SPEC_PROBE
+    steps apart), on the step before it, not on the probe itself as well (whose drafts may fail again)."""
+    model, drafter, prompts, _ = default
+    engine = Engine(Runner(model, max_model_len=128, max_num_seqs=4, page_size=8, max_num_batched_tokens=16,
+                           speculative=3, drafter=drafter),
+                    speculative=SpeculativeConfig("eagle3", 3, model="assets/tiny-llama-eagle3"))
+    steps, run = [], engine.runner.run
+    engine.runner.run = lambda batch, head=True, decode=None: steps.append(
+        (head, bool(batch["drafts"].any()))) or run(batch, head, decode)
+    engine.submit(Request(prompts[0], max_tokens=80, sampling=Sampling(50.0, seed=1)))
+    while engine.busy():
+        engine.step()
+    heads, drafted = np.array(steps).T
+    stopped = np.flatnonzero(drafted)[0] + np.flatnonzero(~drafted[np.flatnonzero(drafted)[0]:])[0]
+    probes = np.flatnonzero(drafted[stopped:]) + stopped
+    assert len(probes) >= 1 and heads[stopped:].sum() == len(probes) and heads[probes - 1].all(), steps

@@ -89,13 +89,15 @@ def _prompts():
     return [rng.integers(3, 128, int(rng.integers(3, 40))).tolist() for _ in range(6)]
 
 
-def _run(model, budget, spec, reqs, page_size=8, fill_only=True):
+def _run(model, budget, spec, reqs, page_size=8, fill_only=True, floor=None):
     """reqs: Request kwargs; one newcomer every other step into 4 slots. fill_only=False: drafts up to the
-    budget, beside prompt chunks (a TPU's rule)."""
+    budget, beside prompt chunks (a TPU's rule). floor=0: every decode row looks for drafts, whatever its
+    earlier ones gave (tests of the verification on models whose drafts rarely pay)."""
     engine = Engine(Runner(model, max_model_len=128, max_num_seqs=4, page_size=page_size,
                            max_num_batched_tokens=budget, speculative=spec.k if spec else 0),
                     decode=lambda ids: " ".join(map(str, ids)), speculative=spec)
     engine.fill_only = fill_only
+    engine.floor = engine.floor if floor is None else floor
     out = []
     for kw in reqs:
         out.append(engine.submit(Request(**kw)))
@@ -152,6 +154,37 @@ def test_seeded_sampling_gives_the_same_tokens(llama):
     alone, _ = _run(llama, 16, None, reqs)
     assert [r.out for r in spec] == [r.out for r in alone]
     assert 0 < engine.accepted < engine.draft_tokens
+
+
+def test_lookups_that_find_nothing_stop_reading_steps_back(llama, monkeypatch):
+    """A sequence whose n-gram lookups find nothing (the lookup replaced by one that never does) stops
+    looking, and with it reading each step back before the next is scheduled, once its moving average has
+    fallen below the floor (0.5 x 0.9^n < 0.15 from n = 12), then once after every SPEC_PROBE decode steps
+    without a look."""
+    import quantkit.runtime.engine as eng
+
+    at = []
+    monkeypatch.setattr(eng, "ngram", lambda tokens, *_: at.append(len(tokens)) or [])
+    _run(llama, 16, SpeculativeConfig("ngram", 4, 1, 4), [dict(prompt=list(range(3, 13)), max_tokens=110)])
+    gaps = np.diff(at).tolist()
+    assert len(at) == 12 + 2 and gaps[:11] == [1] * 11 and gaps[11:] == [eng.SPEC_PROBE + 1] * 2, at
+
+
+def test_sampled_streams_whose_drafts_fail_start_the_next_without(llama):
+    """Sampled requests at a temperature that makes the target all but uniform reject their drafts; once
+    enough have, a new sampled request starts below the floor (it drafts nothing before SPEC_PROBE steps),
+    while a greedy one starts from greedy streams' own record and drafts."""
+    spec = SpeculativeConfig("ngram", 4, 1, 4)
+    engine = Engine(Runner(llama, max_model_len=128, max_num_seqs=4, page_size=8, max_num_batched_tokens=16,
+                           speculative=4), speculative=spec)
+    drafted = []
+    for i, p in enumerate(_prompts()[:5] + _prompts()[:1]):
+        before = engine.drafts
+        engine.submit(Request(prompt=p, max_tokens=24, sampling=Sampling(50.0 if i < 5 else 0.0, seed=i)))
+        while engine.busy():
+            engine.step()
+        drafted.append(engine.drafts - before)
+    assert drafted[0] > 0 and drafted[4] == 0 and drafted[5] > 0, drafted
 
 
 def test_one_program_per_bucket_whatever_the_drafts(llama):
@@ -370,7 +403,7 @@ def test_qwen3_5_gdn_state_follows_the_kept_drafts(tmp_path):
     qwen3_5_model(False).save_pretrained(tmp_path / "qwen")
     model = load(tmp_path / "qwen", dtype=jnp.float32)
     reqs = [dict(prompt=p, max_tokens=n) for p, n in zip(_prompts()[:4], [30, 20, 24, 12])]
-    spec, engine = _run(model, 64, SpeculativeConfig("ngram", 4, 1, 4), reqs, fill_only=False)
+    spec, engine = _run(model, 64, SpeculativeConfig("ngram", 4, 1, 4), reqs, fill_only=False, floor=0)
     alone, plain = _run(model, 64, None, reqs)
     slots = [0, 1, 2, 3]  # each request's state stays in its slot after it finished
     for a, b in zip(engine.runner.kv["linear"][:2], plain.runner.kv["linear"]):

@@ -91,8 +91,8 @@ class Request:
     named: int = 0  # pages registered in the prefix cache
     align_at: int = 0  # Gated DeltaNet models: where its cached KV pages end (a prompt chunk ends there)
     proposed: tuple = ()  # a draft head's tokens to follow out[-1] (speculative decoding: eagle3, mtp)
-    acceptance: float = 0.5  # its drafts' recent acceptance (moving average; `Engine._wants_drafts`)
-    undrafted: int = 0  # its decode steps since its last drafted one
+    acceptance: float = 0.5  # its drafts' recent acceptance (moving average; `Engine._observe`)
+    undrafted: int = 0  # its decode steps since it last looked for drafts
     finish_reason: str | None = None
     arrived: float = field(default_factory=time.monotonic)
     first_token_at: float | None = None
@@ -100,7 +100,7 @@ class Request:
 
 
 SPEC_FLOOR, SPEC_PROBE = 0.15, 32  # drafts stop for a sequence whose recent acceptance is below the floor,
-# and are tried again after this many of its decode steps
+# and are looked for again after this many of its decode steps
 
 
 class Engine:
@@ -136,6 +136,8 @@ class Engine:
         # accepted ones by position
         self.drafts = self.draft_tokens = self.accepted = 0
         self.accepted_at = [0] * runner.speculative
+        self.prior = {True: 0.5, False: 0.5}  # greedy / sampled sequences' recent acceptance (`_observe`)
+        self.floor = SPEC_FLOOR  # `_wants_drafts` (0: every sequence drafts, whatever its drafts gave)
         self.fill_only = jax.default_backend() == "cpu"  # drafts only in a decode step's padding (`_room`)
         self.pool = runner.pool
         # Gated DeltaNet models: with the runner's state snapshots (cache.py), on one process (the copies are
@@ -288,6 +290,7 @@ class Engine:
                     continue
                 self.free_slots.remove(slot)
                 r.slot, d = slot, dev(slot)
+                r.acceptance = self.prior[r.sampling.temperature == 0]
                 self.running.append(r)
                 if self.prefix_caching:
                     self._reuse(r)
@@ -316,10 +319,21 @@ class Engine:
         return 0 if any(row.tokens is not None for _, row, _ in rows) or pad < n else pad
 
     def _wants_drafts(self, r: Request) -> bool:
-        """Whether r's recent drafts paid: a moving average of their acceptance at least SPEC_FLOOR (a sampled
+        """Whether r's recent drafts paid: a moving average of their acceptance at least the floor (a sampled
         or unpredictable stream whose drafts are rejected stops drafting, and with it reading each step back
-        and running a draft head), or SPEC_PROBE decode steps since its last drafted one (try again)."""
-        return r.acceptance >= SPEC_FLOOR or r.undrafted >= SPEC_PROBE
+        and running a draft head), or SPEC_PROBE decode steps since it last looked for drafts (try again)."""
+        return r.acceptance >= self.floor or r.undrafted >= SPEC_PROBE
+
+    def _observe(self, r: Request, rate: float, weight: float = 0.25) -> None:
+        """What r's last look for drafts gave: the fraction of its drafts accepted, or 0 with a smaller weight
+        for an n-gram lookup that found nothing (the step was read back for nothing: a smaller loss than
+        rejected drafts). r's moving average follows it, and so does the one that greedy or sampled sequences
+        start from, more slowly (a server whose sampled streams reject their drafts starts the next ones
+        without drafts: they look again after SPEC_PROBE steps)."""
+        greedy = r.sampling.temperature == 0
+        r.acceptance += weight * (rate - r.acceptance)
+        self.prior[greedy] += 0.4 * weight * (rate - self.prior[greedy])
+        r.undrafted = 0
 
     def _head(self) -> bool:
         """Whether the step runs the draft head (eagle3, mtp): some sequence wants drafts and, on XLA:CPU,
@@ -354,10 +368,12 @@ class Engine:
                 drafts = list(r.proposed[:max(k, 0)])
             else:
                 drafts = ngram(np.asarray(r.prompt + r.out), k, spec.lookup_min, spec.lookup_max) if k > 0 else []
+                if k > 0 and not drafts:
+                    self._observe(r, 0.0, 0.1)
             # from the row's first position: a sliding window's pages are kept for its first query
             if drafts and self.pool.reserve(r.slot, row.start, row.start + row.n + len(drafts) - 1):
                 row.n, row.drafts = row.n + len(drafts), tuple(drafts)
-                r.done += len(drafts)
+                r.done, r.undrafted = r.done + len(drafts), 0  # below the floor: no head until these pay
                 room -= len(drafts)
 
     @property
@@ -441,9 +457,9 @@ class Engine:
                 r.pending -= 1
                 r.proposed = () if proposals is None else tuple(int(t) for t in proposals[i])
                 c = int(counts[i])
-                r.undrafted = 0 if drafts else r.undrafted + 1
+                r.undrafted += 1
                 if drafts:
-                    r.acceptance = 0.75 * r.acceptance + 0.25 * (c - 1) / drafts
+                    self._observe(r, (c - 1) / drafts)
                     r.done -= drafts + 1 - c
                     self.drafts, self.draft_tokens, self.accepted = (self.drafts + 1, self.draft_tokens + drafts,
                                                                      self.accepted + c - 1)
