@@ -157,17 +157,22 @@ def test_seeded_sampling_gives_the_same_tokens(llama):
 
 
 def test_lookups_that_find_nothing_stop_reading_steps_back(llama, monkeypatch):
-    """A sequence whose n-gram lookups find nothing (the lookup replaced by one that never does) stops
+    """A sampled sequence whose n-gram lookups find nothing (the lookup replaced by one that never does) stops
     looking, and with it reading each step back before the next is scheduled, once its moving average has
     fallen below the floor (0.5 x 0.9^n < 0.15 from n = 12), then once after every SPEC_PROBE decode steps
-    without a look."""
+    without a look; a greedy one looks at every step."""
     import quantkit.runtime.engine as eng
 
     at = []
     monkeypatch.setattr(eng, "ngram", lambda tokens, *_: at.append(len(tokens)) or [])
-    _run(llama, 16, SpeculativeConfig("ngram", 4, 1, 4), [dict(prompt=list(range(3, 13)), max_tokens=110)])
+    _run(llama, 16, SpeculativeConfig("ngram", 4, 1, 4), [dict(prompt=list(range(3, 13)), max_tokens=110,
+                                                                  sampling=Sampling(1.0, seed=0))])
+    greedy = []
+    monkeypatch.setattr(eng, "ngram", lambda tokens, *_: greedy.append(len(tokens)) or [])
+    _run(llama, 16, SpeculativeConfig("ngram", 4, 1, 4), [dict(prompt=list(range(3, 13)), max_tokens=40)])
     gaps = np.diff(at).tolist()
     assert len(at) == 12 + 2 and gaps[:11] == [1] * 11 and gaps[11:] == [eng.SPEC_PROBE + 1] * 2, at
+    assert greedy == list(range(11, 49))  # a greedy one looks at every step (not for its last token)
 
 
 def test_sampled_streams_whose_drafts_fail_start_the_next_without(llama):

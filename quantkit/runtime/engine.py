@@ -326,10 +326,11 @@ class Engine:
 
     def _observe(self, r: Request, rate: float, weight: float = 0.25) -> None:
         """What r's last look for drafts gave: the fraction of its drafts accepted, or 0 with a smaller weight
-        for an n-gram lookup that found nothing (the step was read back for nothing: a smaller loss than
-        rejected drafts). r's moving average follows it, and so does the one that greedy or sampled sequences
-        start from, more slowly (a server whose sampled streams reject their drafts starts the next ones
-        without drafts: they look again after SPEC_PROBE steps)."""
+        for a sampled sequence's n-gram lookup that found nothing (the step was read back for nothing: a
+        smaller loss than rejected drafts; a greedy stream's lookups go on, as what falls into a loop or
+        starts copying stays there). r's moving average follows it, and so does the one that greedy or
+        sampled sequences start from, more slowly (a server whose sampled streams reject their drafts starts
+        the next ones without drafts: they look again after SPEC_PROBE steps)."""
         greedy = r.sampling.temperature == 0
         r.acceptance += weight * (rate - r.acceptance)
         self.prior[greedy] += 0.4 * weight * (rate - self.prior[greedy])
@@ -368,7 +369,7 @@ class Engine:
                 drafts = list(r.proposed[:max(k, 0)])
             else:
                 drafts = ngram(np.asarray(r.prompt + r.out), k, spec.lookup_min, spec.lookup_max) if k > 0 else []
-                if k > 0 and not drafts:
+                if k > 0 and not drafts and r.sampling.temperature > 0:
                     self._observe(r, 0.0, 0.1)
             # from the row's first position: a sliding window's pages are kept for its first query
             if drafts and self.pool.reserve(r.slot, row.start, row.start + row.n + len(drafts) - 1):
