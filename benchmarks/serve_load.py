@@ -24,7 +24,8 @@ concurrency 1 (8 requests) and 16 (64 requests) of 64 tokens, temperature 0, on 
 greedy continuation of it, then the function's first lines again: a model that copies continues with the
 quoted code), `random`, random syllables (the model falls into loops that drafts predict), and the same at
 temperature 1 (drafts mostly rejected); reported: median output tokens/s of each server, their ratio, and
-the acceptance counts from the speculative server's /metrics.
+the acceptance counts from the speculative server's /metrics. --workloads: only the named ones (e.g.
+--workloads "random, temperature 1").
 """
 
 from __future__ import annotations
