@@ -89,15 +89,13 @@ def _prompts():
     return [rng.integers(3, 128, int(rng.integers(3, 40))).tolist() for _ in range(6)]
 
 
-def _run(model, budget, spec, reqs, page_size=8, fill_only=True, floor=None):
+def _run(model, budget, spec, reqs, page_size=8, fill_only=True):
     """reqs: Request kwargs; one newcomer every other step into 4 slots. fill_only=False: drafts up to the
-    budget, beside prompt chunks (a TPU's rule). floor=0: every decode row looks for drafts, whatever its
-    earlier ones gave (tests of the verification on models whose drafts rarely pay)."""
+    budget, beside prompt chunks (a TPU's rule)."""
     engine = Engine(Runner(model, max_model_len=128, max_num_seqs=4, page_size=page_size,
                            max_num_batched_tokens=budget, speculative=spec.k if spec else 0),
                     decode=lambda ids: " ".join(map(str, ids)), speculative=spec)
     engine.fill_only = fill_only
-    engine.floor = engine.floor if floor is None else floor
     out = []
     for kw in reqs:
         out.append(engine.submit(Request(**kw)))
@@ -408,7 +406,7 @@ def test_qwen3_5_gdn_state_follows_the_kept_drafts(tmp_path):
     qwen3_5_model(False).save_pretrained(tmp_path / "qwen")
     model = load(tmp_path / "qwen", dtype=jnp.float32)
     reqs = [dict(prompt=p, max_tokens=n) for p, n in zip(_prompts()[:4], [30, 20, 24, 12])]
-    spec, engine = _run(model, 64, SpeculativeConfig("ngram", 4, 1, 4), reqs, fill_only=False, floor=0)
+    spec, engine = _run(model, 64, SpeculativeConfig("ngram", 4, 1, 4), reqs, fill_only=False)
     alone, plain = _run(model, 64, None, reqs)
     slots = [0, 1, 2, 3]  # each request's state stays in its slot after it finished
     for a, b in zip(engine.runner.kv["linear"][:2], plain.runner.kv["linear"]):

@@ -137,7 +137,6 @@ class Engine:
         self.drafts = self.draft_tokens = self.accepted = 0
         self.accepted_at = [0] * runner.speculative
         self.prior = {True: 0.5, False: 0.5}  # greedy / sampled sequences' recent acceptance (`_observe`)
-        self.floor = SPEC_FLOOR  # `_wants_drafts` (0: every sequence drafts, whatever its drafts gave)
         self.fill_only = jax.default_backend() == "cpu"  # drafts only in a decode step's padding (`_room`)
         self.pool = runner.pool
         # Gated DeltaNet models: with the runner's state snapshots (cache.py), on one process (the copies are
@@ -319,10 +318,10 @@ class Engine:
         return 0 if any(row.tokens is not None for _, row, _ in rows) or pad < n else pad
 
     def _wants_drafts(self, r: Request) -> bool:
-        """Whether r's recent drafts paid: a moving average of their acceptance at least the floor (a sampled
+        """Whether r's recent drafts paid: a moving average of their acceptance at least SPEC_FLOOR (a sampled
         or unpredictable stream whose drafts are rejected stops drafting, and with it reading each step back
         and running a draft head), or SPEC_PROBE decode steps since it last looked for drafts (try again)."""
-        return r.acceptance >= self.floor or r.undrafted >= SPEC_PROBE
+        return r.acceptance >= SPEC_FLOOR or r.undrafted >= SPEC_PROBE
 
     def _observe(self, r: Request, rate: float, weight: float = 0.25) -> None:
         """What r's last look for drafts gave: the fraction of its drafts accepted, or 0 with a smaller weight
