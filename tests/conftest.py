@@ -61,20 +61,21 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda i: i.get_closest_marker("slow") is None)  # stable: collection order otherwise
 
 
-# Modules whose module-scoped fixture is costly enough to run on one worker only: their servers compile every
-# step program of their buckets while they start (~40 s).
-ONE_WORKER = {"tests/test_serve.py", "tests/test_structured.py"}
+# Tests whose module-scoped fixture is costly enough to run on one worker only: a module, or the tests of a
+# module whose names start with a prefix (module::prefix). Their servers compile every step program of their
+# buckets while they start (~40 s; the harmony server ~60 s, which each worker paid while its two tests
+# were two units).
+ONE_WORKER = {"tests/test_serve.py", "tests/test_structured.py", "tests/test_gpt_oss.py::test_harmony"}
 
 
 @pytest.hookimpl(optionalhook=True)  # a run without xdist (-p no:xdist) has no such hook
 def pytest_xdist_make_scheduler(config, log):
     """pytest-xdist: each test is a unit of work handed to whichever worker is free, except that the tests of
-    a module in ONE_WORKER are one unit (xdist's own loadgroup marks do not take with pytest 9)."""
+    a module or prefix in ONE_WORKER are one unit (xdist's own loadgroup marks do not take with pytest 9)."""
     from xdist.scheduler import LoadScopeScheduling
 
     class Scheduling(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            module = nodeid.split("::")[0]
-            return module if module in ONE_WORKER else nodeid
+            return next((g for g in ONE_WORKER if nodeid.startswith(g if "::" in g else g + "::")), nodeid)
 
     return Scheduling(config, log)
