@@ -20,7 +20,7 @@ import scipy.stats
 
 from quantkit.runtime.engine import Engine, Request, Runner, Sampling
 from quantkit.runtime.loader import load
-from quantkit.runtime.speculative import SpeculativeConfig, ngram, parse
+from quantkit.runtime.speculative import PromptLookup, SpeculativeConfig, parse
 from quantkit.runtime.step import NO_TOKEN, VERIFY, sampling_arrays, verify_rows
 
 from helpers import greedy_reference, tiny_gemma3, tiny_llama
@@ -56,15 +56,49 @@ def test_config_defaults_as_vllm():
     assert parse('{"method": "mtp", "num_speculative_tokens": 1}') == SpeculativeConfig("mtp", 1, 5, 5)
 
 
+def _lookup(tokens, k, lo, hi, split=None):
+    """PromptLookup's drafts after the whole of `tokens` (prompt: the first `split`), fed in one go."""
+    split = len(tokens) if split is None else split
+    return PromptLookup(range(lo, hi + 1)).extend(list(tokens[:split]), list(tokens[split:])).draft(k, lo, hi)
+
+
 def test_ngram_prompt_lookup():
-    t = np.array([7, 1, 2, 3, 9, 8, 1, 2, 3, 5, 6, 4, 1, 2, 3])
+    t = [7, 1, 2, 3, 9, 8, 1, 2, 3, 5, 6, 4, 1, 2, 3]
     # the last 3 tokens (1 2 3) occurred twice before: the latest occurrence's followers
-    assert ngram(t, 3, 2, 3) == [5, 6, 4]
-    assert ngram(t, 8, 2, 3) == [5, 6, 4, 1, 2, 3]  # up to the end of what is known
+    assert _lookup(t, 3, 2, 3) == [5, 6, 4] and _lookup(t, 3, 2, 3, split=4) == [5, 6, 4]
+    assert _lookup(t, 8, 2, 3) == [5, 6, 4, 1, 2, 3]  # up to the end of what is known
     # the longest suffix wins: "4 1 2 3" occurs nowhere else, "2 3" ... "9 2 3" prefers n = 3 over n = 2
-    assert ngram(np.array([2, 3, 0, 9, 2, 3, 1, 5, 9, 2, 3]), 2, 2, 3) == [1, 5]
-    assert ngram(np.array([1, 2, 3, 4]), 2, 1, 3) == []  # no earlier occurrence
-    assert ngram(np.array([5, 5, 5]), 2, 2, 2) == [5]  # overlapping occurrences count
+    assert _lookup([2, 3, 0, 9, 2, 3, 1, 5, 9, 2, 3], 2, 2, 3) == [1, 5]
+    assert _lookup([1, 2, 3, 4], 2, 1, 3) == []  # no earlier occurrence
+    assert _lookup([5, 5, 5], 2, 2, 2) == [5]  # overlapping occurrences count
+
+
+def test_ngram_index_as_it_grows_finds_what_a_scan_finds(seed):
+    """The index, fed a sequence a few tokens at a time (the prompt, then output as steps accept it; then
+    taken back by a stop string, then grown again), drafts at every length what a scan of the whole
+    sequence finds: for the largest n in [lo, hi] whose last n tokens occur earlier, the tokens after the
+    latest such occurrence. Few distinct tokens, so that most lookups find several occurrences."""
+    def scan(t, k, lo, hi):
+        for n in range(min(hi, len(t) - 1), lo - 1, -1):
+            starts = [i for i in range(len(t) - n) if t[i:i + n] == t[len(t) - n:]]
+            if starts:
+                return t[starts[-1] + n:starts[-1] + n + k]
+        return []
+
+    rng = np.random.default_rng(seed)
+    for lo, hi in [(1, 1), (2, 5), (3, 3)]:
+        t = rng.integers(0, 4, 300).tolist()
+        t[150:200] = t[20:70]  # a quoted stretch
+        lookup, prompt, found, end, back = PromptLookup(range(lo, hi + 1)), t[:40], 0, 40, True
+        while end < len(t):
+            lookup.extend(prompt, t[40:end])
+            got = lookup.draft(4, lo, hi)
+            assert got == scan(t[:end], 4, lo, hi), (seed, lo, hi, end)
+            found += bool(got)
+            end += int(rng.integers(1, 4))
+            if end >= 250 and back:
+                end, back = end - 20, False  # tokens taken back
+        assert found > 50, (seed, found)
 
 
 # ---- greedy: the same tokens as the target alone --------------------------------------------------------
@@ -154,6 +188,23 @@ def test_seeded_sampling_gives_the_same_tokens(llama):
     assert 0 < engine.accepted < engine.draft_tokens
 
 
+def test_prompt_chunks_are_indexed_while_the_device_runs_them(llama):
+    """The n-gram index takes each prompt chunk as its step is dispatched (not the whole prompt at the first
+    lookup, after a step is read back), and the lookups then draft from it."""
+    engine = Engine(Runner(llama, max_model_len=128, max_num_seqs=4, page_size=8, max_num_batched_tokens=16,
+                           speculative=4), speculative=NGRAM)
+    prompt = [5, 6, 7, 8, 9] * 8
+    r = engine.submit(Request(list(prompt), 12))
+    seen = []
+    while r.done < len(prompt):
+        engine.step()
+        seen.append((list(r.lookup.tokens), r.lookup.indexed))
+    assert seen == [(prompt[:16], 15), (prompt[:32], 31), (prompt, 39)], seen
+    while engine.busy():
+        engine.step()
+    assert engine.draft_tokens > 0 and r.lookup is None  # drafted from it; dropped with the request
+
+
 def test_lookups_that_find_nothing_stop_reading_steps_back(llama, monkeypatch):
     """A sampled sequence whose n-gram lookups find nothing (the lookup replaced by one that never does) stops
     looking, and with it reading each step back before the next is scheduled, once its moving average has
@@ -162,11 +213,11 @@ def test_lookups_that_find_nothing_stop_reading_steps_back(llama, monkeypatch):
     import quantkit.runtime.engine as eng
 
     at = []
-    monkeypatch.setattr(eng, "ngram", lambda tokens, *_: at.append(len(tokens)) or [])
+    monkeypatch.setattr(eng.PromptLookup, "draft", lambda self, *_: at.append(len(self.tokens)) or [])
     _run(llama, 16, SpeculativeConfig("ngram", 4, 1, 4), [dict(prompt=list(range(3, 13)), max_tokens=110,
                                                                   sampling=Sampling(1.0, seed=0))])
     greedy = []
-    monkeypatch.setattr(eng, "ngram", lambda tokens, *_: greedy.append(len(tokens)) or [])
+    monkeypatch.setattr(eng.PromptLookup, "draft", lambda self, *_: greedy.append(len(self.tokens)) or [])
     _run(llama, 16, SpeculativeConfig("ngram", 4, 1, 4), [dict(prompt=list(range(3, 13)), max_tokens=40)])
     gaps = np.diff(at).tolist()
     assert len(at) == 12 + 2 and gaps[:11] == [1] * 11 and gaps[11:] == [eng.SPEC_PROBE + 1] * 2, at

@@ -32,7 +32,7 @@ import numpy as np
 
 from quantkit.errors import InvalidInput
 from quantkit.runtime.cache import page_hashes
-from quantkit.runtime.speculative import SpeculativeConfig, ngram
+from quantkit.runtime.speculative import PromptLookup, SpeculativeConfig
 from quantkit.runtime.step import BANNED, TOP_LOGPROBS, Row, Runner, Sampling  # noqa: F401 - re-exported
 
 
@@ -93,6 +93,7 @@ class Request:
     proposed: tuple = ()  # a draft head's tokens to follow out[-1] (speculative decoding: eagle3, mtp)
     acceptance: float = 0.5  # its drafts' recent acceptance (moving average; `Engine._observe`)
     undrafted: int = 0  # its decode steps since it last looked for drafts
+    lookup: PromptLookup | None = None  # its n-gram index (speculative decoding: ngram)
     finish_reason: str | None = None
     arrived: float = field(default_factory=time.monotonic)
     first_token_at: float | None = None
@@ -248,6 +249,10 @@ class Engine:
             out = self.runner.run_split(batch, sampling) if constrained else self.runner.run(batch, self._head())
             self.inflight = (out, [(r, samples, len(row.drafts)) for r, row, samples in rows])
             self._snapshot(rows)
+            if self.speculative is not None and self.speculative.method == "ngram":
+                for r, row, _ in rows:  # while the device runs: prompt chunks into their n-gram indexes
+                    if row.tokens is not None:
+                        self._lookup(r, r.prompt[:r.done])
         if previous is not None:
             self._collect(*previous)
         self.mask_steps += self.masks > masks
@@ -352,7 +357,14 @@ class Engine:
         if self.speculative.method != "ngram":  # the step in flight drafts for it
             return True
         n = self.speculative.lookup_min - 1
-        return r.pending < 2 or n == 0 or bool(ngram(np.asarray(r.prompt + r.out), 1, n, n))
+        return r.pending < 2 or n == 0 or bool(self._lookup(r).draft(1, n, n))
+
+    def _lookup(self, r: Request, prompt: list[int] | None = None) -> PromptLookup:
+        """r's n-gram index, up to date with its known tokens, or with `prompt` (its prompt so far); made at
+        its first prompt chunk."""
+        if r.lookup is None:
+            r.lookup = PromptLookup(range(max(self.speculative.lookup_min - 1, 1), self.speculative.lookup_max + 1))
+        return r.lookup.extend(r.prompt, r.out) if prompt is None else r.lookup.extend(prompt, [])
 
     def _draft(self, rows: list, room: int) -> None:
         """Extends decode rows with drafts (read back: r.out is current), in order, within `room` tokens and
@@ -367,7 +379,7 @@ class Engine:
             if spec.method != "ngram":
                 drafts = list(r.proposed[:max(k, 0)])
             else:
-                drafts = ngram(np.asarray(r.prompt + r.out), k, spec.lookup_min, spec.lookup_max) if k > 0 else []
+                drafts = self._lookup(r).draft(k, spec.lookup_min, spec.lookup_max) if k > 0 else []
                 if k > 0 and not drafts and r.sampling.temperature > 0:
                     self._observe(r, 0.0, 0.1)
             # from the row's first position: a sliding window's pages are kept for its first query
@@ -566,7 +578,7 @@ class Engine:
     def _release(self, r: Request) -> None:
         """Returns the request's slot and pages. A step already dispatched may still write them; the device
         runs steps in order, so whoever gets them next writes after it."""
-        r.finished_at = time.monotonic()
+        r.finished_at, r.lookup = time.monotonic(), None
         if r.slot >= 0:
             self._name(r)
             self.pool.release(r.slot)
