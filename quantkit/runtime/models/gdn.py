@@ -123,8 +123,9 @@ def _conv_tail(qkv: jax.Array, c0: jax.Array, first, n):
 
 def _checkpoints(raw, c0, s0, q, k, v, g, beta, first, n, drafts: int):
     """Speculative decoding: each row's (conv, recurrent) state after its first 1, 2, ... `drafts` tokens
-    ([rows, drafts, ...] each; raw: the conv's input [T, C]), the token-by-token delta rule from s0, so
-    that a row whose drafts are partly rejected continues from the state after the ones it kept."""
+    (conv [rows, drafts, ...]; recurrent: a list of `drafts` [rows, ...]; raw: the conv's input [T, C]),
+    the token-by-token delta rule from s0, so that a row whose drafts are partly rejected continues from
+    the state after the ones it kept."""
     t = q.shape[0]
     convs, recs, s = [], [], s0
     for m in range(drafts):
@@ -133,7 +134,7 @@ def _checkpoints(raw, c0, s0, q, k, v, g, beta, first, n, drafts: int):
         s = delta_rule_chunk(s, one(q), one(k), one(v), one(g), one(beta))[1]
         convs.append(_conv_tail(raw, c0, first, jnp.minimum(n, m + 1)))
         recs.append(s)
-    return jnp.stack(convs, axis=1), jnp.stack(recs, axis=1)
+    return jnp.stack(convs, axis=1), recs
 
 
 def _recurrence(q, k, v, g, beta, s0, first, n, decode: bool = False):
@@ -226,7 +227,10 @@ def gdn_block(p: dict, x: jax.Array, state: tuple, i, batch: dict, cfg: ModelCon
     state = (conv_all, rec_all)
     if ckpt and batch.get("verify"):  # (a step without drafts passes them on)
         c, r = _checkpoints(raw, c0, s0, q, k, v, g, beta, first, n, ckpt[1].shape[2])
-        ckpt = (_set_slots(ckpt[0], i, slot, c.reshape(*c.shape[:2], 1, -1)), ckpt[1].at[i, slot].set(r))
+        rec_ck = ckpt[1]
+        for m, rm in enumerate(r):  # each state straight into its place: stacked first, then scattered, they
+            rec_ck = rec_ck.at[i, slot, m].set(rm)  # counted 0.36 GB more a layer (docs/benchmarks.md)
+        ckpt = (_set_slots(ckpt[0], i, slot, c.reshape(*c.shape[:2], 1, -1)), rec_ck)
     return out, (*state, *ckpt)
 
 
