@@ -5,7 +5,9 @@ match (the engine's `_may_draft`: n = 1). Reported: the median host milliseconds
 quantkit's index (runtime/speculative.PromptLookup), the whole-sequence numpy scan it replaced (the
 `ngram` function of quantkit before, reproduced below) and, with --vllm, vLLM's own n-gram proposer
 (`vllm.v1.spec_decode.ngram_proposer.batch_propose_numba`, numba, in vLLM's venv, on the same sequences
-kept in a token table as its runner keeps them: one call a step for all 16, on one thread as vLLM runs it).
+kept in a token table as its runner keeps them: one call a step for all 16, on one thread as vLLM runs it);
+with the lookups that found drafts, the index's first step (which indexes the 16 prompts at once) and one
+index's memory after its prompt (tracemalloc).
 
 Usage: .venv/bin/python benchmarks/ngram_lookup.py [--lengths 500 2000 8000 32000] [--vllm /tmp/vllmvenv/bin/python]
 """
