@@ -55,6 +55,14 @@ def scan(tokens: np.ndarray, k: int, lo: int, hi: int) -> list[int]:
     return []
 
 
+def _index():
+    """quantkit's PromptLookup class (imported here only: vLLM's venv, which runs `--only vllm`, has no jax)."""
+    sys.path.insert(0, str(ROOT))
+    from quantkit.runtime.speculative import PromptLookup
+
+    return PromptLookup
+
+
 def run(length: int, method: str) -> tuple[float, int, float]:
     """(median host ms a step after the first, drafts found, ms of the first step) of `method` over the 64
     steps (the index's first step indexes the prompts; the engine does that while prompt chunks run)."""
@@ -62,10 +70,7 @@ def run(length: int, method: str) -> tuple[float, int, float]:
     done = [0] * ROWS
     times, found = [], 0
     if method == "index":
-        sys.path.insert(0, str(ROOT))
-        from quantkit.runtime.speculative import PromptLookup
-
-        index = [PromptLookup(range(LO - 1, HI + 1)) for _ in rows]
+        index = [_index()(range(LO - 1, HI + 1)) for _ in rows]
     elif method == "vllm":  # its runner's persistent token table [rows, max_model_len], appended to a step
         from vllm.v1.spec_decode.ngram_proposer import batch_propose_numba
 
@@ -103,10 +108,7 @@ def index_bytes(length: int) -> float:
     """MB of Python objects one sequence's index holds after its prompt (tracemalloc)."""
     import tracemalloc
 
-    sys.path.insert(0, str(ROOT))
-    from quantkit.runtime.speculative import PromptLookup
-
-    prompt = sequences(length)[0][0]
+    PromptLookup, prompt = _index(), sequences(length)[0][0]
     tracemalloc.start()
     look = PromptLookup(range(LO - 1, HI + 1)).extend(prompt, [])
     size = tracemalloc.get_traced_memory()[0]
