@@ -438,7 +438,7 @@ def plan(
 
         report = run(path, target.value, max_model_len, max_num_seqs, tp,
                      scheme.value if scheme is not None else None, group_size, search, note, kv_cache_dtype.value,
-                     enable_expert_parallel, cost, speculative=speculative.k if speculative else 0,
+                     enable_expert_parallel, cost, speculative=speculative,
                      prefix_caching=enable_prefix_caching, dp=data_parallel_size)
         _emit(report, json_out, print_plan)
     except (QuantkitError, Exception) as e:  # noqa: BLE001 - one line, never a traceback

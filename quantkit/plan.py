@@ -63,7 +63,7 @@ def _nbytes(leaf, layout, chip) -> int:
 def plan(path: str | Path, target: str = "v6e", max_model_len: int = 2048, max_num_seqs: int = 16, tp: int = 1,
          scheme: str | None = None, group_size: int = 128, search: bool = True, progress=None,
          kv_cache_dtype: str = "auto", ep: bool = False, cost: bool = True, prefill_cost: bool = True,
-         speculative: int = 0, prefix_caching: bool = True, dp: int = 1) -> dict:
+         speculative=None, prefix_caching: bool = True, dp: int = 1) -> dict:
     """Compiles the serving steps for `tp` chips of `target` and reports HBM (per chip), VMEM, compile time and
     fit (docs/cli.md keys).
 
@@ -81,6 +81,10 @@ def plan(path: str | Path, target: str = "v6e", max_model_len: int = 2048, max_n
             `decode_step_collectives` are None.
         prefill_cost: with `cost`, also the prefill program's (its own shallow compiles); else
             `prefill_step_cost` is None.
+        speculative: serve's --speculative-config (runtime/speculative.SpeculativeConfig), or None: the
+            verifying step's cost too; a draft head (eagle3: its checkpoint's config.json and safetensors
+            headers; mtp: the model's MTP layer, which its config declares) adds its weights and its own KV
+            pages to the fit and runs in the verifying step, as serve holds and runs it.
         prefix_caching: as serve's; with Gated DeltaNet layers it keeps max_num_seqs more state slots for
             the snapshots of prompt prefixes (runtime/cache.py), which the cache then holds.
         dp: data-parallel devices (with tp 1): each serves max_num_seqs / dp sequences (runtime/step.py).
@@ -111,6 +115,8 @@ def plan(path: str | Path, target: str = "v6e", max_model_len: int = 2048, max_n
     raw = _config(path)
     cfg = from_hf(raw)
     qc = _quantization(raw, scheme, group_size)
+    head, head_params = _draft_head(speculative, raw, cfg, path, devices)
+    speculative = speculative.k if speculative else 0
     kv_scheme = qc.kv_cache_scheme if qc is not None else None
     fp8 = kv_fp8_dtype(kv_cache_dtype, kv_scheme is not None and kv_scheme_reason(kv_scheme) is None)
     kv_dtype = jnp.dtype(fp8 or jnp.bfloat16)
@@ -121,7 +127,9 @@ def plan(path: str | Path, target: str = "v6e", max_model_len: int = 2048, max_n
         mesh = target_mesh(target, devices)
 
     def weights_of(c):
-        p = abstract(c, qc)
+        p = abstract(c, qc, mtp=head is not None and head_params is None)
+        if head_params is not None:
+            p["draft"] = head_params
         if fp8 is not None:
             p = with_kv_scales(p, c, None, lambda a: jax.ShapeDtypeStruct(a.shape, jnp.float32))
         if mesh is None:
@@ -132,7 +140,8 @@ def plan(path: str | Path, target: str = "v6e", max_model_len: int = 2048, max_n
     params = weights_of(cfg)
     flat = jax.tree_util.tree_flatten_with_path(params)[0]
     param_leaves = [x for _, x in flat]
-    experts = [path[0].key == "layers" and is_expert(cfg, path[2].key) for path, _ in flat]
+    parts = ["draft" if path[0].key == "draft" else "experts" if path[0].key == "layers" and is_expert(cfg, path[2].key)
+             else "" for path, _ in flat]
     layouts = {"params": [None] * len(param_leaves), "cache": None}  # from the first compiled decode step
     budget = min(BUDGET, max_model_len)
 
@@ -154,17 +163,24 @@ def plan(path: str | Path, target: str = "v6e", max_model_len: int = 2048, max_n
             sh = None if mesh is None else cache_sharding(c, mesh, k, dp > 1)
             return jax.ShapeDtypeStruct((s[0], s[1] * dp, *s[2:]), d or kv_dtype, sharding=sh)
 
-        return layout(c, n).cache(leaf)
+        lay = layout(c, n)
+        kv = lay.cache(leaf)
+        if head is not None:  # the head's own KV: one layer over the full-attention pages (step.Runner)
+            width = 2 * math.prod(head.cfg.kv_shape("full"))
+            kv["draft"] = jax.ShapeDtypeStruct((1, lay.pages["full"], PAGE_SIZE, width), jnp.bfloat16)
+        return kv
 
-    def weight_bytes(only_experts: bool = False) -> int:
-        return sum(_nbytes(x, lay, chip) for x, lay, e in zip(param_leaves, layouts["params"], experts)
-                   if e or not only_experts)
+    def weight_bytes(part: str | None = None) -> int:
+        """HBM bytes of the weights, or of one part of them ("experts"; "draft": a draft head's)."""
+        return sum(_nbytes(x, lay, chip) for x, lay, p in zip(param_leaves, layouts["params"], parts)
+                   if part in (None, p))
 
-    def kv_bytes(n: int, states: bool | None = None) -> int:
-        """HBM bytes of the cache for n sequences: KV pages and state slots, or only one (states True/False)."""
+    def kv_bytes(n: int, kind: str | None = None) -> int:
+        """HBM bytes of the cache for n sequences: KV pages and state slots, or one kind's ("linear": the
+        Gated DeltaNet states; "draft": a draft head's pages)."""
         flat = jax.tree_util.tree_flatten_with_path(cache(n))[0]
         return sum(_nbytes(x, lay, chip) for (path, x), lay in zip(flat, layouts["cache"] or [None] * len(flat))
-                   if states is None or (path[0].key == "linear") == states)
+                   if kind in (None, path[0].key))
 
     weight_shapes = _quantized_shapes(params)
 
@@ -182,6 +198,7 @@ def plan(path: str | Path, target: str = "v6e", max_model_len: int = 2048, max_n
         batch = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), batch)
         return compile_for(target, step_function(c, PAGE_SIZE, mesh=mesh, unroll=unroll, kv_fp8=fp8,
                                                  ep=ep and mesh is not None, spec=spec,
+                                                 drafter=head if spec else None,
                                                  decode=not spec and t < budget, dp=dp > 1), weights, cache(n, c),
                            last, batch, donate=(1, 2), pinned=(0,), tp=devices)
 
@@ -239,15 +256,16 @@ def plan(path: str | Path, target: str = "v6e", max_model_len: int = 2048, max_n
                                chip.hbm_bytes - weights - fixed, per_seq,
                                4 * cache_layout(cfg, max_model_len, 1, PAGE_SIZE, budget).pages_per_seq, progress)
         best, seconds = best * dp, seconds + s
-    kv, state = kv_bytes(max_num_seqs), kv_bytes(max_num_seqs, states=True)
-    state_per_seq = kv_bytes(max_num_seqs + dp, states=True) - state  # of per_seq and fixed: the state's part
+    kv, state = kv_bytes(max_num_seqs), kv_bytes(max_num_seqs, "linear")
+    state_per_seq = kv_bytes(max_num_seqs + dp, "linear") - state  # of per_seq and fixed: the state's part
     state_fixed = state - local * state_per_seq
     full = layout(cfg, max_num_seqs)
     snapshots = state * full.snapshots // (local + 1 + full.snapshots)  # of `state`: equal slots
     # a decode step at full context reads every weight and every cached token once, and reads and writes each
     # sequence's recurrent state, not the snapshots' (each chip its share, in parallel; the all-reduces of a
-    # tensor-parallel step are left out)
-    step_bytes = weights + (kv - state) + 2 * (state - snapshots)
+    # tensor-parallel step are left out); a draft head's weights and pages are not the decode step's
+    head_bytes = weight_bytes("draft") + kv_bytes(max_num_seqs, "draft")
+    step_bytes = weights + (kv - state) + 2 * (state - snapshots) - head_bytes
     collectives = {k.split(":")[1]: v for k, v in (cost or {}).items() if k.startswith("collective:")}
     return {
         "path": str(path), "target": target, "scheme": scheme or ("checkpoint" if qc else "DENSE"),
@@ -256,7 +274,8 @@ def plan(path: str | Path, target: str = "v6e", max_model_len: int = 2048, max_n
         "fits": bool(fits),
         "hbm_bytes": {"weights": weights, "kv_cache": kv - state, "recurrent_state": state,
                       "of_recurrent_state_snapshots": snapshots, "temporaries": temp,
-                      "total": weights + kv + temp, "capacity": chip.hbm_bytes, "of_weights_experts": weight_bytes(True)},
+                      "total": weights + kv + temp, "capacity": chip.hbm_bytes,
+                      "of_weights_experts": weight_bytes("experts"), "of_weights_draft_head": weight_bytes("draft")},
         "expert_parallel": bool(ep and devices > 1),
         "max_num_seqs_that_fit": best,
         "kv_cache_by_dtype": _kv_by_dtype(kv - state, kv_dtype.itemsize, fp8 is not None, best, search,
@@ -278,7 +297,8 @@ def plan(path: str | Path, target: str = "v6e", max_model_len: int = 2048, max_n
         # speculative decoding: the verifying step of max_num_seqs rows of 1 + k tokens each, costed as the
         # decode step is, against it (its weights are read once for every drafted position)
         "verify_step_cost": None if verify is None else {
-            "drafts_a_row": speculative, "tokens": verify_tokens, **_program_cost(verify, chip),
+            "drafts_a_row": speculative, "tokens": verify_tokens, "draft_head": head is not None,
+            **_program_cost(verify, chip),
             "ratio_to_decode_step": round(verify.get("bytes_accessed", 0) / max(cost.get("bytes_accessed", 0), 1), 3)},
         "step_programs": len(buckets) * (2 if speculative else 1) + (  # + Gated DeltaNet models' DECODE programs
             sum(b <= decode_bucket(max_num_seqs) for b in buckets) if cfg.linear_layers else 0),
@@ -291,6 +311,33 @@ def plan(path: str | Path, target: str = "v6e", max_model_len: int = 2048, max_n
             "bytes": collectives, "total": sum(collectives.values()),
             "floor_bytes": _collective_floor(cfg, decode_bucket(max_num_seqs), dp)},
     }
+
+
+def _draft_head(spec, raw: dict, cfg, path: Path, devices: int) -> tuple:
+    """The draft head `spec` (a SpeculativeConfig or None) names, as plan compiles it: (its static part, the
+    step's `drafter`; its abstract weights, None where they are among the model's: Qwen3.5's MTP layer,
+    loader.abstract(mtp=True)), or (None, None) for n-gram lookup or none. As serve, one device only."""
+    if spec is None or spec.method == "ngram":
+        return None, None
+    if devices > 1:
+        raise InvalidInput("draft heads (eagle3, mtp) run on one device; plan the target with --tp 1")
+    if spec.method == "mtp":
+        from quantkit.runtime.models.qwen3_5 import Mtp
+
+        from quantkit.formats.safetensors_io import SafetensorsFile
+
+        folder = path if path.is_dir() else path.parent  # a bare config.json: the weights may be beside it
+        declared = (raw.get("text_config") or raw).get("mtp_num_hidden_layers")
+        if cfg.family != "qwen3_5" or not declared and not any(
+                name.startswith("mtp.") for f in folder.glob("*.safetensors") for name in SafetensorsFile(f).tensors):
+            raise Unsupported("method 'mtp' needs a Qwen3.5 model with its MTP layer (mtp_num_hidden_layers in "
+                              "its config, or mtp.* weights)")
+        return Mtp(cfg), None
+    import jax.numpy as jnp
+
+    from quantkit.runtime.models.eagle3 import abstract
+
+    return abstract(spec.model, cfg, jnp.bfloat16)
 
 
 def _quantization(raw: dict, scheme: str | None, group_size: int):
@@ -638,6 +685,8 @@ def print_plan(r: dict, out=sys.stdout) -> None:
         print(f"  {k if k != 'recurrent_state' else 'state':<12}{h[k] / gib:9.2f} GiB", file=out)
         if k == "weights" and h["of_weights_experts"]:
             print(f"   (experts {h['of_weights_experts'] / gib:8.2f} GiB)", file=out)
+        if k == "weights" and h.get("of_weights_draft_head"):
+            print(f"   (draft head {h['of_weights_draft_head'] / gib:.2f} GiB)", file=out)
         if k == "recurrent_state" and h["of_recurrent_state_snapshots"]:
             print(f"   (prefix snapshots {h['of_recurrent_state_snapshots'] / gib:.2f} GiB)", file=out)
     if (c := r["decode_step_collectives"]) is not None:
@@ -657,9 +706,10 @@ def print_plan(r: dict, out=sys.stdout) -> None:
               f"({c['ratio_to_floor']:.2f}x the {c['floor_bytes'] / 1e9:.2f} GB of weights + KV), "
               f"{c['flops'] / 1e9:.1f} GFLOP", file=out)
     if (c := r.get("verify_step_cost")) is not None:
-        print(f"  verifying step, {r['max_num_seqs']} rows x (1 + {c['drafts_a_row']}) tokens (speculative decoding, "
-              f"compiled): {c['bytes_accessed'] / 1e9:.2f} GB accessed, {c['ratio_to_decode_step']:.2f}x the decode "
-              f"step's, {c['flops'] / 1e9:.1f} GFLOP", file=out)
+        head = ", with the draft head" if c.get("draft_head") else ""
+        print(f"  verifying step, {r['max_num_seqs']} rows x (1 + {c['drafts_a_row']}) tokens (speculative decoding"
+              f"{head}, compiled): {c['bytes_accessed'] / 1e9:.2f} GB accessed, {c['ratio_to_decode_step']:.2f}x "
+              f"the decode step's, {c['flops'] / 1e9:.1f} GFLOP", file=out)
     if (c := r["prefill_step_cost"]) is not None:
         by = ", ".join(f"{t} {f / 1e12:.2f}" for t, f in c["flops_by_mxu_type"].items() if f)
         print(f"  prefill step of {c['tokens']} tokens (compiled; roofline estimate, not measured): "

@@ -137,6 +137,23 @@ def test_drafts_match_a_transformers_reference(pair):
                      _reference(target, head), V)
 
 
+def test_plans_view_of_a_head_is_what_load_holds(pair):
+    """`plan` compiles a head from eagle3.abstract (config.json and the safetensors headers, no data): the
+    same parameters, shapes and dtypes as the weights eagle3.load reads (the d2t map included); the tiny
+    default head, which has no d2t, gets the identity's shape."""
+    _, _, root = pair
+    cfg = load(root / "target", dtype=jnp.float32).cfg
+
+    def describe(params):
+        return {k: (tuple(v.shape), str(v.dtype)) for k, v in params.items()}
+
+    for path, target in ((root / "head", cfg), (ROOT / "assets" / "tiny-llama-eagle3", None)):
+        target = target or load(ROOT / "assets" / "tiny-llama", dtype=jnp.float32).cfg
+        loaded, abstract = eagle3.load(path, target, jnp.bfloat16), eagle3.abstract(path, target, jnp.bfloat16)
+        assert loaded[0] == abstract[0] and describe(loaded[1]) == describe(abstract[1])
+        assert describe(abstract[1])["d2t"] == ((loaded[1]["lm_head"].shape[1],), "int32")
+
+
 def test_bad_draft_checkpoints_are_refused(pair, tmp_path):
     _, head, root = pair
     cfg = load(root / "target", dtype=jnp.float32).cfg

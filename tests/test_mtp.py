@@ -112,6 +112,19 @@ def test_greedy_mtp_gives_the_targets_tokens(qwen):
     assert [r.out for r in reqs] == [greedy_reference(loaded, p, n) for p, n in zip(prompts, (20, 14, 9))]
 
 
+def test_plans_view_of_the_mtp_layer_is_what_load_holds(qwen):
+    """`plan` compiles the MTP layer from loader.abstract(mtp=True): the same tree, shapes and dtypes as
+    load(mtp=True) holds in params["draft"]."""
+    import jax
+
+    from quantkit.runtime.loader import abstract
+
+    loaded = load(qwen[2], dtype=jnp.bfloat16, mtp=True)
+    shapes = lambda t: jax.tree_util.tree_map(lambda a: (a.shape, str(a.dtype)), t)  # noqa: E731
+    assert shapes(abstract(loaded.cfg, None, jnp.bfloat16, mtp=True)["draft"]) == shapes(loaded.params["draft"])
+    assert "draft" not in abstract(loaded.cfg, None, jnp.bfloat16)
+
+
 def test_mtp_needs_the_layer(tmp_path):
     """A checkpoint without mtp.* tensors: one line naming what is missing."""
     qwen3_5_model(False).save_pretrained(tmp_path / "q")

@@ -229,6 +229,49 @@ SMALL = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_s
          "tie_word_embeddings": False}
 
 
+def _eagle3_head(path: Path) -> tuple[int, int]:
+    """A random EAGLE-3 head for SMALL at `path` (hidden 1024, 8 / 4 heads of 128, MLP 2048, a 1024-token draft
+    vocabulary with its d2t map; every dimension a multiple of 128, so that no TPU tile pads it): (the bytes
+    the Runner holds it in: matrices bf16, norms float32, d2t int32; those of its matrices alone)."""
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps({**SMALL, "architectures": ["LlamaForCausalLMEagle3"],
+                                                  "num_hidden_layers": 1, "draft_vocab_size": 1024,
+                                                  "eagle_aux_hidden_state_layer_ids": [0, 1, 1]}))
+    h, m, kv = 1024, 2048, 4 * 128
+    shapes = {"fc.weight": (h, 3 * h), "midlayer.self_attn.q_proj.weight": (h, 2 * h),
+              "midlayer.self_attn.k_proj.weight": (kv, 2 * h), "midlayer.self_attn.v_proj.weight": (kv, 2 * h),
+              "midlayer.self_attn.o_proj.weight": (h, h), "midlayer.mlp.gate_proj.weight": (m, h),
+              "midlayer.mlp.up_proj.weight": (m, h), "midlayer.mlp.down_proj.weight": (h, m),
+              "lm_head.weight": (1024, h)}
+    norms = ["midlayer.input_layernorm.weight", "midlayer.hidden_norm.weight",
+             "midlayer.post_attention_layernorm.weight", "norm.weight"]
+    rng = np.random.default_rng(0)
+    tensors = {k: rng.standard_normal(s).astype(np.float16) for k, s in shapes.items()}
+    tensors |= {k: np.ones(h, np.float16) for k in norms} | {"d2t": np.arange(1024, dtype=np.int64) * 3}
+    save_file(tensors, path / "model.safetensors")
+    matrices = int(sum(np.prod(s) for s in shapes.values()))
+    return 2 * matrices + len(norms) * h * 4 + 1024 * 4, matrices
+
+
+def test_draft_heads_are_refused_where_serve_refuses_them(tmp_path):
+    """A draft head on several chips, or `mtp` for a model without an MTP layer: one line, before anything
+    compiles (serve refuses both)."""
+    from quantkit.errors import Unsupported
+    from quantkit.plan import plan
+    from quantkit.runtime.speculative import SpeculativeConfig
+
+    (tmp_path / "config.json").write_text(json.dumps(SMALL))
+    _eagle3_head(tmp_path / "head")
+    with pytest.raises(InvalidInput, match="run on one device"):
+        plan(tmp_path / "config.json", "v6e", 128, 4, tp=2, speculative=SpeculativeConfig("eagle3", 3, model=str(
+            tmp_path / "head")))
+    with pytest.raises(Unsupported, match="method 'mtp' needs a Qwen3.5 model with its MTP layer"):
+        plan(tmp_path / "config.json", "v6e", 128, 4, speculative=SpeculativeConfig("mtp", 3))
+
+
 def test_tensor_parallel_plan_on_a_2x2_slice(tmp_path):
     """--tp 4 compiles for v6e:2x2 with weights and KV heads split as the runtime splits them; HBM is per
     chip. Per chip, analytically: q/k/v/gate/up split by output columns and o/down by input rows, so a
@@ -239,7 +282,8 @@ def test_tensor_parallel_plan_on_a_2x2_slice(tmp_path):
     from quantkit.plan import plan
 
     (tmp_path / "config.json").write_text(json.dumps(SMALL))
-    r = plan(tmp_path / "config.json", "v6e", 128, 4, tp=4, scheme="W4A16", group_size=32, search=False)
+    r = plan(tmp_path / "config.json", "v6e", 128, 4, tp=4, scheme="W4A16", group_size=32, search=False,
+             prefill_cost=False)
     c = r["decode_step_collectives"]
     assert c["floor_bytes"] <= c["total"] < 2 * c["floor_bytes"], c
     assert set(c["bytes"]) <= {"all-reduce", "all-gather"}, c  # no collective-permute (RoPE after the split)
@@ -351,7 +395,8 @@ def test_qwen3_30b_a3b_expert_parallel_on_a_2x2_slice(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(QWEN3_30B_A3B))
     from quantkit.plan import plan
 
-    ep = plan(tmp_path / "config.json", "v6e", 2048, 16, tp=4, scheme="W4A16", group_size=128, search=False, ep=True)
+    ep = plan(tmp_path / "config.json", "v6e", 2048, 16, tp=4, scheme="W4A16", group_size=128, search=False, ep=True,
+              prefill_cost=False)
     experts = 48 * 128 * 3 * 2048 * 768 * (1 / 2 + 2 / 128)
     h = ep["hbm_bytes"]
     assert ep["fits"] and ep["expert_parallel"] and abs(h["of_weights_experts"] - experts / 4) < 0.01 * experts / 4
@@ -487,11 +532,23 @@ def test_plan_counts_each_programs_matmul_flops_by_mxu_type(tmp_path, target, sc
     what stays bf16 is attention and the lm_head (bf16, ignored by the scheme); nothing lands under the
     other 8-bit type. The compute-bound roofline takes each type's FLOPs at the chip's published rate (v6e:
     918 TFLOP/s bf16, 1,836 TOP/s int8; a v7x TensorCore: 1,153.5 bf16, 2,307 fp8), the memory time the
-    bytes at its HBM bandwidth (1.64, 3.685 TB/s)."""
+    bytes at its HBM bandwidth (1.64, 3.685 TB/s).
+
+    The v6e plan also serves an EAGLE-3 head (`_eagle3_head`, 3 drafts; its programs shared, not compiled
+    again): the weights hold exactly the head's bytes more, the KV cache one more full-attention layer of
+    the target's shape (2 layers x 129 pages -> 3), the decode step neither (its floor and FLOPs above are
+    the target's), and the verifying step (4 rows x 4 tokens: the 16-token bucket) runs the target once over
+    all 16 tokens (int8 FLOPs exactly 2 x 16 x its linear weights) and the bf16 head over them too (at least
+    2 x 16 x its 15M matrix weights), reading at least the head's matrices beyond the decode step."""
     from quantkit.plan import plan
+    from quantkit.runtime.speculative import SpeculativeConfig
 
     (tmp_path / "config.json").write_text(json.dumps(SMALL))
-    r = plan(tmp_path / "config.json", target, 512, 4, scheme=scheme, search=False)
+    head = target == "v6e"
+    if head:
+        head_bytes, matrices = _eagle3_head(tmp_path / "head")
+    r = plan(tmp_path / "config.json", target, 512, 4, scheme=scheme, search=False,
+             speculative=SpeculativeConfig("eagle3", 3, model=str(tmp_path / "head")) if head else None)
     linear = 2 * (1024 * 1024 * 2 + 1024 * 512 * 2 + 3 * 1024 * 2048)
     bf16, fast = {"v6e": (918e12, 1836e12), "v7x": (1153.5e12, 2307e12)}[target]
     other = {"int8": "fp8", "fp8": "int8"}[mxu]
@@ -504,6 +561,17 @@ def test_plan_counts_each_programs_matmul_flops_by_mxu_type(tmp_path, target, sc
         assert c["memory_seconds"] == pytest.approx(c["bytes_accessed"] / {"v6e": 1.64e12, "v7x": 3.685e12}[target])
     assert r["prefill_step_cost"]["tokens"] == 512
     assert {k["path"] for k in r["kernels"]} == {"gmm_v2"} and {k["mxu"] for k in r["kernels"]} == {mxu}
+    h = r["hbm_bytes"]
+    if not head:
+        assert h["of_weights_draft_head"] == 0 and r["verify_step_cost"] is None
+        return
+    kv = 2 * 129 * 16 * 2 * 4 * 128 * 2  # the target's: layers x pages x tokens x (k, v) x heads x dims x bf16
+    assert h["of_weights_draft_head"] == head_bytes and h["kv_cache"] == kv * 3 // 2
+    assert r["decode_step_cost"]["floor_bytes"] == h["weights"] - head_bytes + kv
+    v = r["verify_step_cost"]
+    assert v["draft_head"] and v["tokens"] == 16 and v["flops_by_mxu_type"][mxu] == 2 * 16 * linear
+    assert v["flops_by_mxu_type"]["bf16"] >= 2 * 16 * matrices
+    assert v["bytes_accessed"] - r["decode_step_cost"]["bytes_accessed"] >= 2 * matrices
 
 
 def test_mxu_flops_of_xla_dots(tmp_path):

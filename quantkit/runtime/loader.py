@@ -28,9 +28,10 @@ from quantkit.runtime.validate import validate_checkpoint
 
 
 
-def abstract(cfg: ModelConfig, qc: QuantConfig | None, dtype=jnp.bfloat16) -> dict:
+def abstract(cfg: ModelConfig, qc: QuantConfig | None, dtype=jnp.bfloat16, mtp: bool = False) -> dict:
     """The weight pytree of `cfg` quantized as `qc` says, as jax.ShapeDtypeStruct leaves (no data): the
-    argument `plan` compiles with. Scales are assumed bfloat16 (what `quantkit convert` writes)."""
+    argument `plan` compiles with. Scales are assumed bfloat16 (what `quantkit convert` writes). mtp: with
+    Qwen3.5's MTP layer as params["draft"], as `load(..., mtp=True)` holds it."""
     def leaf(s: Slot):
         if s.kind == "stack":
             one = leaf(s.module[0])
@@ -60,8 +61,12 @@ def abstract(cfg: ModelConfig, qc: QuantConfig | None, dtype=jnp.bfloat16) -> di
                        act_gscale=jax.ShapeDtypeStruct((g,), jnp.float32) if act == "nvfp4" else None,
                        rot=jax.ShapeDtypeStruct((g, rot[0], rot[0]), jnp.int8) if rot else None)
 
-    return jax.tree_util.tree_map(leaf, skeleton(cfg, lane_widths(cfg, qc)),
-                                  is_leaf=lambda x: isinstance(x, Slot))
+    slots = skeleton(cfg, lane_widths(cfg, qc))
+    if mtp:
+        from quantkit.runtime.models.qwen3_5 import mtp_slots
+
+        slots["draft"] = mtp_slots(cfg, lane_widths(cfg, qc))
+    return jax.tree_util.tree_map(leaf, slots, is_leaf=lambda x: isinstance(x, Slot))
 
 
 @dataclass

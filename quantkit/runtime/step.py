@@ -254,11 +254,13 @@ def draft_rows(params: dict, head, tokens: jax.Array, h: jax.Array, aux: jax.Arr
     g = g[last]
     drafts = [head.tokens(params, g)]
     pos = meta["positions"][last]
+    pad = ((0, -s % 8), (0, 0))  # the TPU attention kernel takes a multiple of 8 tokens: padding, in no row
     for j in range(1, k):  # one query a row: row i is token i
-        m = {**meta, "kv_fp8": None, "positions": pos + j, "kv_lens": pos + j + 1,
+        m = {**meta, "kv_fp8": None, "positions": jnp.pad(pos + j, pad[0]), "kv_lens": pos + j + 1,
              "cu_q_lens": jnp.minimum(jnp.arange(s + 1, dtype=jnp.int32), n[0]),
              "tables": {"full": meta["tables"]["full"]}}
-        g, kv = run(embed[drafts[-1]], g, kv, {**m, "slots": _slots(m, page_size)})
+        g, kv = run(jnp.pad(embed[drafts[-1]], pad), jnp.pad(g, pad), kv, {**m, "slots": _slots(m, page_size)})
+        g = g[:s]
         drafts.append(head.tokens(params, g))
     return jnp.stack(drafts, axis=1), kv
 

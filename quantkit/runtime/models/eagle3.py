@@ -67,11 +67,10 @@ def aux_layers(draft_cfg: dict, target_layers: int) -> tuple[int, ...]:
     return tuple(int(i) for i in ids) if ids else (2, target_layers // 2, target_layers - 3)
 
 
-def load(path: str | Path, target: ModelConfig, dtype) -> tuple[Eagle3, dict]:
-    """Reads an EAGLE-3 draft checkpoint for `target`: (its static part, its weights); InvalidInput /
-    Unsupported naming what does not fit."""
-    import jax.numpy as jnp
-
+def _checked(path: str | Path, target: ModelConfig) -> tuple[Eagle3, dict]:
+    """The draft checkpoint at `path` checked for `target` from its config.json and its safetensors headers
+    (no tensor data read): its static part, and {param: TensorInfo} of the tensors it has (`NAMES`, `TOP`;
+    "embed" and "d2t" may be absent). InvalidInput / Unsupported naming what does not fit."""
     from quantkit.formats.safetensors_io import SafetensorsFile
     from quantkit.runtime.models import from_hf
 
@@ -99,13 +98,12 @@ def load(path: str | Path, target: ModelConfig, dtype) -> tuple[Eagle3, dict]:
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise InvalidInput(f"draft model {path}: no .safetensors file")
-    tensors, opened = {}, [SafetensorsFile(f) for f in files]
-    for st in opened:
-        for name in st.tensors:
-            key = name
+    tensors = {}
+    for f in files:
+        for name, info in SafetensorsFile(f).tensors.items():  # headers only
             for prefix in ("model.", "midlayer.", "layers.0."):
-                key = key.removeprefix(prefix)
-            tensors[key] = (st, name)
+                name = name.removeprefix(prefix)
+            tensors[name] = info
     h, th = cfg.hidden_size, target.hidden_size
     dh, dkv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     vd = hf.get("draft_vocab_size") or target.vocab_size
@@ -113,44 +111,68 @@ def load(path: str | Path, target: ModelConfig, dtype) -> tuple[Eagle3, dict]:
               "gate": (h, cfg.intermediate_size), "up": (h, cfg.intermediate_size), "down": (cfg.intermediate_size, h),
               "attn_norm": (h,), "hidden_norm": (h,), "mlp_norm": (h,), "norm": (h,), "lm_head": (h, vd),
               "embed": (target.vocab_size, h), "d2t": (vd,)}
-    try:
-        params = _read(tensors, shapes, vd, path, dtype)
-    finally:
-        for st in opened:
-            st.close()
-    if "embed" not in params and h != target.hidden_size:
-        raise InvalidInput(f"draft model {path}: hidden size {h} differs from the target's and it has no embedding")
-    if "d2t" not in params:
-        if vd != target.vocab_size:
-            raise InvalidInput(f"draft model {path}: draft vocabulary {vd} without a d2t map")
-        params["d2t"] = jnp.arange(vd, dtype=jnp.int32)
-    if not np.isfinite(np.asarray(jnp.stack([jnp.sum(v.astype(jnp.float32)) for k, v in params.items()
-                                             if k != "d2t"]))).all():
-        raise InvalidInput(f"draft model {path}: non-finite weights")
-    return Eagle3(cfg, aux), params
-
-
-def _read(tensors: dict, shapes: dict, vd: int, path: Path, dtype) -> dict:
-    """The head's weights from `tensors` (param name -> (file, tensor)), checked against `shapes`."""
-    import jax.numpy as jnp
-
-    params = {}
+    found = {}
     for key, name in {**NAMES, **TOP}.items():
         if name not in tensors:
             if key in ("embed", "d2t"):
                 continue
             raise InvalidInput(f"draft model {path}: tensor {name!r} is missing")
-        st, full = tensors[name]
-        a = np.asarray(st.read(full))
-        a = a.T if a.ndim == 2 else a  # stored [out, in]
-        if a.shape != shapes[key]:
-            raise InvalidInput(f"draft model {path}: {full} has shape {a.shape[::-1] if a.ndim == 2 else a.shape}, "
-                               f"expected {shapes[key][::-1] if a.ndim == 2 else shapes[key]}")
-        if key == "d2t":
-            params[key] = jnp.asarray(np.arange(vd) + a.astype(np.int64), jnp.int32)
-        else:
-            params[key] = jnp.asarray(a.astype(np.float32), jnp.float32 if a.ndim == 1 else dtype)
-    return params
+        shape = tuple(tensors[name].shape)
+        if (shape[::-1] if len(shape) == 2 else shape) != shapes[key]:  # stored [out, in]
+            raise InvalidInput(f"draft model {path}: {tensors[name].name} has shape {shape}, expected "
+                               f"{shapes[key][::-1] if len(shapes[key]) == 2 else shapes[key]}")
+        found[key] = tensors[name]
+    if "embed" not in found and h != target.hidden_size:
+        raise InvalidInput(f"draft model {path}: hidden size {h} differs from the target's and it has no embedding")
+    if "d2t" not in found and vd != target.vocab_size:
+        raise InvalidInput(f"draft model {path}: draft vocabulary {vd} without a d2t map")
+    return Eagle3(cfg, aux), found
+
+
+def _dtype(key: str, ndim: int, dtype):
+    """A head weight's dtype as the Runner holds it: d2t int32 (target ids), vectors float32, matrices `dtype`."""
+    import jax.numpy as jnp
+
+    return jnp.int32 if key == "d2t" else jnp.float32 if ndim == 1 else dtype
+
+
+def load(path: str | Path, target: ModelConfig, dtype) -> tuple[Eagle3, dict]:
+    """Reads an EAGLE-3 draft checkpoint for `target`: (its static part, its weights); InvalidInput /
+    Unsupported naming what does not fit."""
+    import jax.numpy as jnp
+
+    from quantkit.formats.safetensors_io import SafetensorsFile
+
+    head, found = _checked(path, target)
+    opened = {f: SafetensorsFile(f) for f in {info.file for info in found.values()}}
+    try:
+        params = {}
+        for key, info in found.items():
+            a = np.asarray(opened[info.file].read(info.name))
+            if key == "d2t":  # offsets: draft id i is target id i + d2t[i]
+                a = np.arange(len(a)) + a.astype(np.int64)
+            else:
+                a = (a.T if a.ndim == 2 else a).astype(np.float32)  # stored [out, in]
+            params[key] = jnp.asarray(a, _dtype(key, a.ndim, dtype))
+    finally:
+        for st in opened.values():
+            st.close()
+    params.setdefault("d2t", jnp.arange(target.vocab_size, dtype=jnp.int32))
+    if not np.isfinite(np.asarray(jnp.stack([jnp.sum(v.astype(jnp.float32)) for k, v in params.items()
+                                             if k != "d2t"]))).all():
+        raise InvalidInput(f"draft model {path}: non-finite weights")
+    return head, params
+
+
+def abstract(path: str | Path, target: ModelConfig, dtype) -> tuple[Eagle3, dict]:
+    """The draft checkpoint at `path` as `plan` compiles it: its static part and its weights as
+    jax.ShapeDtypeStruct leaves, as `load` holds them (no tensor data read)."""
+    import jax
+
+    head, found = _checked(path, target)
+    shapes = {k: tuple(info.shape[::-1]) for k, info in found.items()}  # matrices stored [out, in]
+    shapes.setdefault("d2t", (target.vocab_size,))
+    return head, {k: jax.ShapeDtypeStruct(s, _dtype(k, len(s), dtype)) for k, s in shapes.items()}
 
 
 def layer(p: dict, cfg: ModelConfig, emb, hidden, attend):
