@@ -224,6 +224,18 @@ def test_lookups_that_find_nothing_stop_reading_steps_back(llama, monkeypatch):
     assert greedy == list(range(11, 49))  # a greedy one looks at every step (not for its last token)
 
 
+def test_a_greedy_stream_drafts_down_to_its_own_floor():
+    """Between the two floors (recent acceptance 0.1) a greedy sequence still drafts and a sampled one does
+    not; below the greedy floor neither does, until SPEC_PROBE decode steps have passed without a look."""
+    import quantkit.runtime.engine as eng
+
+    wants = lambda temperature, acceptance, undrafted=0: eng.Engine._wants_drafts(  # noqa: E731
+        None, Request([1], 8, Sampling(temperature), acceptance=acceptance, undrafted=undrafted))
+    assert eng.SPEC_FLOOR_GREEDY < 0.1 < eng.SPEC_FLOOR
+    assert wants(0.0, 0.1) and not wants(1.0, 0.1)
+    assert not wants(0.0, 0.04) and not wants(1.0, 0.04) and wants(0.0, 0.04, eng.SPEC_PROBE)
+
+
 def test_sampled_streams_whose_drafts_fail_start_the_next_without(llama):
     """Sampled requests at a temperature that makes the target all but uniform reject their drafts; once
     enough have, a new sampled request starts below the floor (it drafts nothing before SPEC_PROBE steps),
