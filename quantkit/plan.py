@@ -322,9 +322,8 @@ def _draft_head(spec, raw: dict, cfg, path: Path, devices: int) -> tuple:
     if devices > 1:
         raise InvalidInput("draft heads (eagle3, mtp) run on one device; plan the target with --tp 1")
     if spec.method == "mtp":
-        from quantkit.runtime.models.qwen3_5 import Mtp
-
         from quantkit.formats.safetensors_io import SafetensorsFile
+        from quantkit.runtime.models.qwen3_5 import Mtp
 
         folder = path if path.is_dir() else path.parent  # a bare config.json: the weights may be beside it
         declared = (raw.get("text_config") or raw).get("mtp_num_hidden_layers")

@@ -137,21 +137,27 @@ def test_drafts_match_a_transformers_reference(pair):
                      _reference(target, head), V)
 
 
-def test_plans_view_of_a_head_is_what_load_holds(pair):
+def test_plans_view_of_a_head_is_what_load_holds(pair, tmp_path):
     """`plan` compiles a head from eagle3.abstract (config.json and the safetensors headers, no data): the
-    same parameters, shapes and dtypes as the weights eagle3.load reads (the d2t map included); the tiny
-    default head, which has no d2t, gets the identity's shape."""
-    _, _, root = pair
+    same parameters, shapes and dtypes as the weights eagle3.load reads, for the pair's head (a d2t map over
+    its 100-token vocabulary) and for one over the target's whole vocabulary without a d2t map (its identity
+    map made by both)."""
+    _, head, root = pair
     cfg = load(root / "target", dtype=jnp.float32).cfg
+    whole = {k: v for k, v in head.items() if k != "d2t"}
+    whole["lm_head.weight"] = np.ones((V, H), np.float32)
+    (tmp_path / "whole").mkdir()
+    write_safetensors(tmp_path / "whole" / "model.safetensors", whole, {"format": "pt"})
+    (tmp_path / "whole" / "config.json").write_text(json.dumps(
+        json.loads((root / "head" / "config.json").read_text()) | {"draft_vocab_size": V}))
 
     def describe(params):
         return {k: (tuple(v.shape), str(v.dtype)) for k, v in params.items()}
 
-    for path, target in ((root / "head", cfg), (ROOT / "assets" / "tiny-llama-eagle3", None)):
-        target = target or load(ROOT / "assets" / "tiny-llama", dtype=jnp.float32).cfg
-        loaded, abstract = eagle3.load(path, target, jnp.bfloat16), eagle3.abstract(path, target, jnp.bfloat16)
+    for path, vd in ((root / "head", VD), (tmp_path / "whole", V)):
+        loaded, abstract = eagle3.load(path, cfg, jnp.bfloat16), eagle3.abstract(path, cfg, jnp.bfloat16)
         assert loaded[0] == abstract[0] and describe(loaded[1]) == describe(abstract[1])
-        assert describe(abstract[1])["d2t"] == ((loaded[1]["lm_head"].shape[1],), "int32")
+        assert describe(abstract[1])["d2t"] == ((vd,), "int32") and describe(abstract[1])["fc"][1] == "bfloat16"
 
 
 def test_bad_draft_checkpoints_are_refused(pair, tmp_path):
