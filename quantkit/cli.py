@@ -411,6 +411,8 @@ def plan(
     enable_prefix_caching: Annotated[bool, typer.Option(help="As serve's: with Gated DeltaNet layers (Qwen3.5), "
                                                              "count the state slots of its prefix snapshots "
                                                              "(--max-num-seqs more).")] = True,
+    max_num_batched_tokens: Annotated[int, typer.Option(min=8, help="As serve's: the most tokens one step "
+                                                                    "runs (its largest program).")] = 512,
     json_out: Annotated[bool, typer.Option("--json", help="One JSON document on stdout.")] = False,
 ) -> None:
     """Compile the serving steps for a TPU without one (libtpu, deviceless) and report HBM for weights, KV
@@ -439,7 +441,8 @@ def plan(
         report = run(path, target.value, max_model_len, max_num_seqs, tp,
                      scheme.value if scheme is not None else None, group_size, search, note, kv_cache_dtype.value,
                      enable_expert_parallel, cost, speculative=speculative,
-                     prefix_caching=enable_prefix_caching, dp=data_parallel_size)
+                     prefix_caching=enable_prefix_caching, dp=data_parallel_size,
+                     max_num_batched_tokens=max_num_batched_tokens)
         _emit(report, json_out, print_plan)
     except (QuantkitError, Exception) as e:  # noqa: BLE001 - one line, never a traceback
         raise _fail(e) from None

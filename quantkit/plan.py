@@ -63,7 +63,7 @@ def _nbytes(leaf, layout, chip) -> int:
 def plan(path: str | Path, target: str = "v6e", max_model_len: int = 2048, max_num_seqs: int = 16, tp: int = 1,
          scheme: str | None = None, group_size: int = 128, search: bool = True, progress=None,
          kv_cache_dtype: str = "auto", ep: bool = False, cost: bool = True, prefill_cost: bool = True,
-         speculative=None, prefix_caching: bool = True, dp: int = 1) -> dict:
+         speculative=None, prefix_caching: bool = True, dp: int = 1, max_num_batched_tokens: int = BUDGET) -> dict:
     """Compiles the serving steps for `tp` chips of `target` and reports HBM (per chip), VMEM, compile time and
     fit (docs/cli.md keys).
 
@@ -88,6 +88,8 @@ def plan(path: str | Path, target: str = "v6e", max_model_len: int = 2048, max_n
         prefix_caching: as serve's; with Gated DeltaNet layers it keeps max_num_seqs more state slots for
             the snapshots of prompt prefixes (runtime/cache.py), which the cache then holds.
         dp: data-parallel devices (with tp 1): each serves max_num_seqs / dp sequences (runtime/step.py).
+        max_num_batched_tokens: serve's: the most tokens a step runs (the largest token bucket, compiled for
+            the fit and costed as the prefill step; at most max_model_len).
     """
     import importlib.util
 
@@ -143,7 +145,7 @@ def plan(path: str | Path, target: str = "v6e", max_model_len: int = 2048, max_n
     parts = ["draft" if path[0].key == "draft" else "experts" if path[0].key == "layers" and is_expert(cfg, path[2].key)
              else "" for path, _ in flat]
     layouts = {"params": [None] * len(param_leaves), "cache": None}  # from the first compiled decode step
-    budget = min(BUDGET, max_model_len)
+    budget = min(max_num_batched_tokens, max_model_len)
 
     def layout(c, n: int):
         """The Runner's cache layout for n sequences (a device's n / dp), with serve's snapshot slots under
@@ -269,7 +271,8 @@ def plan(path: str | Path, target: str = "v6e", max_model_len: int = 2048, max_n
     collectives = {k.split(":")[1]: v for k, v in (cost or {}).items() if k.startswith("collective:")}
     return {
         "path": str(path), "target": target, "scheme": scheme or ("checkpoint" if qc else "DENSE"),
-        "max_model_len": max_model_len, "max_num_seqs": max_num_seqs, "tp": tp, "data_parallel_size": dp,
+        "max_model_len": max_model_len, "max_num_seqs": max_num_seqs, "max_num_batched_tokens": budget, "tp": tp,
+        "data_parallel_size": dp,
         "kv_cache_dtype": kv_dtype.name, "topology": topology_name(target, devices), "chips": chips(target, devices),
         "fits": bool(fits),
         "hbm_bytes": {"weights": weights, "kv_cache": kv - state, "recurrent_state": state,

@@ -111,7 +111,10 @@ RUNS = {  # (tp, expert parallel, weights): the dense model has no quantized wei
 SCANNED = ("moe", "gemma4_moe", "qwen3_5_moe", "w8a8", "gpt_oss")
 
 
-@pytest.mark.parametrize("name", ["dense", "moe", "gemma4_moe", "qwen3_5_moe", "w8a8", "gpt_oss"])
+# The dense model in float weights (CI: exhaustive only): the W8A8 runs take the same model over the same meshes, and
+# test_runtime's test_tensor_parallel_on_four_devices_matches_one[dense] splits float weights over 4 devices.
+@pytest.mark.parametrize("name", [pytest.param("dense", marks=pytest.mark.exhaustive), "moe", "gemma4_moe",
+                                  "qwen3_5_moe", "w8a8", "gpt_oss"])
 def test_two_four_eight_devices_give_one_devices_tokens(models, name):
     """Tensor parallel (and for the MoEs, expert parallel too), with packed int4 / nvfp4 weights (the grouped matmul per
     shard / on each device's own experts) and dequantized dense ones, Gemma 4's bf16 experts, and W8A8's
@@ -189,7 +192,7 @@ def test_serve_with_data_parallel_answers_the_openai_client(models, tmp_path):
     log = tmp_path / "serve.log"
     p = subprocess.Popen([sys.executable, "-m", "quantkit.cli", "serve", str(models["moe"]), "--port", "0",
                           "--data-parallel-size", "4", "--enable-expert-parallel", "--max-model-len", "128",
-                          "--max-num-seqs", "4"],
+                          "--max-num-seqs", "4", "--max-num-batched-tokens", "64"],
                          env=_env(4), stdout=subprocess.DEVNULL, stderr=open(log, "w"))
     try:
         deadline = time.monotonic() + 600
@@ -293,7 +296,9 @@ print("JSON", json.dumps(out))
 """
 
 
-@pytest.mark.parametrize("name", ["moe", "qwen3_5_moe"])
+# The W4A16 MoE (CI: exhaustive only): Qwen3.5-MoE's case runs the same expert layers beside its GDN states, and
+# test_serve_with_data_parallel_answers_the_openai_client serves this MoE with data and expert parallelism.
+@pytest.mark.parametrize("name", [pytest.param("moe", marks=pytest.mark.exhaustive), "qwen3_5_moe"])
 def test_data_parallel_with_expert_parallel_gives_one_devices_logits_and_tokens(models, name, seed):
     """--data-parallel-size 8 with --enable-expert-parallel (Qwen3-MoE W4A16 in activation order; Qwen3.5-MoE
     NVFP4A16, with Gated DeltaNet state slots on each device): eight prompts run as one ragged step, one on

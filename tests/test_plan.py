@@ -160,28 +160,31 @@ QWEN35_35B = GEMMA4_31B.with_name("qwen3.5-35B-A3B.json")  # Gated DeltaNet + ga
 @pytest.mark.slow
 def test_gemma4_31b_published_multimodal_config_fits_a_v6e_with_fp8_kv(tmp_path):
     """`plan` on the published Gemma4ForConditionalGeneration config.json as it is (nested text_config):
-    W4A16 g32 with an FP8 KV cache fits one v6e at 16 x 2048, with the cache laid out per layer kind.
+    W4A16 g32 with an FP8 KV cache fits one v6e at 16 x 2048 (--max-num-batched-tokens 128: steps of at
+    most 128 tokens), with the cache laid out per layer kind.
 
     Analytical bytes (text_config: hidden 5376, MLP 21504, 60 layers of which 10 full, 32 heads; sliding
     layers 16 KV heads x 256, full layers 4 KV heads x 512 with K = V (no v_proj), vocab 262144 tied):
     linear weights 50 x 5376 x (8192 + 4096 + 4096 + 8192 + 3 x 21504) + 10 x 5376 x (16384 + 2048 + 16384
     + 3 x 21504) -> int4 + g32 bf16 scales; the embedding bf16. KV at 1 byte a value: 16-token pages of
-    the kind's width; full layers 128 pages a sequence, the sliding pool 64 + 2 a sequence + 32 for one
-    step's chunks, + scratch.
+    the kind's width; full layers 128 pages a sequence, the sliding pool 64 + 2 a sequence + 8 for one
+    step's chunks (128 tokens), + scratch.
 
     No weight-sized temporary: no float array of a weight's shape in the compiled steps (test_dequantized_
-    weight_detector: the control); the temporaries are activations of the 512-token step, the attention kernel
+    weight_detector: the control); the temporaries are activations of the 128-token step, the attention kernel
     reads pages in place. The compiled decode step reads about the weights and the KV cache once (XLA's own
     cost analysis; the Pallas kernels count by their declared CostEstimates): within 1.15x, which a per-step
     copy of the 2.8 GB embedding or weights staged into VMEM before each gmm_v2 call (1.69x) would break."""
     code, r = _plan(tmp_path, GEMMA4_31B, scheme="W4A16", group_size=32, max_num_seqs=16, search=False,
-                    kv_cache_dtype="fp8", prefill_cost=False)  # the prefill cost: test_plan_counts_each_...
+                    kv_cache_dtype="fp8", prefill_cost=False, max_num_batched_tokens=128)
+    # (the prefill cost: test_plan_counts_each_...; the 512-token default: a third less compile time)
     assert code == 0 and r["fits"] and r["kv_cache_dtype"] == "float8_e4m3fn" and r["target"] == "v6e"
+    assert r["max_num_batched_tokens"] == 128
     linear = 50 * 5376 * (8192 + 4096 + 4096 + 8192 + 3 * 21504) + 10 * 5376 * (16384 + 2048 + 16384 + 3 * 21504)
     analytical = linear // 2 + linear // 32 * 2 + 262144 * 5376 * 2
     h = r["hbm_bytes"]
     assert abs(h["weights"] - analytical) < 0.02 * analytical
-    kv = 16 * (50 * 16 * 2 * 256 * (1 + 16 * 66 + 32) + 10 * 4 * 2 * 512 * (1 + 16 * 128))
+    kv = 16 * (50 * 16 * 2 * 256 * (1 + 16 * 66 + 8) + 10 * 4 * 2 * 512 * (1 + 16 * 128))
     assert h["kv_cache"] == kv and h["total"] <= h["capacity"]
     assert r["dequantized_weight_buffers"] == [] and 0 < h["temporaries"] < 1 << 30
     c = r["decode_step_cost"]
@@ -452,7 +455,8 @@ def test_v7x_plans_count_tensorcores(tmp_path):
     chip's 192 GiB; --tp 4 is two chips (tpu7x:1x2x1), a quarter of the weights on each TensorCore."""
     (tmp_path / "config.json").write_text(json.dumps(LLAMA_70B))
     cmd = [sys.executable, "-m", "quantkit.cli", "plan", str(tmp_path / "config.json"), "--target", "v7x",
-           "--scheme", "DENSE", "--max-model-len", "128", "--max-num-seqs", "4", "--no-search", "--no-cost", "--json"]
+           "--scheme", "DENSE", "--max-model-len", "128", "--max-num-seqs", "4", "--max-num-batched-tokens", "64",
+           "--no-search", "--no-cost", "--json"]
     env = {"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"}
     one, four = (subprocess.run(cmd + ["--tp", tp], capture_output=True, text=True, timeout=900, env=env)
                  for tp in ("1", "4"))
@@ -460,6 +464,7 @@ def test_v7x_plans_count_tensorcores(tmp_path):
     one, four = json.loads(one.stdout), json.loads(four.stdout)
     assert not one["fits"] and "HBM" in one["compiler_message"] and "94.75G" in one["compiler_message"]
     assert four["fits"] and four["topology"] == "tpu7x:1x2x1" and four["chips"] == 2
+    assert four["max_num_batched_tokens"] == 64
     assert four["hbm_bytes"]["capacity"] == int(94.75 * (1 << 30))
     weights = (80 * (2 * 8192 * 8192 + 2 * 8192 * 1024 + 3 * 8192 * 28672) + 2 * 128256 * 8192) * 2
     assert abs(four["hbm_bytes"]["weights"] - weights / 4) < 0.01 * weights / 4

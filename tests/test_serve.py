@@ -361,7 +361,7 @@ def test_bad_requests_get_openai_errors(server):
 
 def test_full_queue_429_and_sigterm_drains(model_dir, tmp_path):
     s = ServerProc(model_dir, tmp_path / "log", tmp_path / "cache", "--max-model-len", "128", "--max-num-seqs",
-                   "1", "--max-waiting", "0", "--grace", "30")
+                   "1", "--max-waiting", "0", "--grace", "30", "--max-num-batched-tokens", "64")
     body = {"model": NAME, "prompt": "hello", "max_tokens": 120, "stream": True, "temperature": 0}
     with httpx.stream("POST", s.url + "/v1/completions", json=body, timeout=60) as r:
         lines = r.iter_lines()

@@ -67,7 +67,7 @@ TEMPLATE = ("{% if tools %}<s>system: tools:{% for t in tools %} {{ t.function |
 def server(model_dir, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("server")
     s = ServerProc(model_dir, tmp / "server.log", tmp / "cache", "--max-model-len", "1024", "--max-num-seqs", "16",
-                   name=NAME)
+                   "--max-num-batched-tokens", "64", name=NAME)
     yield s
     assert s.stop() == 0
 
