@@ -89,7 +89,7 @@ def plan(path: str | Path, target: str = "v6e", max_model_len: int = 2048, max_n
             the snapshots of prompt prefixes (runtime/cache.py), which the cache then holds.
         dp: data-parallel devices (with tp 1): each serves max_num_seqs / dp sequences (runtime/step.py).
         max_num_batched_tokens: serve's: the most tokens a step runs (the largest token bucket, compiled for
-            the fit and costed as the prefill step; at most max_model_len).
+            the fit and costed as the prefill step).
     """
     import importlib.util
 
@@ -145,7 +145,7 @@ def plan(path: str | Path, target: str = "v6e", max_model_len: int = 2048, max_n
     parts = ["draft" if path[0].key == "draft" else "experts" if path[0].key == "layers" and is_expert(cfg, path[2].key)
              else "" for path, _ in flat]
     layouts = {"params": [None] * len(param_leaves), "cache": None}  # from the first compiled decode step
-    budget = min(max_num_batched_tokens, max_model_len)
+    budget = max_num_batched_tokens  # serve's: a step holds several sequences' chunks, whatever max_model_len
 
     def layout(c, n: int):
         """The Runner's cache layout for n sequences (a device's n / dp), with serve's snapshot slots under
@@ -695,8 +695,8 @@ def print_plan(r: dict, out=sys.stdout) -> None:
         kinds = ", ".join(f"{op} {b / (1 << 20):.2f}" for op, b in sorted(c["bytes"].items())) or "none"
         print(f"  collectives {c['total'] / (1 << 20):9.2f} MiB a decode step ({kinds} MiB; floor "
               f"{c['floor_bytes'] / (1 << 20):.2f} MiB)", file=out)
-    print(f"  compile     {r['compile_seconds']:9.1f} s on this CPU (decode and budget buckets of the step, "
-          "deviceless libtpu)", file=out)
+    print(f"  compile     {r['compile_seconds']:9.1f} s on this CPU (the decode and {r['max_num_batched_tokens']}-token "
+          "buckets of the step, deviceless libtpu)", file=out)
     for kern in r["kernels"]:
         t = kern["tiles"]
         tiles = f"tiles {t['tm']}x{t['tk']}x{t['tn']}, VMEM {kern['vmem_bytes'] / (1 << 20):.1f} MiB" if t else ""

@@ -142,13 +142,12 @@ def _cli(*args: str, devices: int = 8, env=None, **kw) -> subprocess.CompletedPr
 
 
 def test_generate_cli_takes_tp_and_expert_parallel(models):
-    """`generate --tp N` (and vLLM's spelling --tensor-parallel-size) prints one device's greedy text, for the
-    bf16 dense model and the W4A16 MoE with --enable-expert-parallel, and so does the MoE with
-    --data-parallel-size 4 (its sequence on one device, the experts split over all four); what cannot be split
-    is refused in one line."""
+    """`generate --tp N` prints one device's greedy text for the bf16 dense model, and so does the W4A16 MoE
+    with --data-parallel-size 4 --enable-expert-parallel (its sequence on one device, the experts split over
+    all four; the MoE with --tensor-parallel-size 4 --enable-expert-parallel: the two-process test below);
+    what cannot be split is refused in one line."""
     outs = {}
-    for name, flags in (("dense", ["--tp", "8"]), ("moe", ["--tensor-parallel-size", "4", "--enable-expert-parallel"]),
-                        ("moe", ["--data-parallel-size", "4", "--enable-expert-parallel"])):
+    for name, flags in (("dense", ["--tp", "8"]), ("moe", ["--data-parallel-size", "4", "--enable-expert-parallel"])):
         base = ["generate", str(models[name]), "--prompt", "the data of the model", "--max-tokens", "12"]
         one, many = outs.get(name) or _cli(*base), _cli(*base, *flags)
         outs[name] = one
@@ -227,13 +226,15 @@ def _free_port() -> int:
 
 
 def test_two_processes_give_one_process_tokens(models):
-    """`generate --tp 4` over two processes with two CPU devices each (jax.distributed, a local coordinator,
-    gloo collectives): process 0 prints one process's greedy text, process 1 nothing; both exit 0."""
+    """`generate --tensor-parallel-size 4 --enable-expert-parallel` (vLLM's spelling of --tp) over two processes
+    with two CPU devices each (jax.distributed, a local coordinator, gloo collectives): process 0 prints one
+    process's greedy text, process 1 nothing; both exit 0."""
     base = ["generate", str(models["moe"]), "--prompt", "the data of the model", "--max-tokens", "12"]
     one = _cli(*base)
     assert one.returncode == 0, one.stderr
     addr = f"127.0.0.1:{_free_port()}"
-    procs = [subprocess.Popen([sys.executable, "-m", "quantkit.cli", *base, "--tp", "4", "--enable-expert-parallel",
+    procs = [subprocess.Popen([sys.executable, "-m", "quantkit.cli", *base, "--tensor-parallel-size", "4",
+                               "--enable-expert-parallel",
                                "--coordinator-address", addr, "--num-processes", "2", "--process-id", str(i)],
                               env=_env(2), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for i in range(2)]
