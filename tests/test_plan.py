@@ -177,7 +177,7 @@ def test_gemma4_31b_published_multimodal_config_fits_a_v6e_with_fp8_kv(tmp_path)
     copy of the 2.8 GB embedding or weights staged into VMEM before each gmm_v2 call (1.69x) would break."""
     code, r = _plan(tmp_path, GEMMA4_31B, scheme="W4A16", group_size=32, max_num_seqs=16, search=False,
                     kv_cache_dtype="fp8", prefill_cost=False, max_num_batched_tokens=128)
-    # (the prefill cost: test_plan_counts_each_...; the 512-token default: a third less compile time)
+    # (the prefill cost: test_plan_counts_each_...; 128-token steps: a third less compile time than 512's)
     assert code == 0 and r["fits"] and r["kv_cache_dtype"] == "float8_e4m3fn" and r["target"] == "v6e"
     assert r["max_num_batched_tokens"] == 128
     linear = 50 * 5376 * (8192 + 4096 + 4096 + 8192 + 3 * 21504) + 10 * 5376 * (16384 + 2048 + 16384 + 3 * 21504)
@@ -333,8 +333,7 @@ def test_prefix_snapshot_slots_are_counted(tmp_path):
 
     qwen3_5_model(True, head_dim=64).save_pretrained(tmp_path)
     reports = [plan(tmp_path / "config.json", "v6e", 256, 8, scheme="W4A16", group_size=32, search=False, cost=False,
-                    max_num_batched_tokens=16,
-                    prefix_caching=p) for p in (True, False)]
+                    max_num_batched_tokens=16, prefix_caching=p) for p in (True, False)]
     assert reports[0]["decode_step_estimate"]["bytes"] == reports[1]["decode_step_estimate"]["bytes"]
     on, off = (r["hbm_bytes"] for r in reports)
     assert off["of_recurrent_state_snapshots"] == 0 and off["recurrent_state"] > 0
@@ -350,8 +349,7 @@ def test_fp8_kv_cache_halves_the_kv_bytes(tmp_path):
 
     (tmp_path / "config.json").write_text(json.dumps(SMALL))
     r = {kv: plan(tmp_path / "config.json", "v6e", 128, 4, scheme="W4A16", group_size=32, search=False,
-                  max_num_batched_tokens=128,
-                  kv_cache_dtype=kv, cost=False) for kv in ("auto", "fp8_e5m2")}
+                  max_num_batched_tokens=128, kv_cache_dtype=kv, cost=False) for kv in ("auto", "fp8_e5m2")}
     assert r["auto"]["kv_cache_dtype"] == "bfloat16" and r["fp8_e5m2"]["kv_cache_dtype"] == "float8_e5m2"
     assert r["fp8_e5m2"]["hbm_bytes"]["kv_cache"] == 2 * 33 * 16 * 4 * 2 * 128 == r["auto"]["hbm_bytes"]["kv_cache"] // 2
     assert r["fp8_e5m2"]["fits"]
