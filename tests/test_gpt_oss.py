@@ -178,7 +178,7 @@ def harmony_server(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("harmony")
     harmony_model(tmp / "model")
     s = ServerProc(tmp / "model", tmp / "server.log", tmp / "cache", "--max-model-len", "96", "--max-num-seqs", "8",
-                  "--max-num-batched-tokens", "64")
+                   "--max-num-batched-tokens", "64")
     yield s
     assert s.stop() == 0
 

@@ -146,11 +146,9 @@ def test_generate_cli_takes_tp_and_expert_parallel(models):
     with --data-parallel-size 4 --enable-expert-parallel (its sequence on one device, the experts split over
     all four; the MoE with --tensor-parallel-size 4 --enable-expert-parallel: the two-process test below);
     what cannot be split is refused in one line."""
-    outs = {}
     for name, flags in (("dense", ["--tp", "8"]), ("moe", ["--data-parallel-size", "4", "--enable-expert-parallel"])):
         base = ["generate", str(models[name]), "--prompt", "the data of the model", "--max-tokens", "12"]
-        one, many = outs.get(name) or _cli(*base), _cli(*base, *flags)
-        outs[name] = one
+        one, many = _cli(*base), _cli(*base, *flags)
         assert one.returncode == 0 and many.returncode == 0, many.stderr[-2000:]
         assert many.stdout == one.stdout and len(one.stdout) > 1, (name, one.stdout, many.stdout)
         assert re.search(r"on (4|8) cpu devices", many.stderr), many.stderr
