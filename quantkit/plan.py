@@ -193,7 +193,9 @@ def plan(path: str | Path, target: str = "v6e", max_model_len: int = 2048, max_n
         plain step only in Gated DeltaNet layers, step.py `step_function`)."""
         s = min(t, n // dp)  # rows a device
         batch = empty_batch(t, s, layout(c, n), n // dp, c.vocab_size)
-        last = jax.ShapeDtypeStruct((n + dp,), jnp.int32, sharding=NamedSharding(mesh, P(AXIS)) if dp > 1 else None)
+        parts = 2 + spec if spec and head is not None else 1  # a draft head's `last` (step.py)
+        last = jax.ShapeDtypeStruct(((n + dp) * parts,), jnp.int32,
+                                    sharding=NamedSharding(mesh, P(AXIS)) if dp > 1 else None)
         if dp > 1:  # each device's batch (runtime/step.py Runner.batch)
             batch = {**jax.tree_util.tree_map(lambda a: np.stack([a] * dp), batch),
                      "row_order": np.zeros(dp * s, np.int32), "token_order": np.zeros(dp * t, np.int32)}

@@ -253,3 +253,40 @@ def test_a_head_whose_drafts_fail_runs_only_before_each_probe(default):
     stopped = np.flatnonzero(drafted)[0] + np.flatnonzero(~drafted[np.flatnonzero(drafted)[0]:])[0]
     probes = np.flatnonzero(drafted[stopped:]) + stopped
     assert len(probes) >= 1 and heads[stopped:].sum() == len(probes) and heads[probes - 1].all(), steps
+
+
+def test_seeded_sampling_with_the_head_overlaps_its_steps(default):
+    """Seeded sampled requests (temperature 0.5, top-k on one) side by side: the same tokens with the head's
+    drafts as without (a row scheduled before the previous verifying step is read back is moved by the
+    device to where its acceptance left it; the draws' keys follow those positions), drafts both accepted
+    and rejected, and most verifying steps with drafts are followed by the next step's dispatch before
+    they are read back (the host does not wait between them)."""
+    model, drafter, prompts, _ = default
+    reqs = [dict(prompt=p, max_tokens=30, sampling=Sampling(0.5, 8 * (i == 1), 1.0, seed=i))
+            for i, p in enumerate(prompts[:3])]
+    outs, events = [], []
+    for spec in (SpeculativeConfig("eagle3", 3, model="assets/tiny-llama-eagle3"), None):
+        engine = Engine(Runner(model, max_model_len=128, max_num_seqs=4, page_size=8, max_num_batched_tokens=16,
+                               speculative=spec.k if spec else 0, drafter=drafter if spec else None),
+                        speculative=spec)
+        if spec:
+            run, collect = engine.runner.run, engine._collect
+            # (the outputs kept in `events`: their ids stay unique)
+            engine.runner.run = lambda batch, *a: events.append(
+                ("run", out := run(batch, *a), bool(batch["drafts"].any()))) or out
+            engine._collect = lambda out, rows: events.append(("read", out, None)) or collect(out, rows)
+        done = []
+        for kw in reqs:
+            done.append(engine.submit(Request(**kw)))
+            engine.step()
+        while engine.busy():
+            engine.step()
+        outs.append([r.out for r in done])
+        if spec:
+            assert 0 < engine.accepted < engine.draft_tokens, (engine.accepted, engine.draft_tokens)
+    assert outs[0] == outs[1]
+    at = {(kind, id(out)): i for i, (kind, out, _) in enumerate(events)}
+    runs = [i for i, (kind, _, _) in enumerate(events) if kind == "run"]
+    drafted = [(i, nxt) for i, nxt in zip(runs, runs[1:]) if events[i][2]]
+    overlapped = sum(nxt < at[("read", id(events[i][1]))] for i, nxt in drafted)
+    assert overlapped >= 0.8 * len(drafted) > 0, (overlapped, len(drafted))

@@ -82,6 +82,7 @@ class Request:
     slot: int = -1
     done: int = 0  # tokens (prompt, then fed-back outputs) scheduled into the cache
     pending: int = 0  # sampled tokens of dispatched steps not yet delivered
+    ahead: int = 0  # drafts of dispatched steps not yet read back (as many more tokens may come)
     out: list = field(default_factory=list)
     text: str = ""
     sent: int = 0  # characters of text already delivered
@@ -90,7 +91,7 @@ class Request:
     hashes: list = field(default_factory=list)  # chained hashes of its full pages (prefix caching)
     named: int = 0  # pages registered in the prefix cache
     align_at: int = 0  # Gated DeltaNet models: where its cached KV pages end (a prompt chunk ends there)
-    proposed: tuple = ()  # a draft head's tokens to follow out[-1] (speculative decoding: eagle3, mtp)
+    proposed: int = 0  # drafts a draft head left on the device for its slot (speculative decoding: eagle3, mtp)
     acceptance: float = 0.5  # its drafts' recent acceptance (moving average; `Engine._observe`)
     undrafted: int = 0  # its decode steps since it last looked for drafts
     lookup: PromptLookup | None = None  # its n-gram index (speculative decoding: ngram)
@@ -124,9 +125,13 @@ class Engine:
         state snapshots (`Runner.prefix_states`, runtime/cache.py), and only up to the prompt chunks'
         page-aligned ends (`_chunk`, `_snapshot`).
         speculative: draft tokens for decoding rows (runtime/speculative.py; the runner's `speculative` is its
-        k). Drafts follow the tokens so far: a step that drafts reads the previous one back before it is
-        scheduled, and the step after a drafted one too (its positions follow the accepted count); other
-        steps overlap as without speculation. A row under a structured-output constraint or before its
+        k). n-gram drafts follow the tokens so far: a step that drafts reads the previous one back before it
+        is scheduled, and the step after a drafted one too (its positions follow the accepted count); other
+        steps overlap as without speculation. A draft head's drafts stay on the device, and so do the
+        positions they leave: a step is scheduled while the previous verifying step runs, its rows counting
+        every draft of it as accepted and the device moving them back by those it rejected (`_follows`;
+        step.py), as long as every step runs the verifying program (the head runs) and no request is
+        constrained. A row under a structured-output constraint or before its
         min_tokens gets none. How many a step takes (`_room`): on XLA:CPU, where a step's time grows with
         its tokens, only the padding of the token bucket a step of decodes alone runs anyway, and only where
         that padding is at least the step's tokens, so that the drafts can pay for reading the previous step
@@ -222,17 +227,24 @@ class Engine:
         for r in [r for r in self.running if r.id in aborts]:
             self._finish(r, "abort")
         masks, collected = self.masks, False
-        if self.inflight is not None and any(d for *_, d in self.inflight[1]):  # positions follow acceptance
-            self._collect(*self.inflight)
+        follows = self._follows()
+        if self.inflight is not None and not follows and any(d for *_, d in self.inflight[1]):
+            self._collect(*self.inflight)  # positions follow acceptance
             self.inflight, collected = None, True
-        rows = self._schedule()
+        rows = self._schedule(follows)
         room = self._room(rows)
-        if room and self.inflight is not None and any(self._may_draft(r, row) for r, row, _ in rows):
+        if room and self.inflight is not None and self.speculative.method == "ngram" and \
+                any(self._may_draft(r, row) for r, row, _ in rows):
             self._collect(*self.inflight)  # drafts follow the tokens so far
             self.inflight, collected = None, True
             rows = [x for x in rows if x[0].finish_reason is None]
         if room:
             self._draft(rows, room)
+        for r, row, _ in rows:
+            row.follow = r.ahead > 0  # (only while `follows`: else the step that drafted was read back)
+        # after the newcomers and the drafts (a probe's own step does not run the head); rows that follow
+        # need the verifying program
+        head = self._head() or any(row.follow for _, row, _ in rows)
         previous, self.inflight = self.inflight, None
         if rows:
             batch = self.runner.batch([row for _, row, _ in rows])
@@ -250,8 +262,12 @@ class Engine:
 
             if constrained and batch["drafts"].any():  # read back for the drafts: the masks go in the batch
                 batch["sampling"], constrained = sampling(), []
-            out = self.runner.run_split(batch, sampling) if constrained else self.runner.run(batch, self._head())
-            self.inflight = (out, [(r, samples, len(row.drafts)) for r, row, samples in rows])
+            out = self.runner.run_split(batch, sampling) if constrained else self.runner.run(batch, head)
+            drafted = self.runner.drafter is not None and not constrained and (head or batch["drafts"].any())
+            for r, row, samples in rows:
+                r.ahead += len(row.drafts) + row.proposed
+                r.proposed = self.speculative.k if drafted and samples else 0
+            self.inflight = (out, [(r, samples, len(row.drafts) + row.proposed) for r, row, samples in rows])
             self._snapshot(rows)
             if self.speculative is not None and self.speculative.method == "ngram":
                 for r, row, _ in rows:  # while the device runs: prompt chunks into their n-gram indexes
@@ -262,10 +278,11 @@ class Engine:
         self.mask_steps += self.masks > masks
         return bool(rows) or previous is not None or collected
 
-    def _schedule(self) -> list[tuple[Request, Row, bool]]:
+    def _schedule(self, follows: bool = False) -> list[tuple[Request, Row, bool]]:
         """Decodes first, then prompt chunks (running requests, then newcomers) within the token budget.
         Returns (request, row, whether the row's last token is the request's newest, i.e. samples). A
-        data-parallel runner's devices each have the budget (`_place` puts a newcomer on one)."""
+        data-parallel runner's devices each have the budget (`_place` puts a newcomer on one). `follows`
+        (`_follows`): a constrained newcomer waits for the next step."""
         budget, rows, dev = [self.budget] * self.pool.devices, [], self.pool.device
 
         def add(r: Request, n: int, prompt: bool) -> bool:
@@ -284,14 +301,15 @@ class Engine:
             return True
 
         for r in self.running:  # decodes: a fed-back token, if more tokens are wanted
-            if r.done >= len(r.prompt) and budget[d := dev(r.slot)] and len(r.out) + r.pending < r.max_tokens:
+            if r.done >= len(r.prompt) and budget[d := dev(r.slot)] and len(r.out) + r.pending + r.ahead < r.max_tokens:
                 budget[d] -= add(r, 1, False)
         for r in self.running:
             if r.done < len(r.prompt) and budget[d := dev(r.slot)]:
                 n = self._chunk(r, min(len(r.prompt) - r.done, budget[d]))
                 budget[d] -= n if add(r, n, True) else 0
         with self._lock:
-            while self.waiting and (slot := self._place(budget)) is not None:
+            while self.waiting and (slot := self._place(budget)) is not None and not (
+                    follows and self.waiting[0].grammar is not None):
                 r = self.waiting.popleft()
                 if r.grammar is not None and not self._fill([r])[0]:  # its first mask: no token allowed
                     self._finish(r, "stop")
@@ -353,16 +371,24 @@ class Engine:
         return self.runner.drafter is not None and any(self._wants_drafts(r) for r in self.running) and (
             not self.fill_only or 2 * len(self.running) <= self.runner.buckets[0])
 
+    def _follows(self) -> bool:
+        """Whether the next step may be scheduled before the one in flight is read back although that one
+        verified drafts: a draft head's runner whose next step will run the verifying program (the head
+        runs: `_head`), which moves each row to where the previous step's acceptance left it (step.py),
+        with no constrained request running (a constrained step's masks need its last token)."""
+        return self._head() and jax.process_count() == 1 and \
+            not any(r.grammar is not None for r in self.running)
+
     def _may_draft(self, r: Request, row: Row) -> bool:
         """Whether r's row may carry drafts: a decode row without a constraint or banned ids (min_tokens),
         of a request that wants more than this row's token, whose n-gram lookup can find something once
         its token in flight is known: every match ending in that token needs an earlier occurrence of the
         prompt_lookup_min - 1 known tokens before it (so a step is not read back for nothing)."""
-        if row.tokens is not None or r.grammar is not None or row.banned or len(r.out) + r.pending >= r.max_tokens \
-                or not self._wants_drafts(r):
+        if row.tokens is not None or r.grammar is not None or row.banned or \
+                len(r.out) + r.pending + r.ahead >= r.max_tokens or not self._wants_drafts(r):
             return False
-        if self.speculative.method != "ngram":  # the step in flight drafts for it
-            return True
+        if self.speculative.method != "ngram":  # what the head left on the device
+            return r.proposed > 0
         n = self.speculative.lookup_min - 1
         return r.pending < 2 or n == 0 or bool(self._lookup(r).draft(1, n, n))
 
@@ -374,26 +400,30 @@ class Engine:
         return r.lookup.extend(r.prompt, r.out) if prompt is None else r.lookup.extend(prompt, [])
 
     def _draft(self, rows: list, room: int) -> None:
-        """Extends decode rows with drafts (read back: r.out is current), in order, within `room` tokens and
-        the pages the pool can give."""
+        """Extends decode rows with drafts, in order, within `room` tokens and the pages the pool can give:
+        n-gram lookups (read back: r.out is current), or the count of a draft head's drafts on the device."""
         spec = self.speculative
         for r, row, _ in rows:
             if room <= 0:
                 return
             if not self._may_draft(r, row):
                 continue
-            k = min(spec.k, r.max_tokens - len(r.out) - 1, room)
+            k = min(spec.k, r.max_tokens - len(r.out) - r.pending - r.ahead, room)
             if spec.method != "ngram":
-                drafts = list(r.proposed[:max(k, 0)])
+                n = max(min(k, r.proposed), 0)
             else:
                 drafts = self._lookup(r).draft(k, spec.lookup_min, spec.lookup_max) if k > 0 else []
                 if k > 0 and not drafts and r.sampling.temperature > 0:
                     self._observe(r, 0.0, 0.1)
+                n = len(drafts)
             # from the row's first position: a sliding window's pages are kept for its first query
-            if drafts and self.pool.reserve(r.slot, row.start, row.start + row.n + len(drafts) - 1):
-                row.n, row.drafts = row.n + len(drafts), tuple(drafts)
-                r.done, r.undrafted = r.done + len(drafts), 0  # below the floor: no head until these pay
-                room -= len(drafts)
+            if n and self.pool.reserve(r.slot, row.start, row.start + row.n + n - 1):
+                if spec.method != "ngram":
+                    row.proposed = n
+                else:
+                    row.drafts = tuple(drafts)
+                row.n, r.done, r.undrafted = row.n + n, r.done + n, 0  # below the floor: no head until these pay
+                room -= n
 
     @property
     def snapshot_bytes(self) -> int:
@@ -465,19 +495,18 @@ class Engine:
         accepted drafts and the token after them; the cache then ends after the last accepted draft: what the
         rejected ones wrote is overwritten later); then the next masks of the constrained rows, all at once
         (a sequence whose constraint allows nothing more ends there)."""
-        out = jax.device_get(out)
-        proposals = out[5] if len(out) == 6 else None  # a draft model's tokens for the next step
-        if len(out) >= 5:  # step.verify_rows: [S, k + 1] a row, `count` of them real
+        out = jax.device_get(out[:5])  # (a draft head's proposals stay on the device)
+        if len(out) == 5:  # step.verify_rows: [S, k + 1] a row, `count` of them real
             toks, counts, lps, top_ids, top_lps = out[:5]
         else:
             (toks, lps, top_ids, top_lps), counts = (x[:, None] for x in out), np.ones(len(out[0]), np.int32)
         for i, (r, samples, drafts) in enumerate(rows):
             if samples:
                 r.pending -= 1
-                r.proposed = () if proposals is None else tuple(int(t) for t in proposals[i])
                 c = int(counts[i])
                 r.undrafted += 1
                 if drafts:
+                    r.ahead -= drafts
                     self._observe(r, (c - 1) / drafts)
                     r.done -= drafts + 1 - c
                     self.drafts, self.draft_tokens, self.accepted = (self.drafts + 1, self.draft_tokens + drafts,

@@ -8,6 +8,13 @@ step's output before preparing the next), positions [T], cu_q_lens [S + 1], kv_l
 cache after the step), num_seqs [1], per kind block tables [S, pages_per_seq], slot [S] (the engine slot of
 each row; padding rows: max_num_seqs, dropped) and sampling arrays [S]. Shapes are bucketed by T only
 (S = min(T, max_num_seqs)), so a server compiles one program per token bucket.
+
+With a draft head (speculative decoding: eagle3, mtp) the device's `last` holds three parts of
+max_num_seqs + 1 entries, by slot: the last token, the shift (the verifying step's accepted tokens less the
+tokens it ran: 0 or minus its rejected drafts) and the k drafts the head proposed (`head_entry`); a row's
+drafts are its `prev_slot` entries there, and a row with `follow` set starts where its slot's shift says:
+the host schedules it before reading the previous step back, as if every draft had been accepted
+(`_followed`), so that it need not wait for the device between verifying steps.
 """
 
 from __future__ import annotations
@@ -165,13 +172,33 @@ def pick(logits: jax.Array, s: dict, next_pos: jax.Array, draft: jax.Array | Non
     return out if draft is None else (*out, tok == draft)
 
 
+def head_entry(slots: int, k: int, slot, part: int, j=0):
+    """The index in a draft head's `last` (module docstring) of slot's entry in part 0 (its last token),
+    1 (its shift) or 2 (its j-th proposed draft); `slots`: max_num_seqs + 1."""
+    return slot if part == 0 else slots + slot if part == 1 else 2 * slots + slot * k + j
+
+
+def _token_rows(batch: dict):
+    """Each token's row [T] and whether it is a sequence's (not padding)."""
+    cu = batch["cu_q_lens"]
+    tok = jnp.arange(batch["positions"].shape[0])
+    return jnp.minimum(jnp.searchsorted(cu[1:], tok, side="right"), cu.shape[0] - 2), tok < cu[batch["num_seqs"][0]]
+
+
+def _followed(batch: dict, last: jax.Array, k: int) -> dict:
+    """batch with the rows that follow a verifying step not yet read back (batch["follow"]) moved to where it
+    left their sequences: positions and lengths shifted by their slot's shift (minus the drafts it
+    rejected; the host counted them all as accepted)."""
+    shift = jnp.where(batch["follow"] != 0, last[head_entry(last.shape[0] // (2 + k), k, batch["slot"], 1)], 0)
+    row, live = _token_rows(batch)
+    return {**batch, "positions": batch["positions"] + jnp.where(live, shift[row], 0),
+            "kv_lens": batch["kv_lens"] + shift}
+
+
 def _slots(batch: dict, ps: int) -> dict:
     """Per kind, the flat cache slot (page * ps + offset) each token writes; padding tokens: 0 (scratch)."""
-    cu, pos = batch["cu_q_lens"], batch["positions"]
-    t = pos.shape[0]
-    tok = jnp.arange(t)
-    seq = jnp.minimum(jnp.searchsorted(cu[1:], tok, side="right"), cu.shape[0] - 2)
-    live = tok < cu[batch["num_seqs"][0]]
+    pos = batch["positions"]
+    seq, live = _token_rows(batch)
     return {k: jnp.where(live, tab[seq, pos // ps] * ps + pos % ps, 0) for k, tab in batch["tables"].items()}
 
 
@@ -270,7 +297,8 @@ def step_function(cfg, page_size: int, all_logits: bool = False, mesh=None, unro
                   dp: bool = False):
     """step(params, kv, last, batch) -> (outputs, kv, last).
 
-    kv: per kind stacked pages; last [max_num_seqs + 1]: the last token sampled per slot. outputs: (token,
+    kv: per kind stacked pages; last [max_num_seqs + 1]: the last token sampled per slot (with a drafter,
+    three parts: module docstring). outputs: (token,
     logprob, top ids, top logprobs) per sequence row [S, ...], or with all_logits the float32 logits of
     every token [T, vocab] (eval and tests), or without `sample` each row's logits [S, vocab] and `last`
     unchanged: the step's first half, whose second is `sample_rows` (the engine splits a step so that
@@ -292,6 +320,8 @@ def step_function(cfg, page_size: int, all_logits: bool = False, mesh=None, unro
         if tpu_chip() is not None:  # dense layer weights through gmm_v2 too
             params = dense_as_qtensor(params, cfg, tp_mesh, ep and not dp)
         tokens = jnp.where(batch["prev_slot"] >= 0, last[jnp.maximum(batch["prev_slot"], 0)], batch["tokens"])
+        if drafter is not None and spec:
+            batch = _followed(batch, last, spec)
         meta = {**batch, "slots": _slots(batch, page_size), "mesh": tp_mesh, "unroll": unroll, "kv_fp8": kv_fp8,
                 "ep_mesh": (AXIS if dp else mesh) if ep else None, "verify": bool(spec), "decode": decode}
         if drafter is not None and not all_logits and drafter.aux:
@@ -308,6 +338,9 @@ def step_function(cfg, page_size: int, all_logits: bool = False, mesh=None, unro
                 drafts, cache = draft_rows(params, drafter, tokens, h, aux[0] if aux else None, out, kv["draft"], meta,
                                            page_size, spec)
                 out, kv = (*out, drafts), {**kv, "draft": cache}
+                slots, slot = last.shape[0] // (2 + spec), batch["slot"]
+                last = last.at[head_entry(slots, spec, slot, 1)].set(out[1] - 1 - batch["drafts"], mode="drop")
+                last = last.at[head_entry(slots, spec, slot[:, None], 2, jnp.arange(spec))].set(drafts, mode="drop")
             return out, kv, last
         ends = batch["cu_q_lens"][1:] - 1  # each sequence's last token
         logits = project(params, h[jnp.maximum(ends, 0)], cfg)
@@ -417,6 +450,7 @@ def empty_batch(t: int, s: int, layout: CacheLayout, max_num_seqs: int, vocab: i
     return {"tokens": np.zeros(t, np.int32), "prev_slot": np.full(t, -1, np.int32),
             "positions": np.zeros(t, np.int32), "cu_q_lens": np.zeros(s + 1, np.int32),
             "kv_lens": np.zeros(s, np.int32), "num_seqs": np.zeros(1, np.int32), "drafts": np.zeros(s, np.int32),
+            "follow": np.zeros(s, np.int32),
             "tables": {k: np.zeros((s, layout.pages_per_seq), np.int32) for k in layout.layers},
             "slot": np.full(s, max_num_seqs, np.int32), "sampling": sampling_arrays(s, vocab)}
 
@@ -427,7 +461,9 @@ class Row:
     for one decode token that the device takes from the slot's last sampled token. `banned`: token ids
     its sample must not be (at most BANNED). `drafts`: token ids following a decode row's device-side token
     (its last len(drafts) of n), which the step verifies (speculative decoding; a Runner with
-    `speculative`)."""
+    `speculative`); `proposed`: instead, that many of the drafts a Runner's draft head left on the device for
+    the slot; `follow`: the row's start counts every draft of its slot's last verifying step as accepted,
+    which the device corrects (module docstring)."""
 
     slot: int
     start: int
@@ -437,6 +473,8 @@ class Row:
     logprobs: bool = False
     banned: tuple = ()
     drafts: tuple = ()
+    proposed: int = 0
+    follow: bool = False
 
 
 @dataclass
@@ -527,7 +565,8 @@ class Runner:
             shape = (1, self.layout.pages["full"], self.page_size, 2 * math.prod(draft.cfg.kv_shape("full")))
             self.kv["draft"] = jnp.zeros(shape, jnp.float32 if dtype == jnp.float32 else self.model.dtype,
                                          device=here)
-        self.last = jnp.zeros(self.dp * (local + 1), jnp.int32, device=last_sharding or here)
+        self.last = jnp.zeros(self.dp * (local + 1) * (1 if draft is None else 2 + self.speculative), jnp.int32,
+                              device=last_sharding or here)
         self.params = self.model.params
         if fp8 is not None:
             self.params = with_kv_scales(self.params, cfg, self.model.kv_scales, np.asarray if mesh else jnp.asarray)
@@ -616,13 +655,16 @@ class Runner:
         for i, r in enumerate(rows):
             if r.tokens is None:
                 b["prev_slot"][at] = r.slot
-                b["tokens"][at + 1:at + r.n] = r.drafts
+                b["tokens"][at + 1:at + 1 + len(r.drafts)] = r.drafts
+                b["prev_slot"][at + 1:at + 1 + r.proposed] = head_entry(self.max_num_seqs + 1, self.speculative,
+                                                                        r.slot, 2, np.arange(r.proposed))
             else:
                 b["tokens"][at:at + r.n] = r.tokens
             b["positions"][at:at + r.n] = np.arange(r.start, r.start + r.n)
             at += r.n
             b["cu_q_lens"][i + 1] = at
-            b["kv_lens"][i], b["slot"][i], b["drafts"][i] = r.start + r.n, r.slot, len(r.drafts)
+            b["kv_lens"][i], b["slot"][i], b["drafts"][i] = r.start + r.n, r.slot, len(r.drafts) + r.proposed
+            b["follow"][i] = r.follow
             for k, tab in pool.tables.items():
                 b["tables"][k][i] = tab[r.slot]
             sp, p = b["sampling"], r.sampling
