@@ -206,12 +206,13 @@ def plan(path: str | Path, target: str = "v6e", max_model_len: int = 2048, max_n
                                                  decode=not spec and t < budget, dp=dp > 1), weights, cache(n, c),
                            last, batch, donate=(1, 2), pinned=(0,), tp=devices)
 
-    def compile_step(t: int, n: int):
-        """Compiles the step at t tokens for n sequences: (temporary bytes, seconds, compiler message,
-        dequantized-weight buffers); temporary bytes are None when the compiler refuses (out of HBM)."""
+    def compile_step(t: int, n: int, spec: int = 0):
+        """Compiles the step at t tokens for n sequences (spec: the verifying step): (temporary bytes,
+        seconds, compiler message, dequantized-weight buffers); temporary bytes are None when the compiler
+        refuses (out of HBM)."""
         t0 = time.perf_counter()
         try:
-            compiled, seconds = compile_program(cfg, params, t, n)
+            compiled, seconds = compile_program(cfg, params, t, n, spec=spec)
         except Exception as e:  # noqa: BLE001 - libtpu reports running out of HBM as an exception
             msg = str(e).splitlines()[0] if str(e) else type(e).__name__
             if "HBM" in msg or "RESOURCE_EXHAUSTED" in msg or "memory" in msg.lower():
@@ -224,12 +225,13 @@ def plan(path: str | Path, target: str = "v6e", max_model_len: int = 2048, max_n
         return compiled.memory_analysis().temp_size_in_bytes, seconds, "", _dequantized(compiled, weight_shapes)
 
     def fits_at(n: int, decode: bool = True) -> tuple[bool, int, float, str, list]:
-        """Compiles the decode bucket (unless not `decode`) and the full budget for n sequences: (fits,
-        temporary bytes, seconds, message, dequantized buffers found)."""
+        """Compiles the decode bucket (unless not `decode`) and the full budget for n sequences, and with
+        speculative decoding the verifying program of the full budget too (serve runs one in every bucket;
+        the largest holds the most): (fits, temporary bytes, seconds, message, dequantized buffers found)."""
         seconds, temps, found = 0.0, [], []
-        sizes = (decode_bucket(n), budget) if decode else (budget,)
-        for t in dict.fromkeys(sizes):
-            temp, s, message, more = compile_step(t, n)
+        sizes = [(t, 0) for t in dict.fromkeys((decode_bucket(n), budget) if decode else (budget,))]
+        for t, spec in sizes + ([(budget, speculative)] if speculative else []):
+            temp, s, message, more = compile_step(t, n, spec)
             seconds, found = seconds + s, found + more
             if temp is None:
                 return False, 0, seconds, message, found

@@ -533,7 +533,7 @@ def test_step_compiles_deviceless_for_v6e(name, cfg):
 
 
 @pytest.mark.parametrize("target,scheme,mxu", [("v6e", "W8A8", "int8"), ("v7x", "FP8_DYNAMIC", "fp8")])
-def test_plan_counts_each_programs_matmul_flops_by_mxu_type(tmp_path, target, scheme, mxu):
+def test_plan_counts_each_programs_matmul_flops_by_mxu_type(tmp_path, monkeypatch, target, scheme, mxu):
     """The decode (8-token bucket of 4 sequences) and prefill (the 512-token budget) programs' matmul FLOPs
     by the MXU operand type, from the compiled HLO: every quantized linear multiplies 8-bit rows on the
     chip's 8-bit MXU (v6e: int8, v7x: fp8), exactly 2 x tokens x the 9.4M linear weights of the two layers;
@@ -547,9 +547,21 @@ def test_plan_counts_each_programs_matmul_flops_by_mxu_type(tmp_path, target, sc
     the target's shape (2 layers x 129 pages -> 3), the decode step neither (its floor and FLOPs above are
     the target's), and the verifying step (4 rows x 4 tokens: the 16-token bucket) runs the target once over
     all 16 tokens (int8 FLOPs exactly 2 x 16 x its linear weights) and the bf16 head over them too (at least
-    2 x 16 x its 15M matrix weights), reading at least the head's matrices beyond the decode step."""
+    2 x 16 x its 15M matrix weights), reading at least the head's matrices beyond the decode step. The fit
+    counts the temporaries of the verifying program serve runs at the full budget (compiled with the
+    head's longer `last`: step.head_entry), not only the plain programs'."""
     from quantkit.plan import plan
+    from quantkit.runtime import aot
     from quantkit.runtime.speculative import SpeculativeConfig
+
+    compiled, compile_for = [], aot.compile_for
+
+    def recording(chip, fn, *args, **kw):  # (tokens, length of `last`, temporary bytes) of each compile
+        out = compile_for(chip, fn, *args, **kw)
+        compiled.append((args[-1]["tokens"].shape[0], args[-2].shape[0], out[0].memory_analysis().temp_size_in_bytes))
+        return out
+
+    monkeypatch.setattr(aot, "compile_for", recording)
 
     (tmp_path / "config.json").write_text(json.dumps(SMALL))
     head = target == "v6e"
@@ -580,6 +592,8 @@ def test_plan_counts_each_programs_matmul_flops_by_mxu_type(tmp_path, target, sc
     assert v["draft_head"] and v["tokens"] == 16 and v["flops_by_mxu_type"][mxu] == 2 * 16 * linear
     assert v["flops_by_mxu_type"]["bf16"] >= 2 * 16 * matrices
     assert v["bytes_accessed"] - r["decode_step_cost"]["bytes_accessed"] >= 2 * matrices
+    verifying = [temp for t, last, temp in compiled if t == 512 and last == (4 + 1) * (2 + 3)]
+    assert verifying and h["temporaries"] >= max(verifying) > 0, (compiled, h["temporaries"])
 
 
 def test_mxu_flops_of_xla_dots(tmp_path):
