@@ -322,13 +322,14 @@ def train_draft(model_dir: Path, steps: int, minutes: float | None) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out", nargs="?", default="assets/tiny-llama")
-    ap.add_argument("--steps", type=int, default=1200)
+    ap.add_argument("--steps", type=int, default=None, help="default 1200, with --eagle3 2400")
     ap.add_argument("--minutes", type=float, default=None, help="stop early after this much training time")
     ap.add_argument("--eagle3", action="store_true", help="train the EAGLE-3 draft head of the model in OUT")
     args = ap.parse_args()
     if args.eagle3:
-        train_draft(Path(args.out), args.steps, args.minutes)
+        train_draft(Path(args.out), args.steps or 2400, args.minutes)
         return
+    args.steps = args.steps or 1200
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     texts = _read(training_files())

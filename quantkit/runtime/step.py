@@ -172,10 +172,10 @@ def pick(logits: jax.Array, s: dict, next_pos: jax.Array, draft: jax.Array | Non
     return out if draft is None else (*out, tok == draft)
 
 
-def head_entry(slots: int, k: int, slot, part: int, j=0):
-    """The index in a draft head's `last` (module docstring) of slot's entry in part 0 (its last token),
-    1 (its shift) or 2 (its j-th proposed draft); `slots`: max_num_seqs + 1."""
-    return slot if part == 0 else slots + slot if part == 1 else 2 * slots + slot * k + j
+def head_entry(slots: int, k: int, slot, j=None):
+    """The index in a draft head's `last` (module docstring) of slot's shift, or with j of its j-th proposed
+    draft (of k); `slots`: max_num_seqs + 1. (Its last token's is the slot itself.)"""
+    return slots + slot if j is None else 2 * slots + slot * k + j
 
 
 def _token_rows(batch: dict):
@@ -189,7 +189,7 @@ def _followed(batch: dict, last: jax.Array, k: int) -> dict:
     """batch with the rows that follow a verifying step not yet read back (batch["follow"]) moved to where it
     left their sequences: positions and lengths shifted by their slot's shift (minus the drafts it
     rejected; the host counted them all as accepted)."""
-    shift = jnp.where(batch["follow"] != 0, last[head_entry(last.shape[0] // (2 + k), k, batch["slot"], 1)], 0)
+    shift = jnp.where(batch["follow"] != 0, last[head_entry(last.shape[0] // (2 + k), k, batch["slot"])], 0)
     row, live = _token_rows(batch)
     return {**batch, "positions": batch["positions"] + jnp.where(live, shift[row], 0),
             "kv_lens": batch["kv_lens"] + shift}
@@ -339,8 +339,8 @@ def step_function(cfg, page_size: int, all_logits: bool = False, mesh=None, unro
                                            page_size, spec)
                 out, kv = (*out, drafts), {**kv, "draft": cache}
                 slots, slot = last.shape[0] // (2 + spec), batch["slot"]
-                last = last.at[head_entry(slots, spec, slot, 1)].set(out[1] - 1 - batch["drafts"], mode="drop")
-                last = last.at[head_entry(slots, spec, slot[:, None], 2, jnp.arange(spec))].set(drafts, mode="drop")
+                last = last.at[head_entry(slots, spec, slot)].set(out[1] - 1 - batch["drafts"], mode="drop")
+                last = last.at[head_entry(slots, spec, slot[:, None], jnp.arange(spec))].set(drafts, mode="drop")
             return out, kv, last
         ends = batch["cu_q_lens"][1:] - 1  # each sequence's last token
         logits = project(params, h[jnp.maximum(ends, 0)], cfg)
@@ -657,7 +657,7 @@ class Runner:
                 b["prev_slot"][at] = r.slot
                 b["tokens"][at + 1:at + 1 + len(r.drafts)] = r.drafts
                 b["prev_slot"][at + 1:at + 1 + r.proposed] = head_entry(self.max_num_seqs + 1, self.speculative,
-                                                                        r.slot, 2, np.arange(r.proposed))
+                                                                        r.slot, np.arange(r.proposed))
             else:
                 b["tokens"][at:at + r.n] = r.tokens
             b["positions"][at:at + r.n] = np.arange(r.start, r.start + r.n)
