@@ -112,9 +112,12 @@ SCANNED = ("moe", "gemma4_moe", "qwen3_5_moe", "w8a8", "gpt_oss")
 
 
 # The dense model in float weights (CI: exhaustive only): the W8A8 runs take the same model over the same meshes, and
-# test_runtime's test_tensor_parallel_on_four_devices_matches_one[dense] splits float weights over 4 devices.
-@pytest.mark.parametrize("name", [pytest.param("dense", marks=pytest.mark.exhaustive), "moe", "gemma4_moe",
-                                  "qwen3_5_moe", "w8a8", "gpt_oss"])
+# test_runtime's test_tensor_parallel_on_four_devices_matches_one[dense] splits float weights over 4 devices. The
+# W4A16 MoE (CI: exhaustive only): Qwen3.5-MoE's case runs the same expert layers over the same meshes, and this
+# MoE itself runs at --tp 4 with expert parallelism over two processes and data parallel in the generate tests.
+@pytest.mark.parametrize("name", [pytest.param("dense", marks=pytest.mark.exhaustive),
+                                  pytest.param("moe", marks=pytest.mark.exhaustive), "gemma4_moe", "qwen3_5_moe",
+                                  "w8a8", "gpt_oss"])
 def test_two_four_eight_devices_give_one_devices_tokens(models, name):
     """Tensor parallel (and for the MoEs, expert parallel too), with packed int4 / nvfp4 weights (the grouped matmul per
     shard / on each device's own experts) and dequantized dense ones, Gemma 4's bf16 experts, and W8A8's
