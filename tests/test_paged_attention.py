@@ -321,10 +321,11 @@ def test_cpu_path_matches_jax_reference(d, kvh, g, window, soft_cap):
     assert err < 1e-5, f"seed={seed} {info} err={err:.2e}"
 
 
-@pytest.mark.parametrize("q_lens", [[40, 1, 1], [11, 5, 2, 40], [1, 1, 1]])
+@pytest.mark.parametrize("q_lens", [[40, 1, 1], [11, 5, 2, 40], [1, 1, 1], [5, 1], [20, 12]])
 def test_cpu_path_computes_every_block_it_needs(q_lens):
-    """The CPU path computes only the first two query blocks when they hold every prompt chunk (one chunk
-    of 33-64 rows here), else all: each case against the oracle."""
+    """The CPU path computes the query blocks in use one after another (one, two, several; 32 rows a block
+    here), and of the one-query rows only one when at most one sequence has one (here one after a chunk),
+    else all: each case against the oracle."""
     from quantkit.kernels.xla import paged_attention_xla
 
     seed = _seed()

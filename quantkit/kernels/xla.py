@@ -116,10 +116,10 @@ def paged_attention_xla(q, kv, layer, kv_lens, block_tables, cu_q_lens, num_seqs
     Returns:
         [T, H, D] in q.dtype; rows of no sequence are zero.
 
-    Decode rows (one query of a sequence) are computed together, one row per sequence; the rows of
-    sequences with several queries (prompt chunks) in blocks of `block` rows of one sequence each, all
-    blocks together (at most T // block + S of them: a chunk's last block may be partial; when the first
-    two hold them all, only those are computed).
+    Decode rows (one query of a sequence) are computed together, one row per sequence (only one when at
+    most one sequence decodes); the rows of sequences with several queries (prompt chunks) in blocks of
+    `block` rows of one sequence each (a chunk's last block may be partial), one block after another, only
+    those in use, each over the key chunks its own rows see.
     """
     t, h, d = q.shape
     s = block_tables.shape[0]
@@ -128,12 +128,21 @@ def paged_attention_xla(q, kv, layer, kv_lens, block_tables, cu_q_lens, num_seqs
     start, q_len = cu_q_lens[:-1], cu_q_lens[1:] - cu_q_lens[:-1]
     real = jnp.arange(s) < n
     kw = dict(scale=scale, window=sliding_window, soft_cap=soft_cap, chunk=chunk_pages, sinks=sinks)
-    # one query per sequence (decodes): [S, 1] rows
+    # one query per sequence (decodes): one row a sequence, all S together, or only the first such
+    # sequence's when no other has one (one stream decoding: the S - 1 padding rows cost as much as it)
     single = real & (q_len == 1)
-    row = jnp.where(single, start, 0)
-    dec = _attend_chunks(q[row][:, None], jnp.where(single, kv_lens - 1, -1)[:, None], block_tables, kv, layer,
-                         kv_lens, **kw)[:, 0]
-    out = jnp.zeros((t + 1, h, d), jnp.float32).at[jnp.where(single, start, t)].set(dec)
+
+    def decode(idx):
+        def run(out):
+            one = single[idx]
+            dec = _attend_chunks(q[jnp.where(one, start[idx], 0)][:, None],
+                                 jnp.where(one, kv_lens[idx] - 1, -1)[:, None], block_tables[idx], kv, layer,
+                                 kv_lens[idx], **kw)[:, 0]
+            return out.at[jnp.where(one, start[idx], t)].set(dec)
+        return run
+
+    out, every = jnp.zeros((t + 1, h, d), jnp.float32), decode(jnp.arange(s))
+    out = jax.lax.cond(jnp.sum(single) <= 1, decode(jnp.argmax(single)[None]), every, out) if s > 1 else every(out)
     # several queries: block b holds rows start[seq[b]] + offset[:, b] of sequence seq[b] (t: none)
     r = min(block, t)
     nb = t // r + s
@@ -145,18 +154,14 @@ def paged_attention_xla(q, kv, layer, kv_lens, block_tables, cu_q_lens, num_seqs
     valid = (b < ends[-1]) & (offset < q_len[seq])
     rows = jnp.where(valid, start[seq] + offset, t).T  # [nb, r]
     qpos = jnp.where(valid, kv_lens[seq] - q_len[seq] + offset, -1).T
+    qp = jnp.pad(q, ((0, 1), (0, 0), (0, 0)))
 
-    def first(k):  # attention of the first k blocks (the rest are padding)
-        def run(out):
-            o = _attend_chunks(jnp.pad(q, ((0, 1), (0, 0), (0, 0)))[rows[:k]], qpos[:k], block_tables[seq[:k]], kv,
-                               layer, kv_lens[seq[:k]], **kw)
-            return out.at[rows[:k].reshape(-1)].set(o.reshape(-1, h, d))
-        return run
+    def one_block(b, out):  # each block over the key chunks its own rows see
+        o = _attend_chunks(qp[rows[b]][None], qpos[b][None], block_tables[seq[b]][None], kv, layer,
+                           kv_lens[seq[b]][None], **kw)
+        return out.at[rows[b]].set(o[0])
 
-    # blocks computed: none (decode-only steps skip the setup), the first 2 (one chunk of up to 2 * block
-    # tokens: the usual newcomer) or all nb; padding blocks cost as much as real ones (T = 64: 10 blocks, a
-    # 57-token chunk over 1,504 cached tokens 43 -> 16 ms on CPU: benchmarks/cpu_step.py). More sizes compile longer at start-up.
-    sizes = [0, 2, nb] if nb > 2 else [0, nb]
-    out = jax.lax.switch(jnp.searchsorted(jnp.asarray(sizes), ends[-1]),
-                         [lambda out: out] + [first(k) for k in sizes[1:]], out)
+    # the blocks in use one after another (none: decode-only steps); a padding block would cost as much as
+    # a real one, and a short chunk's block need not visit a long one's keys
+    out = jax.lax.fori_loop(0, ends[-1], one_block, out)
     return out[:t].astype(q.dtype)
