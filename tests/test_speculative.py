@@ -208,32 +208,57 @@ def test_prompt_chunks_are_indexed_while_the_device_runs_them(llama):
 def test_lookups_that_find_nothing_stop_reading_steps_back(llama, monkeypatch):
     """A sampled sequence whose n-gram lookups find nothing (the lookup replaced by one that never does) stops
     looking, and with it reading each step back before the next is scheduled, once its moving average has
-    fallen below the floor (0.5 x 0.9^n < 0.15 from n = 12), then once after every SPEC_PROBE decode steps
-    without a look; a greedy one looks at every step."""
+    fallen below the floor (0.5 x 0.9^n < 0.15 from n = 12), then after SPEC_PROBE decode steps without a
+    look, and after twice that once that look has failed too; a greedy one looks at every step."""
     import quantkit.runtime.engine as eng
 
     at = []
     monkeypatch.setattr(eng.PromptLookup, "draft", lambda self, *_: at.append(len(self.tokens)) or [])
-    _run(llama, 16, SpeculativeConfig("ngram", 4, 1, 4), [dict(prompt=list(range(3, 13)), max_tokens=110,
+    _run(llama, 16, SpeculativeConfig("ngram", 4, 1, 4), [dict(prompt=list(range(3, 13)), max_tokens=118,
                                                                   sampling=Sampling(1.0, seed=0))])
     greedy = []
     monkeypatch.setattr(eng.PromptLookup, "draft", lambda self, *_: greedy.append(len(self.tokens)) or [])
     _run(llama, 16, SpeculativeConfig("ngram", 4, 1, 4), [dict(prompt=list(range(3, 13)), max_tokens=40)])
     gaps = np.diff(at).tolist()
-    assert len(at) == 12 + 2 and gaps[:11] == [1] * 11 and gaps[11:] == [eng.SPEC_PROBE + 1] * 2, at
+    assert len(at) == 12 + 2 and gaps[:11] == [1] * 11 and gaps[11:] == [eng.SPEC_PROBE + 1, 2 * eng.SPEC_PROBE + 1], at
     assert greedy == list(range(11, 49))  # a greedy one looks at every step (not for its last token)
 
 
 def test_a_greedy_stream_drafts_down_to_its_own_floor():
     """Between the two floors (recent acceptance 0.1) a greedy sequence still drafts and a sampled one does
-    not; below the greedy floor neither does, until SPEC_PROBE decode steps have passed without a look."""
+    not; below the greedy floor neither does, until its kind's probe interval of decode steps has passed
+    without a look."""
+    import types
+
     import quantkit.runtime.engine as eng
 
+    engine = types.SimpleNamespace(probe={True: eng.SPEC_PROBE, False: eng.SPEC_PROBE})
     wants = lambda temperature, acceptance, undrafted=0: eng.Engine._wants_drafts(  # noqa: E731
-        None, Request([1], 8, Sampling(temperature), acceptance=acceptance, undrafted=undrafted))
+        engine, Request([1], 8, Sampling(temperature), acceptance=acceptance, undrafted=undrafted))
     assert eng.SPEC_FLOOR_GREEDY < 0.1 < eng.SPEC_FLOOR
     assert wants(0.0, 0.1) and not wants(1.0, 0.1)
     assert not wants(0.0, 0.04) and not wants(1.0, 0.04) and wants(0.0, 0.04, eng.SPEC_PROBE)
+
+
+def test_probes_that_fail_space_out_the_next():
+    """A look for drafts below the floor (a probe) that leaves the sequence there doubles its kind's probe
+    interval, up to SPEC_PROBE_MAX, the other kind's untouched; one that lifts it above resets it; looks
+    above the floor leave it."""
+    import types
+
+    import quantkit.runtime.engine as eng
+
+    engine = types.SimpleNamespace(probe={True: eng.SPEC_PROBE, False: eng.SPEC_PROBE}, prior={True: 0.5, False: 0.5})
+    r = Request([1], 8, Sampling(1.0), acceptance=0.1)
+    for want in (2, 4, 8, 8):
+        eng.Engine._observe(engine, r, 0.0)
+        assert engine.probe == {True: eng.SPEC_PROBE, False: want * eng.SPEC_PROBE}
+    assert eng.SPEC_PROBE_MAX == 8 * eng.SPEC_PROBE
+    eng.Engine._observe(engine, r, 1.0)  # 0.1 x 0.75^5 + 0.25 > 0.15
+    assert r.acceptance > eng.SPEC_FLOOR and engine.probe[False] == eng.SPEC_PROBE
+    engine.probe[False] = 4 * eng.SPEC_PROBE
+    eng.Engine._observe(engine, r, 0.0)  # from above the floor: not a probe
+    assert engine.probe[False] == 4 * eng.SPEC_PROBE
 
 
 def test_sampled_streams_whose_drafts_fail_start_the_next_without(llama):

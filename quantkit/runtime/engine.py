@@ -102,7 +102,9 @@ class Request:
 
 
 SPEC_FLOOR, SPEC_PROBE = 0.15, 32  # drafts stop for a sequence whose recent acceptance is below the floor,
-# and are looked for again after this many of its decode steps
+# and are looked for again after this many of its decode steps; each look that leaves it below doubles
+# that for its kind (greedy or sampled), up to SPEC_PROBE_MAX, and one that lifts it above resets it
+SPEC_PROBE_MAX = 8 * SPEC_PROBE
 # a greedy sequence's floor: about where a drafted step stops paying (its read-back, ~16% of a step on XLA:CPU,
 # or a TPU's verifying step 1.15-1.2x a decode step, against k drafts a few percent of which save a step each);
 # a sampled sequence's is the no-loss bound measured at temperature 1 (docs/benchmarks.md)
@@ -147,6 +149,7 @@ class Engine:
         self.drafts = self.draft_tokens = self.accepted = 0
         self.accepted_at = [0] * runner.speculative
         self.prior = {True: 0.5, False: 0.5}  # greedy / sampled sequences' recent acceptance (`_observe`)
+        self.probe = {True: SPEC_PROBE, False: SPEC_PROBE}  # their steps between looks below the floor
         self.fill_only = jax.default_backend() == "cpu"  # drafts only in a decode step's padding (`_room`)
         self.pool = runner.pool
         # Gated DeltaNet models: with the runner's state snapshots (cache.py), on one process (the copies are
@@ -349,9 +352,10 @@ class Engine:
         or unpredictable stream whose drafts are rejected stops drafting, and with it reading each step back
         and running a draft head; a greedy stream at SPEC_FLOOR_GREEDY: with a prompt_lookup_min of 1, the
         code-editing benchmark's greedy streams stopped at 0.15 with 42% of their drafts accepted overall,
-        for 30% more steps), or SPEC_PROBE decode steps since it last looked for drafts (try again)."""
-        floor = SPEC_FLOOR_GREEDY if r.sampling.temperature == 0 else SPEC_FLOOR
-        return r.acceptance >= floor or r.undrafted >= SPEC_PROBE
+        for 30% more steps), or its kind's probe interval of decode steps since it last looked for drafts (try
+        again: SPEC_PROBE, doubled by each look that failed since one that paid, `_observe`)."""
+        greedy = r.sampling.temperature == 0
+        return r.acceptance >= (SPEC_FLOOR_GREEDY if greedy else SPEC_FLOOR) or r.undrafted >= self.probe[greedy]
 
     def _observe(self, r: Request, rate: float, weight: float = 0.25) -> None:
         """What r's last look for drafts gave: the fraction of its drafts accepted, or 0 with a smaller weight
@@ -359,11 +363,18 @@ class Engine:
         smaller loss than rejected drafts; a greedy stream's lookups go on, as what falls into a loop or
         starts copying stays there). r's moving average follows it, and so does the one that greedy or
         sampled sequences start from, more slowly (a server whose sampled streams reject their drafts starts
-        the next ones without drafts: they look again after SPEC_PROBE steps)."""
+        the next ones without drafts: they look again after its probe interval). A look made below the floor
+        (a probe) that leaves r there doubles its kind's interval (a stream whose drafts fail keeps paying for
+        the probes' drafted steps: on this CPU a step with the head's 3 drafts costs 1.6 plain ones); one that
+        lifts r above resets it."""
         greedy = r.sampling.temperature == 0
+        floor = SPEC_FLOOR_GREEDY if greedy else SPEC_FLOOR
+        probing = r.acceptance < floor
         r.acceptance += weight * (rate - r.acceptance)
         self.prior[greedy] += 0.4 * weight * (rate - self.prior[greedy])
         r.undrafted = 0
+        if probing:
+            self.probe[greedy] = SPEC_PROBE if r.acceptance >= floor else min(2 * self.probe[greedy], SPEC_PROBE_MAX)
 
     def _head(self) -> bool:
         """Whether the step runs the draft head (eagle3, mtp): some sequence wants drafts and, on XLA:CPU,
