@@ -226,39 +226,36 @@ def test_lookups_that_find_nothing_stop_reading_steps_back(llama, monkeypatch):
 
 def test_a_greedy_stream_drafts_down_to_its_own_floor():
     """Between the two floors (recent acceptance 0.1) a greedy sequence still drafts and a sampled one does
-    not; below the greedy floor neither does, until its kind's probe interval of decode steps has passed
-    without a look."""
-    import types
-
+    not; below the greedy floor neither does, until SPEC_PROBE decode steps have passed without a look."""
     import quantkit.runtime.engine as eng
 
-    engine = types.SimpleNamespace(probe={True: eng.SPEC_PROBE, False: eng.SPEC_PROBE})
     wants = lambda temperature, acceptance, undrafted=0: eng.Engine._wants_drafts(  # noqa: E731
-        engine, Request([1], 8, Sampling(temperature), acceptance=acceptance, undrafted=undrafted))
+        None, Request([1], 8, Sampling(temperature), acceptance=acceptance, undrafted=undrafted))
     assert eng.SPEC_FLOOR_GREEDY < 0.1 < eng.SPEC_FLOOR
     assert wants(0.0, 0.1) and not wants(1.0, 0.1)
     assert not wants(0.0, 0.04) and not wants(1.0, 0.04) and wants(0.0, 0.04, eng.SPEC_PROBE)
 
 
 def test_probes_that_fail_space_out_the_next():
-    """A look for drafts below the floor (a probe) that leaves the sequence there doubles its kind's probe
-    interval, up to SPEC_PROBE_MAX, the other kind's untouched; one that lifts it above resets it; looks
-    above the floor leave it."""
+    """A sampled sequence's look for drafts below the floor (a probe) that leaves it there doubles its probe
+    interval, up to SPEC_PROBE_MAX; one that lifts it above resets it; looks above the floor, and a greedy
+    sequence's, leave it."""
     import types
 
     import quantkit.runtime.engine as eng
 
-    engine = types.SimpleNamespace(probe={True: eng.SPEC_PROBE, False: eng.SPEC_PROBE}, prior={True: 0.5, False: 0.5})
-    r = Request([1], 8, Sampling(1.0), acceptance=0.1)
+    engine = types.SimpleNamespace(prior={True: 0.5, False: 0.5})
+    r, g = Request([1], 8, Sampling(1.0), acceptance=0.1), Request([1], 8, acceptance=0.01)
     for want in (2, 4, 8, 8):
         eng.Engine._observe(engine, r, 0.0)
-        assert engine.probe == {True: eng.SPEC_PROBE, False: want * eng.SPEC_PROBE}
+        eng.Engine._observe(engine, g, 0.0)
+        assert (r.probe, g.probe) == (want * eng.SPEC_PROBE, eng.SPEC_PROBE)
     assert eng.SPEC_PROBE_MAX == 8 * eng.SPEC_PROBE
     eng.Engine._observe(engine, r, 1.0)  # 0.1 x 0.75^5 + 0.25 > 0.15
-    assert r.acceptance > eng.SPEC_FLOOR and engine.probe[False] == eng.SPEC_PROBE
-    engine.probe[False] = 4 * eng.SPEC_PROBE
+    assert r.acceptance > eng.SPEC_FLOOR and r.probe == eng.SPEC_PROBE
+    r.probe = 4 * eng.SPEC_PROBE
     eng.Engine._observe(engine, r, 0.0)  # from above the floor: not a probe
-    assert engine.probe[False] == 4 * eng.SPEC_PROBE
+    assert r.probe == 4 * eng.SPEC_PROBE
 
 
 def test_sampled_streams_whose_drafts_fail_start_the_next_without(llama):

@@ -63,6 +63,16 @@ class Update:
     finish_reason: str | None = None  # "stop", "length" or "abort" on the last update
 
 
+SPEC_FLOOR, SPEC_PROBE = 0.15, 32  # drafts stop for a sequence whose recent acceptance is below the floor,
+# and are looked for again after this many of its decode steps; for a sampled one each look that leaves it
+# below doubles that, up to SPEC_PROBE_MAX, and one that lifts it above resets it
+SPEC_PROBE_MAX = 8 * SPEC_PROBE
+# a greedy sequence's floor: about where a drafted step stops paying (its read-back, ~16% of a step on XLA:CPU,
+# or a TPU's verifying step 1.15-1.2x a decode step, against k drafts a few percent of which save a step each);
+# a sampled sequence's is the no-loss bound measured at temperature 1 (docs/benchmarks.md)
+SPEC_FLOOR_GREEDY = 0.05
+
+
 @dataclass(eq=False)
 class Request:
     """A request as the engine sees it. `on_update` is called on the engine's thread."""
@@ -94,21 +104,12 @@ class Request:
     proposed: int = 0  # drafts a draft head left on the device for its slot (speculative decoding: eagle3, mtp)
     acceptance: float = 0.5  # its drafts' recent acceptance (moving average; `Engine._observe`)
     undrafted: int = 0  # its decode steps since it last looked for drafts
+    probe: int = SPEC_PROBE  # how many it waits for the next look while below the floor (`Engine._observe`)
     lookup: PromptLookup | None = None  # its n-gram index (speculative decoding: ngram)
     finish_reason: str | None = None
     arrived: float = field(default_factory=time.monotonic)
     first_token_at: float | None = None
     finished_at: float | None = None
-
-
-SPEC_FLOOR, SPEC_PROBE = 0.15, 32  # drafts stop for a sequence whose recent acceptance is below the floor,
-# and are looked for again after this many of its decode steps; each look that leaves it below doubles
-# that for its kind (greedy or sampled), up to SPEC_PROBE_MAX, and one that lifts it above resets it
-SPEC_PROBE_MAX = 8 * SPEC_PROBE
-# a greedy sequence's floor: about where a drafted step stops paying (its read-back, ~16% of a step on XLA:CPU,
-# or a TPU's verifying step 1.15-1.2x a decode step, against k drafts a few percent of which save a step each);
-# a sampled sequence's is the no-loss bound measured at temperature 1 (docs/benchmarks.md)
-SPEC_FLOOR_GREEDY = 0.05
 
 
 class Engine:
@@ -149,7 +150,6 @@ class Engine:
         self.drafts = self.draft_tokens = self.accepted = 0
         self.accepted_at = [0] * runner.speculative
         self.prior = {True: 0.5, False: 0.5}  # greedy / sampled sequences' recent acceptance (`_observe`)
-        self.probe = {True: SPEC_PROBE, False: SPEC_PROBE}  # their steps between looks below the floor
         self.fill_only = jax.default_backend() == "cpu"  # drafts only in a decode step's padding (`_room`)
         self.pool = runner.pool
         # Gated DeltaNet models: with the runner's state snapshots (cache.py), on one process (the copies are
@@ -352,10 +352,9 @@ class Engine:
         or unpredictable stream whose drafts are rejected stops drafting, and with it reading each step back
         and running a draft head; a greedy stream at SPEC_FLOOR_GREEDY: with a prompt_lookup_min of 1, the
         code-editing benchmark's greedy streams stopped at 0.15 with 42% of their drafts accepted overall,
-        for 30% more steps), or its kind's probe interval of decode steps since it last looked for drafts (try
-        again: SPEC_PROBE, doubled by each look that failed since one that paid, `_observe`)."""
-        greedy = r.sampling.temperature == 0
-        return r.acceptance >= (SPEC_FLOOR_GREEDY if greedy else SPEC_FLOOR) or r.undrafted >= self.probe[greedy]
+        for 30% more steps), or r.probe decode steps since it last looked for drafts (try again)."""
+        floor = SPEC_FLOOR_GREEDY if r.sampling.temperature == 0 else SPEC_FLOOR
+        return r.acceptance >= floor or r.undrafted >= r.probe
 
     def _observe(self, r: Request, rate: float, weight: float = 0.25) -> None:
         """What r's last look for drafts gave: the fraction of its drafts accepted, or 0 with a smaller weight
@@ -363,18 +362,18 @@ class Engine:
         smaller loss than rejected drafts; a greedy stream's lookups go on, as what falls into a loop or
         starts copying stays there). r's moving average follows it, and so does the one that greedy or
         sampled sequences start from, more slowly (a server whose sampled streams reject their drafts starts
-        the next ones without drafts: they look again after its probe interval). A look made below the floor
-        (a probe) that leaves r there doubles its kind's interval (a stream whose drafts fail keeps paying for
-        the probes' drafted steps: on this CPU a step with the head's 3 drafts costs 1.6 plain ones); one that
-        lifts r above resets it."""
+        the next ones without drafts: they look again after r.probe steps). A sampled sequence's look made
+        below the floor (a probe) that leaves it there doubles r.probe (its rejections come from its
+        temperature, which stays; each probe costs drafted steps: on this CPU a step with the head's 3 drafts
+        costs 1.6 plain ones), one that lifts it above resets it; a greedy one's stays (what it writes may
+        turn predictable: it starts copying)."""
         greedy = r.sampling.temperature == 0
-        floor = SPEC_FLOOR_GREEDY if greedy else SPEC_FLOOR
-        probing = r.acceptance < floor
+        probing = not greedy and r.acceptance < SPEC_FLOOR
         r.acceptance += weight * (rate - r.acceptance)
         self.prior[greedy] += 0.4 * weight * (rate - self.prior[greedy])
         r.undrafted = 0
         if probing:
-            self.probe[greedy] = SPEC_PROBE if r.acceptance >= floor else min(2 * self.probe[greedy], SPEC_PROBE_MAX)
+            r.probe = SPEC_PROBE if r.acceptance >= SPEC_FLOOR else min(2 * r.probe, SPEC_PROBE_MAX)
 
     def _head(self) -> bool:
         """Whether the step runs the draft head (eagle3, mtp): some sequence wants drafts and, on XLA:CPU,
