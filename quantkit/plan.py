@@ -193,7 +193,7 @@ def plan(path: str | Path, target: str = "v6e", max_model_len: int = 2048, max_n
         plain step only in Gated DeltaNet layers, step.py `step_function`)."""
         s = min(t, n // dp)  # rows a device
         batch = empty_batch(t, s, layout(c, n), n // dp, c.vocab_size)
-        parts = 2 + spec if spec else 1  # speculative decoding's `last` (step.py)
+        parts = 2 + spec if spec and head is not None else 1  # a draft head's `last` (step.py)
         last = jax.ShapeDtypeStruct(((n + dp) * parts,), jnp.int32,
                                     sharding=NamedSharding(mesh, P(AXIS)) if dp > 1 else None)
         if dp > 1:  # each device's batch (runtime/step.py Runner.batch)

@@ -157,39 +157,6 @@ def test_greedy_ngram_gives_the_targets_tokens(request, name, budget, fill_only)
     assert engine.accepted == sum(engine.accepted_at) and engine.accepted_at == sorted(engine.accepted_at)[::-1]
 
 
-def test_ngram_steps_follow_a_guess_without_waiting(llama):
-    """Greedy requests whose n-gram drafts come with a guess of the token after them (the lookup's next) get
-    their next step scheduled before the drafted one is read back, its lookup continuing from the guess and
-    the device moving the row back by the drafts it rejected: the target's tokens all the same; guesses
-    both held (the next dispatch came before the read-back) and failed (then the step after waits)."""
-    prompts, lengths = _prompts()[:4], [40, 33, 45, 20]
-    engine = Engine(Runner(llama, max_model_len=128, max_num_seqs=4, page_size=8, max_num_batched_tokens=16,
-                           speculative=4), speculative=SpeculativeConfig("ngram", 4, 1, 4))
-    run, collect, events, guesses = engine.runner.run, engine._collect, [], []
-    engine.runner.run = lambda batch, *a: events.append(("run", out := run(batch, *a), bool(batch["drafts"].any()))) or out
-
-    def collecting(out, rows):
-        before = [r.guess for r, _, d in rows if d]
-        events.append(("read", out, None))
-        collect(out, rows)
-        guesses.extend((b is not None, r.guess is not None) for b, (r, _, d) in zip(before, [x for x in rows if x[2]]))
-
-    engine._collect = collecting
-    done = []
-    for p, n in zip(prompts, lengths):
-        done.append(engine.submit(Request(prompt=p, max_tokens=n)))
-        engine.step()
-    while engine.busy():
-        engine.step()
-    for r, p, n in zip(done, prompts, lengths):
-        assert r.out == greedy_reference(llama, p, n)
-    at = {(kind, id(out)): i for i, (kind, out, _) in enumerate(events)}
-    runs = [i for i, (kind, _, _) in enumerate(events) if kind == "run"]
-    ahead = sum(at[("read", id(events[i][1]))] > nxt for i, nxt in zip(runs, runs[1:]) if events[i][2])
-    assert ahead > 0 and (True, True) in guesses and (True, False) in guesses, (ahead, guesses)
-    assert 0 < engine.accepted < engine.draft_tokens
-
-
 def test_stops_inside_an_accepted_run(llama):
     """Stop ids, stop strings and max_tokens that fall among accepted drafts cut the output exactly where the
     target alone stops; min_tokens holds (no drafts before it)."""

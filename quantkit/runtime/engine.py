@@ -106,9 +106,6 @@ class Request:
     undrafted: int = 0  # its decode steps since it last looked for drafts
     probe: int = SPEC_PROBE  # how many it waits for the next look while below the floor (`Engine._observe`)
     lookup: PromptLookup | None = None  # its n-gram index (speculative decoding: ngram)
-    # the tokens its steps in flight will give if each accepts all its n-gram drafts and then draws the
-    # token the lookup had next (None: no such guess); the next step's lookup continues from them
-    guess: list[int] | None = None
     finish_reason: str | None = None
     arrived: float = field(default_factory=time.monotonic)
     first_token_at: float | None = None
@@ -132,12 +129,12 @@ class Engine:
         page-aligned ends (`_chunk`, `_snapshot`).
         speculative: draft tokens for decoding rows (runtime/speculative.py; the runner's `speculative` is its
         k). n-gram drafts follow the tokens so far: a step that drafts reads the previous one back before it
-        is scheduled, unless that one's drafts came with a guess of the token after them (the lookup's next:
-        `Request.guess`), when the lookup continues from the guess instead. A draft head's drafts stay on the
-        device. Either way the positions a verifying step leaves stay there too: a step is scheduled while
-        the previous verifying step runs, its rows counting every draft of it as accepted and the device
-        moving them back by those it rejected (`_follows`; step.py), as long as no request is constrained;
-        other steps overlap as without speculation. A row under a structured-output constraint or before its
+        is scheduled, and the step after a drafted one too (its positions follow the accepted count); other
+        steps overlap as without speculation. A draft head's drafts stay on the device, and so do the
+        positions they leave: a step is scheduled while the previous verifying step runs, its rows counting
+        every draft of it as accepted and the device moving them back by those it rejected (`_follows`;
+        step.py), as long as every step runs the verifying program (the head runs) and no request is
+        constrained. A row under a structured-output constraint or before its
         min_tokens gets none. How many a step takes (`_room`): on XLA:CPU, where a step's time grows with
         its tokens, only the padding of the token bucket a step of decodes alone runs anyway, and only where
         that padding is at least the step's tokens, so that the drafts can pay for reading the previous step
@@ -239,7 +236,7 @@ class Engine:
             self.inflight, collected = None, True
         rows = self._schedule(follows)
         room = self._room(rows)
-        if room and self.inflight is not None and self.speculative.method == "ngram" and not follows and \
+        if room and self.inflight is not None and self.speculative.method == "ngram" and \
                 any(self._may_draft(r, row) for r, row, _ in rows):
             self._collect(*self.inflight)  # drafts follow the tokens so far
             self.inflight, collected = None, True
@@ -386,17 +383,11 @@ class Engine:
 
     def _follows(self) -> bool:
         """Whether the next step may be scheduled before the one in flight is read back although that one
-        verified drafts, running the verifying program, which moves each row to where the previous step's
-        acceptance left it (step.py): with a draft head, while it runs (`_head`); with n-gram drafts, when
-        every sequence drafting in flight has a guess of what that step gives (its next drafts are looked up
-        after it; a wrong guess only costs them); and no constrained request running (a constrained step's
-        masks need its last token)."""
-        if self.speculative is None or jax.process_count() > 1 or any(r.grammar is not None for r in self.running):
-            return False
-        if self.speculative.method == "ngram":
-            drafted = [r for r, _, d in self.inflight[1] if d] if self.inflight is not None else []
-            return bool(drafted) and all(r.guess is not None for r in drafted)
-        return self._head()
+        verified drafts: a draft head's runner whose next step will run the verifying program (the head
+        runs: `_head`), which moves each row to where the previous step's acceptance left it (step.py),
+        with no constrained request running (a constrained step's masks need its last token)."""
+        return self._head() and jax.process_count() == 1 and \
+            not any(r.grammar is not None for r in self.running)
 
     def _may_draft(self, r: Request, row: Row) -> bool:
         """Whether r's row may carry drafts: a decode row without a constraint or banned ids (min_tokens),
@@ -430,21 +421,17 @@ class Engine:
             k = min(spec.k, r.max_tokens - len(r.out) - r.pending - r.ahead, room)
             if spec.method != "ngram":
                 n = max(min(k, r.proposed), 0)
-            elif r.pending > 1 and not r.ahead:  # its token in flight unknown, and no guess of it
-                continue
             else:
-                tail = r.guess if r.ahead else []
-                found = self._lookup(r).draft(k + 1, spec.lookup_min, spec.lookup_max, tail) if k > 0 else []
-                if k > 0 and not found and r.sampling.temperature > 0:
+                drafts = self._lookup(r).draft(k, spec.lookup_min, spec.lookup_max) if k > 0 else []
+                if k > 0 and not drafts and r.sampling.temperature > 0:
                     self._observe(r, 0.0, 0.1)
-                drafts, n = found[:k], len(found[:k])
+                n = len(drafts)
             # from the row's first position: a sliding window's pages are kept for its first query
             if n and self.pool.reserve(r.slot, row.start, row.start + row.n + n - 1):
                 if spec.method != "ngram":
                     row.proposed = n
                 else:
                     row.drafts = tuple(drafts)
-                    r.guess = tail + found if len(found) > n else None
                 row.n, r.done, r.undrafted = row.n + n, r.done + n, 0  # below the floor: no head until these pay
                 room -= n
 
@@ -530,9 +517,6 @@ class Engine:
                 r.undrafted += 1
                 if drafts:
                     r.ahead -= drafts
-                    if r.guess is not None:  # what follows in flight was looked up after these: still right?
-                        right = c == drafts + 1 and [int(x) for x in toks[i, :c]] == r.guess[:c]
-                        r.guess = r.guess[c:] if right else None
                     self._observe(r, (c - 1) / drafts)
                     r.done -= drafts + 1 - c
                     self.drafts, self.draft_tokens, self.accepted = (self.drafts + 1, self.draft_tokens + drafts,

@@ -137,11 +137,10 @@ class PromptLookup:
         self.indexed = max(self.indexed, len(t) - 1)
         return self
 
-    def draft(self, k: int, lo: int, hi: int, tail: list[int] = ()) -> list[int]:
+    def draft(self, k: int, lo: int, hi: int) -> list[int]:
         """Up to k tokens that followed the latest earlier occurrence of the last n tokens, for the largest n
-        in [lo, hi] (within `sizes`) that occurs; [] when none does. tail: tokens expected after the
-        sequence (not indexed: occurrences ending in them are not found), its last ones the n tokens."""
-        t = self.tokens + list(tail) if tail else self.tokens
+        in [lo, hi] (within `sizes`) that occurs; [] when none does."""
+        t = self.tokens
         for n in range(min(hi, len(t) - 1), lo - 1, -1):
             start = self.latest.get(tuple(t[len(t) - n:]))
             if start is not None:

@@ -9,11 +9,11 @@ cache after the step), num_seqs [1], per kind block tables [S, pages_per_seq], s
 each row; padding rows: max_num_seqs, dropped) and sampling arrays [S]. Shapes are bucketed by T only
 (S = min(T, max_num_seqs)), so a server compiles one program per token bucket.
 
-With speculative decoding the device's `last` holds three parts of max_num_seqs + 1 entries, by slot: the
-last token, the shift (the verifying step's accepted tokens less the tokens it ran: 0 or minus its
-rejected drafts) and the k drafts a draft head (eagle3, mtp) proposed (`head_entry`); a row's head drafts
-are its `prev_slot` entries there, and a row with `follow` set starts where its slot's shift says: the
-host schedules it before reading the previous step back, as if every draft had been accepted
+With a draft head (speculative decoding: eagle3, mtp) the device's `last` holds three parts of
+max_num_seqs + 1 entries, by slot: the last token, the shift (the verifying step's accepted tokens less the
+tokens it ran: 0 or minus its rejected drafts) and the k drafts the head proposed (`head_entry`); a row's
+drafts are its `prev_slot` entries there, and a row with `follow` set starts where its slot's shift says:
+the host schedules it before reading the previous step back, as if every draft had been accepted
 (`_followed`), so that it need not wait for the device between verifying steps.
 """
 
@@ -320,7 +320,7 @@ def step_function(cfg, page_size: int, all_logits: bool = False, mesh=None, unro
         if tpu_chip() is not None:  # dense layer weights through gmm_v2 too
             params = dense_as_qtensor(params, cfg, tp_mesh, ep and not dp)
         tokens = jnp.where(batch["prev_slot"] >= 0, last[jnp.maximum(batch["prev_slot"], 0)], batch["tokens"])
-        if spec:
+        if drafter is not None and spec:
             batch = _followed(batch, last, spec)
         meta = {**batch, "slots": _slots(batch, page_size), "mesh": tp_mesh, "unroll": unroll, "kv_fp8": kv_fp8,
                 "ep_mesh": (AXIS if dp else mesh) if ep else None, "verify": bool(spec), "decode": decode}
@@ -334,12 +334,12 @@ def step_function(cfg, page_size: int, all_logits: bool = False, mesh=None, unro
             out, last = verify_rows(project(params, h[src], cfg), *verified, last, batch)
             if len(kv.get("linear", ())) == 4:  # GDN states: each row's after the tokens it kept
                 kv = {**kv, "linear": keep_checkpoints(kv["linear"], batch, out[1])}
-            slots, slot = last.shape[0] // (2 + spec), batch["slot"]
-            last = last.at[head_entry(slots, spec, slot)].set(out[1] - 1 - batch["drafts"], mode="drop")
             if drafter is not None:
                 drafts, cache = draft_rows(params, drafter, tokens, h, aux[0] if aux else None, out, kv["draft"], meta,
                                            page_size, spec)
                 out, kv = (*out, drafts), {**kv, "draft": cache}
+                slots, slot = last.shape[0] // (2 + spec), batch["slot"]
+                last = last.at[head_entry(slots, spec, slot)].set(out[1] - 1 - batch["drafts"], mode="drop")
                 last = last.at[head_entry(slots, spec, slot[:, None], jnp.arange(spec))].set(drafts, mode="drop")
             return out, kv, last
         ends = batch["cu_q_lens"][1:] - 1  # each sequence's last token
@@ -565,7 +565,7 @@ class Runner:
             shape = (1, self.layout.pages["full"], self.page_size, 2 * math.prod(draft.cfg.kv_shape("full")))
             self.kv["draft"] = jnp.zeros(shape, jnp.float32 if dtype == jnp.float32 else self.model.dtype,
                                          device=here)
-        self.last = jnp.zeros(self.dp * (local + 1) * (2 + self.speculative if self.speculative else 1), jnp.int32,
+        self.last = jnp.zeros(self.dp * (local + 1) * (1 if draft is None else 2 + self.speculative), jnp.int32,
                               device=last_sharding or here)
         self.params = self.model.params
         if fp8 is not None:
@@ -685,7 +685,7 @@ class Runner:
         drafts) those and the next step's drafts. `decode`: whether it runs as the DECODE program (models
         with Gated DeltaNet layers; default: when every row has one token)."""
         self.compiled.add(batch["tokens"].shape[-1])
-        drafting = batch["drafts"].any() or batch["follow"].any() or self.drafter is not None and head
+        drafting = batch["drafts"].any() or self.drafter is not None and head
         if not batch["drafts"].any() and (batch["sampling"]["allow"] != -1).any():
             raise ValueError("a step with structured-output masks and no drafts runs through run_split")
         if decode is None:
