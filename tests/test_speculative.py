@@ -238,7 +238,7 @@ def test_a_greedy_stream_drafts_down_to_its_own_floor():
 
 def test_probes_that_fail_space_out_the_next():
     """A sampled sequence's look for drafts below the floor (a probe) that leaves it there doubles its probe
-    interval, up to SPEC_PROBE_MAX; one that lifts it above resets it; looks above the floor, and a greedy
+    interval, up to SPEC_PROBE_MAX (8 x); one that lifts it above resets it; looks above the floor, and a greedy
     sequence's, leave it."""
     import types
 
@@ -250,7 +250,6 @@ def test_probes_that_fail_space_out_the_next():
         eng.Engine._observe(engine, r, 0.0)
         eng.Engine._observe(engine, g, 0.0)
         assert (r.probe, g.probe) == (want * eng.SPEC_PROBE, eng.SPEC_PROBE)
-    assert eng.SPEC_PROBE_MAX == 8 * eng.SPEC_PROBE
     eng.Engine._observe(engine, r, 1.0)  # 0.1 x 0.75^5 + 0.25 > 0.15
     assert r.acceptance > eng.SPEC_FLOOR and r.probe == eng.SPEC_PROBE
     r.probe = 4 * eng.SPEC_PROBE
