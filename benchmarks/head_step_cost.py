@@ -28,15 +28,15 @@ from quantkit.runtime.step import Row, Runner  # noqa: E402
 CACHED = 300
 
 
-def timed(runner: Runner, row: Row, steps: int, head: bool = True) -> float:
+def timed(runner: Runner, row: Row, steps: int) -> float:
     """Median milliseconds of `runner.run` on the one-row batch of `row` (after 5 untimed runs)."""
     b = runner.batch([row])
     for _ in range(5):
-        jax.block_until_ready(runner.run(b, head))
+        jax.block_until_ready(runner.run(b))
     ts = []
     for _ in range(steps):
         t = time.perf_counter()
-        jax.block_until_ready(runner.run(b, head))
+        jax.block_until_ready(runner.run(b))
         ts.append(time.perf_counter() - t)
     return float(np.median(ts)) * 1e3
 
