@@ -108,7 +108,8 @@ def plan(path: str | Path, target: str = "v6e", max_model_len: int = 2048, max_n
     from quantkit.runtime.cache import cache_layout, kv_fp8_dtype, with_kv_scales
     from quantkit.runtime.loader import abstract
     from quantkit.runtime.sharding import is_expert
-    from quantkit.runtime.step import empty_batch, step_function, token_buckets
+    from quantkit.runtime.speculative import Lookup
+    from quantkit.runtime.step import draft_cache, empty_batch, step_function, token_buckets
 
     path, chip = Path(path), CHIPS[target]
     if dp > 1 and (tp > 1 or max_num_seqs % dp):
@@ -118,7 +119,7 @@ def plan(path: str | Path, target: str = "v6e", max_model_len: int = 2048, max_n
     cfg = from_hf(raw)
     qc = _quantization(raw, scheme, group_size)
     head, head_params = _draft_head(speculative, raw, cfg, path, devices)
-    speculative = speculative.k if speculative else 0
+    mtp, speculative = speculative is not None and speculative.method == "mtp", speculative.k if speculative else 0
     kv_scheme = qc.kv_cache_scheme if qc is not None else None
     fp8 = kv_fp8_dtype(kv_cache_dtype, kv_scheme is not None and kv_scheme_reason(kv_scheme) is None)
     kv_dtype = jnp.dtype(fp8 or jnp.bfloat16)
@@ -129,7 +130,7 @@ def plan(path: str | Path, target: str = "v6e", max_model_len: int = 2048, max_n
         mesh = target_mesh(target, devices)
 
     def weights_of(c):
-        p = abstract(c, qc, mtp=head is not None and head_params is None)
+        p = abstract(c, qc, mtp=mtp)
         if head_params is not None:
             p["draft"] = head_params
         if fp8 is not None:
@@ -167,9 +168,9 @@ def plan(path: str | Path, target: str = "v6e", max_model_len: int = 2048, max_n
 
         lay = layout(c, n)
         kv = lay.cache(leaf)
-        if head is not None:  # the head's own KV: one layer over the full-attention pages (step.Runner)
-            width = 2 * math.prod(head.cfg.kv_shape("full"))
-            kv["draft"] = jax.ShapeDtypeStruct((1, lay.pages["full"], PAGE_SIZE, width), jnp.bfloat16)
+        if head is not None:  # the head's own KV, or the n-gram lookup's token pages (step.Runner)
+            shape, kind = draft_cache(head, lay.pages["full"], PAGE_SIZE)
+            kv["draft"] = jax.ShapeDtypeStruct(shape, kind or jnp.bfloat16)
         return kv
 
     def weight_bytes(part: str | None = None) -> int:
@@ -304,7 +305,8 @@ def plan(path: str | Path, target: str = "v6e", max_model_len: int = 2048, max_n
         # speculative decoding: the verifying step of max_num_seqs rows of 1 + k tokens each, costed as the
         # decode step is, against it (its weights are read once for every drafted position)
         "verify_step_cost": None if verify is None else {
-            "drafts_a_row": speculative, "tokens": verify_tokens, "draft_head": head is not None,
+            "drafts_a_row": speculative, "tokens": verify_tokens,
+            "draft_head": head is not None and not isinstance(head, Lookup),
             **_program_cost(verify, chip),
             "ratio_to_decode_step": round(verify.get("bytes_accessed", 0) / max(cost.get("bytes_accessed", 0), 1), 3)},
         "step_programs": len(buckets) * (2 if speculative else 1) + (  # + Gated DeltaNet models' DECODE programs
@@ -321,11 +323,16 @@ def plan(path: str | Path, target: str = "v6e", max_model_len: int = 2048, max_n
 
 
 def _draft_head(spec, raw: dict, cfg, path: Path, devices: int) -> tuple:
-    """The draft head `spec` (a SpeculativeConfig or None) names, as plan compiles it: (its static part, the
+    """The drafter `spec` (a SpeculativeConfig or None) names, as plan compiles it: (its static part, the
     step's `drafter`; its abstract weights, None where they are among the model's: Qwen3.5's MTP layer,
-    loader.abstract(mtp=True)), or (None, None) for n-gram lookup or none. As serve, one device only."""
-    if spec is None or spec.method == "ngram":
+    loader.abstract(mtp=True), or where it has none: the n-gram lookup), or (None, None) for none or an n-gram
+    lookup on several devices (the host's). As serve, draft heads on one device only."""
+    if spec is None:
         return None, None
+    if spec.method == "ngram":
+        from quantkit.runtime.speculative import Lookup
+
+        return (Lookup(spec.lookup_min, spec.lookup_max) if devices == 1 and "full" in cfg.layer_kinds else None), None
     if devices > 1:
         raise InvalidInput("draft heads (eagle3, mtp) run on one device; plan the target with --tp 1")
     if spec.method == "mtp":

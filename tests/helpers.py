@@ -378,14 +378,14 @@ def check_draft_head(runner, target, prompts, reference, vocab: int):
     for slot, p in enumerate(prompts):
         assert runner.pool.reserve(slot, 0, len(p) + 8)
     out = runner.run(runner.batch([Row(s, 0, len(p), p) for s, p in enumerate(prompts)]))
-    tok, proposed = np.asarray(out[0]), np.asarray(out[5])
+    tok, proposed = np.asarray(out[0]), np.asarray(out[-1])
     assert tok[:2, 0].tolist() == [g[0] for g in greedy]
     for s, p in enumerate(prompts):
         assert proposed[s].tolist() == reference(p, greedy[s][0], k)
     a, b = greedy
     out = runner.run(runner.batch([Row(0, len(prompts[0]), 4, None, drafts=(a[1], a[2], (a[3] + 1) % vocab)),
                                    Row(1, len(prompts[1]), 1, None)]))
-    tok, count, proposed = np.asarray(out[0]), np.asarray(out[1]), np.asarray(out[5])
+    tok, count, proposed = np.asarray(out[0]), np.asarray(out[1]), np.asarray(out[-1])
     assert count[:2].tolist() == [3, 1] and tok[0, :3].tolist() == a[1:4] and tok[1, 0] == b[1]
     assert proposed[0].tolist() == reference(prompts[0] + a[:3], a[3], k)
     assert proposed[1].tolist() == reference(prompts[1] + b[:1], b[1], k)

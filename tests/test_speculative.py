@@ -20,7 +20,7 @@ import scipy.stats
 
 from quantkit.runtime.engine import Engine, Request, Runner, Sampling
 from quantkit.runtime.loader import load
-from quantkit.runtime.speculative import PromptLookup, SpeculativeConfig, parse
+from quantkit.runtime.speculative import Lookup, PromptLookup, SpeculativeConfig, drafter_for, parse
 from quantkit.runtime.step import NO_TOKEN, VERIFY, sampling_arrays, verify_rows
 
 from helpers import greedy_reference, tiny_gemma3, tiny_llama
@@ -73,18 +73,23 @@ def test_ngram_prompt_lookup():
     assert _lookup([5, 5, 5], 2, 2, 2) == [5]  # overlapping occurrences count
 
 
+def scan(t, k, lo, hi, periodic=False):
+    """A scan of the whole sequence t: for the largest n in [lo, hi] whose last n tokens occur earlier, the k
+    tokens after the latest such occurrence (up to t's end; periodic: continued as a loop of what follows
+    that occurrence)."""
+    for n in range(min(hi, len(t) - 1), lo - 1, -1):
+        starts = [i for i in range(len(t) - n) if t[i:i + n] == t[len(t) - n:]]
+        if starts:
+            s = starts[-1] + n
+            return [t[s + i % (len(t) - s)] for i in range(k)] if periodic else t[s:s + k]
+    return []
+
+
 def test_ngram_index_as_it_grows_finds_what_a_scan_finds(seed):
     """The index, fed a sequence a few tokens at a time (the prompt, then output as steps accept it; then
     taken back by a stop string, then grown again), drafts at every length what a scan of the whole
     sequence finds: for the largest n in [lo, hi] whose last n tokens occur earlier, the tokens after the
     latest such occurrence. Few distinct tokens, so that most lookups find several occurrences."""
-    def scan(t, k, lo, hi):
-        for n in range(min(hi, len(t) - 1), lo - 1, -1):
-            starts = [i for i in range(len(t) - n) if t[i:i + n] == t[len(t) - n:]]
-            if starts:
-                return t[starts[-1] + n:starts[-1] + n + k]
-        return []
-
     rng = np.random.default_rng(seed)
     for lo, hi in [(1, 1), (2, 5), (3, 3)]:
         t = rng.integers(0, 4, 300).tolist()
@@ -99,6 +104,23 @@ def test_ngram_index_as_it_grows_finds_what_a_scan_finds(seed):
             if end >= 250 and back:
                 end, back = end - 20, False  # tokens taken back
         assert found > 50, (seed, found)
+
+
+def test_device_lookup_drafts_what_a_scan_finds(seed):
+    """The device's lookup (speculative.Lookup, jitted), rows of different lengths in one array with junk past
+    each length: a scan's drafts, continued periodically, or all `none` where nothing occurs earlier."""
+    rng = np.random.default_rng(seed)
+    for lo, hi, alphabet in [(1, 1, 6), (2, 5, 4), (3, 3, 3), (1, 4, 40)]:
+        seqs = rng.integers(0, alphabet, (16, 96)).astype(np.int32)
+        seqs[:4, 60:80] = seqs[:4, 10:30]  # quoted stretches
+        lengths = rng.integers(1, 97, 16)
+        got = np.asarray(jax.jit(Lookup(lo, hi).draft, static_argnums=(2, 3))(seqs, lengths, 5, -1))
+        found = 0
+        for row, n, drafts in zip(seqs.tolist(), lengths, got.tolist()):
+            want = scan(row[:n], 5, lo, hi, periodic=True)
+            assert drafts == (want or [-1] * 5), (lo, hi, row[:n], drafts, want)
+            found += bool(want)
+        assert 0 < found, (lo, hi)
 
 
 # ---- greedy: the same tokens as the target alone --------------------------------------------------------
@@ -123,11 +145,13 @@ def _prompts():
     return [rng.integers(3, 128, int(rng.integers(3, 40))).tolist() for _ in range(6)]
 
 
-def _run(model, budget, spec, reqs, page_size=8, fill_only=True):
+def _run(model, budget, spec, reqs, page_size=8, fill_only=True, host=False):
     """reqs: Request kwargs; one newcomer every other step into 4 slots. fill_only=False: drafts up to the
-    budget, beside prompt chunks (a TPU's rule)."""
+    budget, beside prompt chunks (a TPU's rule). host: n-gram lookups on the host (a runner on several
+    devices), not in the step."""
     engine = Engine(Runner(model, max_model_len=128, max_num_seqs=4, page_size=page_size,
-                           max_num_batched_tokens=budget, speculative=spec.k if spec else 0),
+                           max_num_batched_tokens=budget, speculative=spec.k if spec else 0,
+                           drafter=None if host else drafter_for(spec, model)),
                     decode=lambda ids: " ".join(map(str, ids)), speculative=spec)
     engine.fill_only = fill_only
     out = []
@@ -141,20 +165,48 @@ def _run(model, budget, spec, reqs, page_size=8, fill_only=True):
     return out, engine
 
 
-@pytest.mark.parametrize("name, budget, fill_only", [("llama", 512, False), ("llama", 16, True),
-                                                     ("gemma", 16, False)])
-def test_greedy_ngram_gives_the_targets_tokens(request, name, budget, fill_only):
+@pytest.mark.parametrize("name, budget, fill_only, host", [("llama", 512, False, False), ("llama", 16, True, False),
+                                                           ("gemma", 16, False, False), ("llama", 16, True, True)])
+def test_greedy_ngram_gives_the_targets_tokens(request, name, budget, fill_only, host):
     """Staggered requests, prompts chunked by a 16-token budget beside others' drafted decodes (and, with
     fill_only, drafts only in decode steps' padding): every request's tokens equal the target's own one at
-    a time; drafts were both accepted and rejected."""
+    a time; drafts were both accepted and rejected. N-gram lookups in the step (Gemma 3: its full-attention
+    pages hold the tokens, its sliding ones leave the window), and on the host."""
     model = request.getfixturevalue(name)
     prompts, lengths = _prompts(), [40, 12, 33, 20, 3, 45]
     reqs, engine = _run(model, budget, NGRAM, [dict(prompt=p, max_tokens=n) for p, n in zip(prompts, lengths)],
-                        fill_only=fill_only)
+                        fill_only=fill_only, host=host)
+    assert (engine.runner.drafter is None) == host
     for r, p, n in zip(reqs, prompts, lengths):
         assert r.out == greedy_reference(model, p, n) and r.finish_reason == "length"
     assert 0 < engine.accepted < engine.draft_tokens and engine.drafts > 0
     assert engine.accepted == sum(engine.accepted_at) and engine.accepted_at == sorted(engine.accepted_at)[::-1]
+
+
+def test_lookup_in_the_step_sees_a_cached_prefix(llama):
+    """The device's lookup reads a prefix-cache hit's tokens (its token pages are shared with its KV pages): B
+    is A's prompt (every token of the vocabulary once) plus one token, all of A's pages cached while A still
+    runs in another slot, so B prefills one token and looks up its first token in A's pages: the drafts it
+    leaves on the device are what a scan of its whole sequence finds."""
+    from quantkit.runtime.step import head_entry
+
+    spec = SpeculativeConfig("ngram", 4, 1, 4)
+    a = np.random.default_rng(3).permutation(128).tolist()
+    engine = Engine(Runner(llama, max_model_len=256, max_num_seqs=4, page_size=8, max_num_batched_tokens=32,
+                           speculative=4, drafter=drafter_for(spec, llama)), speculative=spec)
+    ra = engine.submit(Request(a, 8))
+    while ra.done < len(a):
+        engine.step()
+    rb = engine.submit(Request(a + a[:1], 1))
+    engine.step()
+    slot = rb.slot
+    while rb.finish_reason is None:
+        engine.step()
+    assert engine.prefix_hits == 128 and slot not in (-1, ra.slot) and len(rb.out) == 1
+    drafts = np.asarray(engine.runner.last)[head_entry(5, 4, slot, np.arange(4))].tolist()
+    assert drafts == scan(a + a[:1] + rb.out, 4, 1, 4, periodic=True), drafts
+    while engine.busy():
+        engine.step()
 
 
 def test_stops_inside_an_accepted_run(llama):
@@ -215,10 +267,10 @@ def test_lookups_that_find_nothing_stop_reading_steps_back(llama, monkeypatch):
     at = []
     monkeypatch.setattr(eng.PromptLookup, "draft", lambda self, *_: at.append(len(self.tokens)) or [])
     _run(llama, 16, SpeculativeConfig("ngram", 4, 1, 4), [dict(prompt=list(range(3, 13)), max_tokens=118,
-                                                                  sampling=Sampling(1.0, seed=0))])
+                                                                  sampling=Sampling(1.0, seed=0))], host=True)
     greedy = []
     monkeypatch.setattr(eng.PromptLookup, "draft", lambda self, *_: greedy.append(len(self.tokens)) or [])
-    _run(llama, 16, SpeculativeConfig("ngram", 4, 1, 4), [dict(prompt=list(range(3, 13)), max_tokens=40)])
+    _run(llama, 16, SpeculativeConfig("ngram", 4, 1, 4), [dict(prompt=list(range(3, 13)), max_tokens=40)], host=True)
     gaps = np.diff(at).tolist()
     assert len(at) == 12 + 2 and gaps[:11] == [1] * 11 and gaps[11:] == [eng.SPEC_PROBE + 1, 2 * eng.SPEC_PROBE + 1], at
     assert greedy == list(range(11, 49))  # a greedy one looks at every step (not for its last token)
@@ -274,13 +326,15 @@ def test_sampled_streams_whose_drafts_fail_start_the_next_without(llama):
     assert drafted[0] > 0 and drafted[4] == 0 and drafted[5] > 0, drafted
 
 
-def test_one_program_per_bucket_whatever_the_drafts(llama):
+@pytest.mark.parametrize("host", [False, True])
+def test_one_program_per_bucket_whatever_the_drafts(llama, host):
     """Rows with 1 to 4 drafts, steps without: at most two programs per token bucket (the verifying one and
-    the plain one; jax's own cache counts), whatever the drafts."""
-    _, engine = _run(llama, 16, NGRAM, [dict(prompt=p, max_tokens=30) for p in _prompts()], page_size=4)
+    the plain one; jax's own cache counts), whatever the drafts; with the lookup in the step, every step
+    verifies (what it drafted)."""
+    _, engine = _run(llama, 16, NGRAM, [dict(prompt=p, max_tokens=30) for p in _prompts()], page_size=4, host=host)
     r = engine.runner
     assert 0 < r._programs[VERIFY]._cache_size() <= len(r.buckets) == 2
-    assert 0 < r._step._cache_size() <= len(r.buckets)
+    assert (0 if host else -1) < r._step._cache_size() <= len(r.buckets) * host
     # every sequence with all its drafts gets a bucket of its own (rounded up to 16), not the next power of 2
     assert Runner(llama, max_num_seqs=16, speculative=4).buckets == (8, 16, 32, 64, 80, 128, 256, 512)
     assert Runner(llama, max_num_seqs=6, speculative=3).buckets == (8, 16, 32, 64, 128, 256, 512)
@@ -324,7 +378,7 @@ def test_rejection_rule_keeps_the_targets_distribution(top_k):
                  "slot": np.zeros(rows, np.int32)}
         drafts = np.tile(np.array([draft, order[-2]], np.int32), (rows, 1))
         last = jnp.full(2, -7, jnp.int32)
-        (tok, count, _, _, _), _ = jax.jit(_verify)(jnp.broadcast_to(logits, (rows, k + 1, vocab)),
+        (tok, count, *_), _ = jax.jit(_verify)(jnp.broadcast_to(logits, (rows, k + 1, vocab)),
                                                         drafts, last, batch)
         first, count = np.asarray(tok[:, 0]), np.asarray(count)
         seen = np.bincount(first, minlength=vocab)
@@ -338,23 +392,25 @@ def test_rejection_rule_keeps_the_targets_distribution(top_k):
 
 def test_greedy_verification_against_numpy():
     """Greedy rows keep the drafts equal to the argmax of each position, then the argmax after them; a row
-    with fewer drafts than k ignores the padding; `last` gets each row's final token."""
+    with fewer drafts than k ignores the padding, and one whose drafts are all NO_TOKEN (the device's lookup
+    found nothing) keeps none and counts none offered; `last` gets each row's final token."""
     rng = np.random.default_rng(2)
-    rows, k, vocab = 3, 3, 32
+    rows, k, vocab = 4, 3, 32
     logits = rng.normal(size=(rows, k + 1, vocab)).astype(np.float32)
     best = logits.argmax(-1)
     drafts = np.array([[best[0, 0], best[0, 1], (best[0, 2] + 1) % vocab],  # third rejected
                        [best[1, 0], best[1, 1], best[1, 2]],  # all accepted, the bonus token after
-                       [best[2, 0], NO_TOKEN, NO_TOKEN]], np.int32)  # one draft
-    batch = {"sampling": sampling_arrays(rows, vocab), "kv_lens": np.array([20, 30, 40], np.int32),
-             "drafts": np.array([3, 3, 1], np.int32), "slot": np.array([2, 0, 1], np.int32)}
-    (tok, count, lp, _, _), last = _verify(jnp.asarray(logits), drafts, jnp.zeros(4, jnp.int32), batch)
-    assert np.asarray(count).tolist() == [3, 4, 2]
-    for i, c in enumerate([3, 4, 2]):
+                       [best[2, 0], NO_TOKEN, NO_TOKEN],  # one draft
+                       [NO_TOKEN] * 3], np.int32)  # none found
+    batch = {"sampling": sampling_arrays(rows, vocab), "kv_lens": np.array([20, 30, 40, 50], np.int32),
+             "drafts": np.array([3, 3, 1, 3], np.int32), "slot": np.array([2, 0, 1, 3], np.int32)}
+    (tok, count, lp, _, _, offered), last = _verify(jnp.asarray(logits), drafts, jnp.zeros(5, jnp.int32), batch)
+    assert np.asarray(count).tolist() == [3, 4, 2, 1] and np.asarray(offered).tolist() == [3, 3, 1, 0]
+    for i, c in enumerate([3, 4, 2, 1]):
         assert np.asarray(tok)[i, :c].tolist() == best[i, :c].tolist()
     ref = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
     np.testing.assert_allclose(np.asarray(lp)[0, :3], ref[0, np.arange(3), best[0, :3]], rtol=1e-5)
-    assert np.asarray(last).tolist() == [best[1, 3], best[2, 1], best[0, 2], 0]
+    assert np.asarray(last).tolist() == [best[1, 3], best[2, 1], best[0, 2], best[3, 0], 0]
 
 
 # ---- the command line ----------------------------------------------------------------------------------
@@ -446,7 +502,7 @@ def test_verifying_step_compiles_deviceless_for_v6e():
                               batch, donate=(1, 2), pinned=(0,))
     assert compiled.as_text().count("custom_call_target=\"tpu_custom_call\"") >= 2
     out = jax.tree_util.tree_leaves(compiled.out_info[0])
-    assert [o.shape for o in out] == [(16, 5), (16,), (16, 5), (16, 5, 20), (16, 5, 20)]
+    assert [o.shape for o in out] == [(16, 5), (16,), (16, 5), (16, 5, 20), (16, 5, 20), (16,)]
 
 
 def test_constrained_row_beside_drafted_ones():
@@ -467,7 +523,8 @@ def test_constrained_row_beside_drafted_ones():
 
     def run(spec):
         engine = Engine(Runner(model, max_model_len=256, max_num_seqs=4, page_size=8, max_num_batched_tokens=64,
-                               speculative=spec.k if spec else 0), decode=codec.decode, speculative=spec)
+                               speculative=spec.k if spec else 0, drafter=drafter_for(spec, model)),
+                        decode=codec.decode, speculative=spec)
         reqs = [engine.submit(Request(p, 40, ignore_eos=True)) for p in prompts[:2]]
         reqs.append(engine.submit(Request(prompts[2], 40, grammar=cons.matcher(cons.grammar("regex", pattern)))))
         while engine.busy():

@@ -128,13 +128,14 @@ class Engine:
         state snapshots (`Runner.prefix_states`, runtime/cache.py), and only up to the prompt chunks'
         page-aligned ends (`_chunk`, `_snapshot`).
         speculative: draft tokens for decoding rows (runtime/speculative.py; the runner's `speculative` is its
-        k). n-gram drafts follow the tokens so far: a step that drafts reads the previous one back before it
-        is scheduled, and the step after a drafted one too (its positions follow the accepted count); other
-        steps overlap as without speculation. A draft head's drafts stay on the device, and so do the
-        positions they leave: a step is scheduled while the previous verifying step runs, its rows counting
-        every draft of it as accepted and the device moving them back by those it rejected (`_follows`;
-        step.py), as long as every step runs the verifying program (the head runs) and no request is
-        constrained. A row under a structured-output constraint or before its
+        k). A drafter on the device (a draft head, or the n-gram lookup on a one-device runner) leaves its
+        drafts there, and so the positions they leave: a step is scheduled while the previous verifying step
+        runs, its rows counting every draft of it as accepted and the device moving them back by those it
+        rejected (`_follows`; step.py), as long as every step runs the verifying program (the drafter runs)
+        and no request is constrained. Host n-gram lookups (a runner on several devices) follow the tokens
+        so far: a step that drafts reads the previous one back before it is scheduled, and the step after a
+        drafted one too (its positions follow the accepted count); other steps overlap as without
+        speculation. A row under a structured-output constraint or before its
         min_tokens gets none. How many a step takes (`_room`): on XLA:CPU, where a step's time grows with
         its tokens, only the padding of the token bucket a step of decodes alone runs anyway, and only where
         that padding is at least the step's tokens, so that the drafts can pay for reading the previous step
@@ -143,8 +144,12 @@ class Engine:
         weights, up to the token budget."""
         if (speculative.k if speculative else 0) != runner.speculative:
             raise ValueError(f"the runner verifies {runner.speculative} drafts a row, the config says {speculative}")
+        if speculative is not None and speculative.method != "ngram" and runner.drafter is None:
+            raise ValueError(f"method {speculative.method!r} needs the runner's draft head")
         self.runner, self.detokenize, self.max_waiting = runner, decode, max_waiting
         self.speculative = speculative
+        # n-gram lookups on the host: a runner on several devices (else on the device, as a head's drafts)
+        self.host_lookup = speculative is not None and runner.drafter is None
         # speculative decoding (vLLM's spec_decode metrics): rows that carried drafts, drafts, accepted ones,
         # accepted ones by position
         self.drafts = self.draft_tokens = self.accepted = 0
@@ -236,7 +241,7 @@ class Engine:
             self.inflight, collected = None, True
         rows = self._schedule(follows)
         room = self._room(rows)
-        if room and self.inflight is not None and self.speculative.method == "ngram" and \
+        if room and self.inflight is not None and self.host_lookup and \
                 any(self._may_draft(r, row) for r, row, _ in rows):
             self._collect(*self.inflight)  # drafts follow the tokens so far
             self.inflight, collected = None, True
@@ -272,7 +277,7 @@ class Engine:
                 r.proposed = self.speculative.k if drafted and samples else 0
             self.inflight = (out, [(r, samples, len(row.drafts) + row.proposed) for r, row, samples in rows])
             self._snapshot(rows)
-            if self.speculative is not None and self.speculative.method == "ngram":
+            if self.host_lookup:
                 for r, row, _ in rows:  # while the device runs: prompt chunks into their n-gram indexes
                     if row.tokens is not None:
                         self._lookup(r, r.prompt[:r.done])
@@ -289,7 +294,8 @@ class Engine:
         budget, rows, dev = [self.budget] * self.pool.devices, [], self.pool.device
 
         def add(r: Request, n: int, prompt: bool) -> bool:
-            if not self.pool.reserve(r.slot, r.done, r.done + n - 1):
+            # (a row that follows a step not read back may start r.ahead earlier: its drafts rejected)
+            if not self.pool.reserve(r.slot, r.done - r.ahead, r.done + n - 1):
                 return False  # out of pages: the request waits for a later step
             toks = r.prompt[r.done:r.done + n] if prompt else None
             samples = not prompt or r.done + n == len(r.prompt)
@@ -297,8 +303,8 @@ class Engine:
             rows.append((r, Row(r.slot, r.done, n, toks, r.sampling, r.logprobs is not None, banned), samples))
             r.done += n
             r.pending += samples
-            if samples and self.runner.drafter is not None:  # the head's drafts write up to k - 1 further
-                self.pool.reserve(r.slot, r.done - n, min(r.done + self.runner.speculative - 2,
+            if samples and self.runner.drafter is not None:  # the drafter writes up to max(k - 1, 1) further
+                self.pool.reserve(r.slot, r.done - n - r.ahead, min(r.done + max(self.runner.speculative - 2, 0),
                                                           self.runner.max_model_len - 1))
             self._name(r)
             return True
@@ -397,7 +403,7 @@ class Engine:
         if row.tokens is not None or r.grammar is not None or row.banned or \
                 len(r.out) + r.pending + r.ahead >= r.max_tokens or not self._wants_drafts(r):
             return False
-        if self.speculative.method != "ngram":  # what the head left on the device
+        if not self.host_lookup:  # what the head (or the device's lookup) left on the device
             return r.proposed > 0
         n = self.speculative.lookup_min - 1
         return r.pending < 2 or n == 0 or bool(self._lookup(r).draft(1, n, n))
@@ -419,7 +425,7 @@ class Engine:
             if not self._may_draft(r, row):
                 continue
             k = min(spec.k, r.max_tokens - len(r.out) - r.pending - r.ahead, room)
-            if spec.method != "ngram":
+            if not self.host_lookup:
                 n = max(min(k, r.proposed), 0)
             else:
                 drafts = self._lookup(r).draft(k, spec.lookup_min, spec.lookup_max) if k > 0 else []
@@ -427,8 +433,8 @@ class Engine:
                     self._observe(r, 0.0, 0.1)
                 n = len(drafts)
             # from the row's first position: a sliding window's pages are kept for its first query
-            if n and self.pool.reserve(r.slot, row.start, row.start + row.n + n - 1):
-                if spec.method != "ngram":
+            if n and self.pool.reserve(r.slot, row.start - r.ahead, row.start + row.n + n - 1):
+                if not self.host_lookup:
                     row.proposed = n
                 else:
                     row.drafts = tuple(drafts)
@@ -505,9 +511,9 @@ class Engine:
         accepted drafts and the token after them; the cache then ends after the last accepted draft: what the
         rejected ones wrote is overwritten later); then the next masks of the constrained rows, all at once
         (a sequence whose constraint allows nothing more ends there)."""
-        out = jax.device_get(out[:5])  # (a draft head's proposals stay on the device)
-        if len(out) == 5:  # step.verify_rows: [S, k + 1] a row, `count` of them real
-            toks, counts, lps, top_ids, top_lps = out[:5]
+        out = jax.device_get(out[:6])  # (a drafter's proposals stay on the device)
+        if len(out) == 6:  # step.verify_rows: [S, k + 1] a row, `count` of them real
+            toks, counts, lps, top_ids, top_lps, offered = out
         else:
             (toks, lps, top_ids, top_lps), counts = (x[:, None] for x in out), np.ones(len(out[0]), np.int32)
         for i, (r, samples, drafts) in enumerate(rows):
@@ -517,12 +523,15 @@ class Engine:
                 r.undrafted += 1
                 if drafts:
                     r.ahead -= drafts
-                    self._observe(r, (c - 1) / drafts)
                     r.done -= drafts + 1 - c
-                    self.drafts, self.draft_tokens, self.accepted = (self.drafts + 1, self.draft_tokens + drafts,
-                                                                     self.accepted + c - 1)
-                    for j in range(c - 1):
-                        self.accepted_at[j] += 1
+                    if offered[i]:
+                        self._observe(r, (c - 1) / offered[i])
+                        self.drafts, self.draft_tokens, self.accepted = (
+                            self.drafts + 1, self.draft_tokens + int(offered[i]), self.accepted + c - 1)
+                        for j in range(c - 1):
+                            self.accepted_at[j] += 1
+                    elif r.sampling.temperature > 0:  # the device's lookup found nothing
+                        self._observe(r, 0.0, 0.1)
                 if r.finish_reason is None:
                     self._accept(r, toks[i, :c], lps[i, :c], top_ids[i, :c], top_lps[i, :c])
                     self._name(r)

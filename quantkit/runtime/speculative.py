@@ -8,8 +8,10 @@ for token when greedy or seeded. Drafters:
 
 - `ngram` (prompt lookup): the tokens that followed the latest earlier occurrence of the sequence's last n
   tokens (prompt and output so far), for the longest n in [prompt_lookup_min, prompt_lookup_max] that
-  occurs. Host-side, from an index of the sequence's n-grams kept up to date as tokens arrive
-  (`PromptLookup`): a few dict reads a row a step.
+  occurs. On one device, on the device inside each step (`Lookup`: the step keeps every sequence's tokens in
+  pages beside its KV), so that the next step's drafts follow the accepted tokens without the host reading
+  the step back first, as a draft head's do; on several devices host-side, from an index of the sequence's
+  n-grams kept up to date as tokens arrive (`PromptLookup`): a few dict reads a row a step.
 - `eagle3`: an EAGLE-3 draft head (`"model": PATH`, models/eagle3.py) run on device inside each step, after
   the target's forward, drafting the next step's tokens from the target's hidden states.
 - `mtp`: Qwen3.5's own multi-token-prediction layer (the checkpoint's `mtp.*`, models/qwen3_5.Mtp), the same
@@ -20,6 +22,8 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+
+import jax.numpy as jnp
 
 from quantkit.errors import Unsupported
 
@@ -94,10 +98,13 @@ class Drafter:
 
 
 def drafter_for(spec: SpeculativeConfig | None, model):
-    """The draft head `spec` names for the target `model` (a loader.LoadedModel; for `mtp` loaded with
-    `mtp=True`); None for n-gram lookup or no speculation."""
-    if spec is None or spec.method == "ngram":
+    """The drafter `spec` names for the target `model` (a loader.LoadedModel; for `mtp` loaded with
+    `mtp=True`): a draft head, or the device's n-gram lookup (which a Runner on several devices leaves to the
+    host); None for no speculation."""
+    if spec is None:
         return None
+    if spec.method == "ngram":
+        return Drafter(Lookup(spec.lookup_min, spec.lookup_max))
     if spec.method == "mtp":
         from quantkit.runtime.models.qwen3_5 import Mtp
 
@@ -107,6 +114,40 @@ def drafter_for(spec: SpeculativeConfig | None, model):
     from quantkit.runtime.models.eagle3 import load
 
     return Drafter(*load(spec.model, model.cfg, model.dtype))
+
+
+@dataclass(frozen=True)
+class Lookup:
+    """The n-gram drafter on the device (a Runner's `drafter` spec, like a draft head's): the step writes each
+    token it runs, and the token it chooses after a row's kept ones, into token pages laid out as the
+    full-attention KV pages (so a prefix-cache hit brings its tokens too), then drafts from each row's
+    sequence read back through its block table (`draft`)."""
+
+    lo: int  # prompt_lookup_min
+    hi: int  # prompt_lookup_max
+    aux = ()  # (no target hidden states)
+
+    def draft(self, seq: jnp.ndarray, length: jnp.ndarray, k: int, none: int) -> jnp.ndarray:
+        """k drafts a row [S, k] from its tokens seq [S, M] (positions >= length [S] unused): what followed
+        the latest earlier occurrence of its last n tokens, for the largest n in [lo, hi] that occurs (as
+        `PromptLookup.draft`), continued periodically past the sequence's end (the match a period p back
+        predicts what follows it as repeating those p tokens); `none` for every draft of a row with no
+        match."""
+        m = seq.shape[1]
+        end = jnp.arange(m)[None]  # where an earlier occurrence ends, followed by at least one known token
+        last = length[:, None] - 1
+        run, n = jnp.ones(seq.shape, bool), jnp.zeros(seq.shape, jnp.int32)
+        for i in range(self.hi):  # n[r, j]: how many tokens ending at j equal the sequence's last ones
+            back = jnp.pad(seq, ((0, 0), (i, 0)), constant_values=-1)[:, :m]  # seq[j - i]
+            want = jnp.take_along_axis(seq, jnp.maximum(last - i, 0), axis=1)
+            run = run & (back == want) & (last - i >= 0)
+            n = n + run
+        n = jnp.where(end < last, n, 0)
+        best = jnp.max(n, axis=1, keepdims=True)
+        at = jnp.max(jnp.where((n >= best) & (end < last), end, -1), axis=1, keepdims=True)  # its latest end
+        idx = at + 1 + jnp.arange(k)[None] % jnp.maximum(last - at, 1)
+        drafts = jnp.take_along_axis(seq, jnp.clip(idx, 0, m - 1), axis=1)
+        return jnp.where(best >= self.lo, drafts, none)
 
 
 class PromptLookup:

@@ -9,12 +9,13 @@ cache after the step), num_seqs [1], per kind block tables [S, pages_per_seq], s
 each row; padding rows: max_num_seqs, dropped) and sampling arrays [S]. Shapes are bucketed by T only
 (S = min(T, max_num_seqs)), so a server compiles one program per token bucket.
 
-With a draft head (speculative decoding: eagle3, mtp) the device's `last` holds three parts of
-max_num_seqs + 1 entries, by slot: the last token, the shift (the verifying step's accepted tokens less the
-tokens it ran: 0 or minus its rejected drafts) and the k drafts the head proposed (`head_entry`); a row's
-drafts are its `prev_slot` entries there, and a row with `follow` set starts where its slot's shift says:
-the host schedules it before reading the previous step back, as if every draft had been accepted
-(`_followed`), so that it need not wait for the device between verifying steps.
+With a drafter on the device (speculative decoding: the eagle3 or mtp head, or the n-gram lookup) the
+device's `last` holds three parts of max_num_seqs + 1 entries, by slot: the last token, the shift (the
+verifying step's accepted tokens less the tokens it ran: 0 or minus its rejected drafts) and the k drafts
+the drafter proposed (`head_entry`); a row's drafts are its `prev_slot` entries there, and a row with
+`follow` set starts where its slot's shift says: the host schedules it before reading the previous step
+back, as if every draft had been accepted (`_followed`), so that it need not wait for the device between
+verifying steps.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from quantkit.runtime.models.common import logits as project
 from quantkit.runtime.models.gdn import keep_checkpoints
 from quantkit.runtime.sharding import (AXIS, cache_sharding, local_view, make_mesh, place_row_major, row_major,
                                        shard_params)
+from quantkit.runtime.speculative import Lookup
 from quantkit.runtime.structured import words
 from quantkit.runtime.ops import dense_as_qtensor, interpreted_chip, interpreted_tpu_kernels, tpu_chip
 
@@ -225,13 +227,14 @@ def verify_rows(logits: jax.Array, row: jax.Array, draft: jax.Array, next_pos: j
     sampling's rule). A row keeps its drafts up to the first one rejected, then the token drawn there:
     `count` = accepted + 1 tokens, the very tokens of drawing them one step at a time (greedy, or sampled
     with the request's seed). Returns ((tokens [S, k + 1], count [S],
-    logprobs [S, k + 1], top ids, top logprobs [S, k + 1, TOP_LOGPROBS]), `last` with each row's slot set to
-    its last token)."""
+    logprobs [S, k + 1], top ids, top logprobs [S, k + 1, TOP_LOGPROBS], drafts offered [S]: those not
+    NO_TOKEN, which the device's n-gram lookup leaves where it found nothing), `last` with each row's slot set
+    to its last token)."""
     sampling = jax.tree_util.tree_map(lambda x: x[row], batch["sampling"])
     tok, lp, top_ids, top_lps, accepted = (x[grid] for x in pick(logits, sampling, next_pos, draft))
     count = jnp.sum(jnp.cumprod(accepted, axis=1), axis=1) + 1
     last = last.at[batch["slot"]].set(jnp.take_along_axis(tok, count[:, None] - 1, axis=1)[:, 0], mode="drop")
-    return (tok, count, lp, top_ids, top_lps), last
+    return (tok, count, lp, top_ids, top_lps, jnp.sum(draft[grid] != NO_TOKEN, axis=1)), last
 
 
 def verify_positions(batch: dict, tokens: jax.Array, k: int):
@@ -248,6 +251,14 @@ def verify_positions(batch: dict, tokens: jax.Array, k: int):
     return src, row, draft, batch["positions"][src] + 1, grid
 
 
+def _kept(out: tuple, meta: dict) -> tuple[jax.Array, jax.Array]:
+    """From `verify_rows`' out: each row's last kept token (its index in the step: its last accepted draft,
+    or its last token) and the token the target chose after it."""
+    tok, count = out[0], out[1]
+    kept = jnp.maximum(meta["cu_q_lens"][1:] - 1 - meta["drafts"] + count - 1, 0)
+    return kept, jnp.take_along_axis(tok, count[:, None] - 1, axis=1)[:, 0]
+
+
 def draft_rows(params: dict, head, tokens: jax.Array, h: jax.Array, aux: jax.Array | None, out: tuple, kv: jax.Array,
                meta: dict, page_size: int, k: int):
     """A draft head's tokens for the next step: k token ids a row [S, k], and the head's cache.
@@ -262,12 +273,10 @@ def draft_rows(params: dict, head, tokens: jax.Array, h: jax.Array, aux: jax.Arr
     from quantkit.runtime.models.common import attention_block
 
     embed = head.embed(params)
-    tok, count = out[0], out[1]
-    t, s = tokens.shape[0], count.shape[0]
-    cu, n = meta["cu_q_lens"], meta["num_seqs"]
+    t, s = tokens.shape[0], out[1].shape[0]
+    n = meta["num_seqs"]
     live = jnp.arange(s) < n[0]
-    last = jnp.maximum(cu[1:] - 1 - meta["drafts"] + count - 1, 0)  # each row's last kept token
-    chosen = jnp.take_along_axis(tok, count[:, None] - 1, axis=1)[:, 0]
+    last, chosen = _kept(out, meta)
     nxt = jnp.concatenate([tokens[1:], tokens[:1]]).at[jnp.where(live, last, t)].set(chosen, mode="drop")
 
     def run(emb, hidden, kv, m):
@@ -290,6 +299,29 @@ def draft_rows(params: dict, head, tokens: jax.Array, h: jax.Array, aux: jax.Arr
         g = g[:s]
         drafts.append(head.tokens(params, g))
     return jnp.stack(drafts, axis=1), kv
+
+
+def draft_cache(draft, pages: int, page_size: int) -> tuple[tuple, object]:
+    """A drafter's cache on the device (kv["draft"]) over the target's `pages` full-attention pages: the
+    n-gram lookup's token pages, or a draft head's KV (one layer); (shape, dtype; None: the model's)."""
+    if isinstance(draft, Lookup):
+        return (pages * page_size,), jnp.int32
+    return (1, pages, page_size, 2 * math.prod(draft.cfg.kv_shape("full"))), None
+
+
+def lookup_rows(lookup, tokens: jax.Array, out: tuple, pages: jax.Array, meta: dict, page_size: int, k: int):
+    """The device's n-gram drafts for the next step (speculative.Lookup): k a row [S, k], NO_TOKEN where its
+    lookup finds nothing, and the token pages [full-attention pages x page_size] with the step's tokens and
+    each row's chosen one (after its last kept) written where their KV goes; positions past it hold rejected
+    drafts, overwritten later as their KV is."""
+    s, table = out[1].shape[0], meta["tables"]["full"]
+    kept, chosen = _kept(out, meta)
+    pos = meta["positions"][kept] + 1  # where the chosen token goes
+    at = table[jnp.arange(s), jnp.minimum(pos // page_size, table.shape[1] - 1)] * page_size + pos % page_size
+    at = jnp.where((jnp.arange(s) < meta["num_seqs"][0]) & (pos < table.shape[1] * page_size), at, 0)  # 0: scratch
+    pages = pages.at[meta["slots"]["full"]].set(tokens).at[at].set(chosen)
+    seq = pages.reshape(-1, page_size)[table].reshape(s, -1)
+    return lookup.draft(seq, pos + 1, k, NO_TOKEN), pages
 
 
 def step_function(cfg, page_size: int, all_logits: bool = False, mesh=None, unroll: bool = False, kv_fp8=None,
@@ -320,6 +352,9 @@ def step_function(cfg, page_size: int, all_logits: bool = False, mesh=None, unro
         if tpu_chip() is not None:  # dense layer weights through gmm_v2 too
             params = dense_as_qtensor(params, cfg, tp_mesh, ep and not dp)
         tokens = jnp.where(batch["prev_slot"] >= 0, last[jnp.maximum(batch["prev_slot"], 0)], batch["tokens"])
+        drafted = tokens  # the device's n-gram lookup leaves NO_TOKEN for drafts it did not find
+        if isinstance(drafter, Lookup):
+            tokens = jnp.where(tokens == NO_TOKEN, 0, tokens)
         if drafter is not None and spec:
             batch = _followed(batch, last, spec)
         meta = {**batch, "slots": _slots(batch, page_size), "mesh": tp_mesh, "unroll": unroll, "kv_fp8": kv_fp8,
@@ -330,13 +365,16 @@ def step_function(cfg, page_size: int, all_logits: bool = False, mesh=None, unro
         if all_logits:
             return project(params, h, cfg), kv, last
         if spec:
-            src, *verified = verify_positions(batch, tokens, spec)
+            src, *verified = verify_positions(batch, drafted, spec)
             out, last = verify_rows(project(params, h[src], cfg), *verified, last, batch)
             if len(kv.get("linear", ())) == 4:  # GDN states: each row's after the tokens it kept
                 kv = {**kv, "linear": keep_checkpoints(kv["linear"], batch, out[1])}
-            if drafter is not None:
+            if isinstance(drafter, Lookup):
+                drafts, cache = lookup_rows(drafter, tokens, out, kv["draft"], meta, page_size, spec)
+            elif drafter is not None:
                 drafts, cache = draft_rows(params, drafter, tokens, h, aux[0] if aux else None, out, kv["draft"], meta,
                                            page_size, spec)
+            if drafter is not None:
                 out, kv = (*out, drafts), {**kv, "draft": cache}
                 slots, slot = last.shape[0] // (2 + spec), batch["slot"]
                 last = last.at[head_entry(slots, spec, slot)].set(out[1] - 1 - batch["drafts"], mode="drop")
@@ -512,7 +550,7 @@ class Runner:
     scan: bool | None = None
     kv_cache_dtype: str = "auto"
     speculative: int = 0
-    drafter: object = None  # speculative.Drafter: drafts come from this head, on device, in every step
+    drafter: object = None  # speculative.Drafter: drafts come from it (a head, the n-gram lookup), on device, every step
     prefix_states: int = 0  # Gated DeltaNet models: state slots for prefix-caching snapshots (cache.py)
     compiled: set = field(default_factory=set)
 
@@ -551,6 +589,9 @@ class Runner:
         shard = lambda k: None if mesh is None else cache_sharding(cfg, mesh, k, dp)  # noqa: E731
         kv_sharding = self.layout.cache(lambda k, s, d: shard(k))
         last_sharding = NamedSharding(mesh, P(AXIS)) if dp else rep
+        if self.drafter is not None and isinstance(self.drafter.spec, Lookup) and (mesh is not None or
+                                                                                   "full" not in self.layout.pages):
+            self.drafter = None  # n-gram lookups on the host (the engine's `PromptLookup`)
         draft = self.drafter.spec if self.drafter is not None else None
         if draft is not None and mesh is not None:
             raise InvalidInput("draft heads (eagle3, mtp) run on one device; serve the target with --tp 1")
@@ -561,9 +602,9 @@ class Runner:
         here = jax.local_devices()[0]
         self.kv = self.layout.cache(lambda k, s, d: jnp.zeros((s[0], s[1] * self.dp, *s[2:]), d or dtype,
                                                                device=shard(k) or here))
-        if draft is not None:  # the head's KV: one layer over the target's full-attention pages
-            shape = (1, self.layout.pages["full"], self.page_size, 2 * math.prod(draft.cfg.kv_shape("full")))
-            self.kv["draft"] = jnp.zeros(shape, jnp.float32 if dtype == jnp.float32 else self.model.dtype,
+        if draft is not None:
+            shape, kind = draft_cache(draft, self.layout.pages["full"], self.page_size)
+            self.kv["draft"] = jnp.zeros(shape, kind or (jnp.float32 if dtype == jnp.float32 else self.model.dtype),
                                          device=here)
         self.last = jnp.zeros(self.dp * (local + 1) * (1 if draft is None else 2 + self.speculative), jnp.int32,
                               device=last_sharding or here)
