@@ -203,7 +203,7 @@ def plan(path: str | Path, target: str = "v6e", max_model_len: int = 2048, max_n
         batch = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), batch)
         return compile_for(target, step_function(c, PAGE_SIZE, mesh=mesh, unroll=unroll, kv_fp8=fp8,
                                                  ep=ep and mesh is not None, spec=spec,
-                                                 drafter=head if spec else None,
+                                                 drafter=head if spec or isinstance(head, Lookup) else None,
                                                  decode=not spec and t < budget, dp=dp > 1), weights, cache(n, c),
                            last, batch, donate=(1, 2), pinned=(0,), tp=devices)
 

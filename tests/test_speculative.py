@@ -21,7 +21,7 @@ import scipy.stats
 from quantkit.runtime.engine import Engine, Request, Runner, Sampling
 from quantkit.runtime.loader import load
 from quantkit.runtime.speculative import Lookup, PromptLookup, SpeculativeConfig, drafter_for, parse
-from quantkit.runtime.step import NO_TOKEN, VERIFY, sampling_arrays, verify_rows
+from quantkit.runtime.step import NO_TOKEN, STEP, VERIFY, sampling_arrays, verify_rows
 
 from helpers import greedy_reference, tiny_gemma3, tiny_llama
 
@@ -184,19 +184,24 @@ def test_greedy_ngram_gives_the_targets_tokens(request, name, budget, fill_only,
 
 
 def test_lookup_in_the_step_sees_a_cached_prefix(llama):
-    """The device's lookup reads a prefix-cache hit's tokens (its token pages are shared with its KV pages): B
-    is A's prompt (every token of the vocabulary once) plus one token, all of A's pages cached while A still
-    runs in another slot, so B prefills one token and looks up its first token in A's pages: the drafts it
-    leaves on the device are what a scan of its whole sequence finds."""
+    """The device's lookup reads a prefix-cache hit's tokens (its token pages are shared with its KV pages),
+    written by steps that verified nothing: B is A's prompt (every token of the vocabulary once) plus one
+    token, all of A's pages cached while A still runs in another slot, A's prompt run by the plain program
+    (A is sampled, and sampled sequences start below the floor here), so B prefills one token and looks up
+    its first token in A's pages: the drafts it leaves on the device are what a scan of its whole sequence
+    finds."""
     from quantkit.runtime.step import head_entry
 
     spec = SpeculativeConfig("ngram", 4, 1, 4)
     a = np.random.default_rng(3).permutation(128).tolist()
     engine = Engine(Runner(llama, max_model_len=256, max_num_seqs=4, page_size=8, max_num_batched_tokens=32,
                            speculative=4, drafter=drafter_for(spec, llama)), speculative=spec)
-    ra = engine.submit(Request(a, 8))
+    engine.prior[False], ran, call = 0.0, [], engine.runner._call
+    engine.runner._call = lambda program, batch: ran.append(program) or call(program, batch)
+    ra = engine.submit(Request(a, 8, Sampling(1.0, seed=0)))
     while ra.done < len(a):
         engine.step()
+    assert set(ran) == {STEP}
     rb = engine.submit(Request(a + a[:1], 1))
     engine.step()
     slot = rb.slot

@@ -309,17 +309,17 @@ def draft_cache(draft, pages: int, page_size: int) -> tuple[tuple, object]:
     return (1, pages, page_size, 2 * math.prod(draft.cfg.kv_shape("full"))), None
 
 
-def lookup_rows(lookup, tokens: jax.Array, out: tuple, pages: jax.Array, meta: dict, page_size: int, k: int):
+def lookup_rows(lookup, out: tuple, pages: jax.Array, meta: dict, page_size: int, k: int):
     """The device's n-gram drafts for the next step (speculative.Lookup): k a row [S, k], NO_TOKEN where its
-    lookup finds nothing, and the token pages [full-attention pages x page_size] with the step's tokens and
-    each row's chosen one (after its last kept) written where their KV goes; positions past it hold rejected
-    drafts, overwritten later as their KV is."""
+    lookup finds nothing, and the token pages [full-attention pages x page_size], which hold the step's
+    tokens (`step_function`), with each row's chosen one (after its last kept) written where its KV will go;
+    positions past it hold rejected drafts, overwritten later as their KV is."""
     s, table = out[1].shape[0], meta["tables"]["full"]
     kept, chosen = _kept(out, meta)
     pos = meta["positions"][kept] + 1  # where the chosen token goes
     at = table[jnp.arange(s), jnp.minimum(pos // page_size, table.shape[1] - 1)] * page_size + pos % page_size
     at = jnp.where((jnp.arange(s) < meta["num_seqs"][0]) & (pos < table.shape[1] * page_size), at, 0)  # 0: scratch
-    pages = pages.at[meta["slots"]["full"]].set(tokens).at[at].set(chosen)
+    pages = pages.at[at].set(chosen)
     seq = pages.reshape(-1, page_size)[table].reshape(s, -1)
     return lookup.draft(seq, pos + 1, k, NO_TOKEN), pages
 
@@ -353,12 +353,13 @@ def step_function(cfg, page_size: int, all_logits: bool = False, mesh=None, unro
             params = dense_as_qtensor(params, cfg, tp_mesh, ep and not dp)
         tokens = jnp.where(batch["prev_slot"] >= 0, last[jnp.maximum(batch["prev_slot"], 0)], batch["tokens"])
         drafted = tokens  # the device's n-gram lookup leaves NO_TOKEN for drafts it did not find
-        if isinstance(drafter, Lookup):
-            tokens = jnp.where(tokens == NO_TOKEN, 0, tokens)
         if drafter is not None and spec:
             batch = _followed(batch, last, spec)
         meta = {**batch, "slots": _slots(batch, page_size), "mesh": tp_mesh, "unroll": unroll, "kv_fp8": kv_fp8,
                 "ep_mesh": (AXIS if dp else mesh) if ep else None, "verify": bool(spec), "decode": decode}
+        if isinstance(drafter, Lookup):  # every step writes its tokens where the lookup reads them
+            tokens = jnp.where(tokens == NO_TOKEN, 0, tokens)
+            kv = {**kv, "draft": kv["draft"].at[meta["slots"]["full"]].set(tokens)}
         if drafter is not None and not all_logits and drafter.aux:
             meta["aux_layers"] = drafter.aux
         h, kv, *aux = fwd(params, cfg, tokens, kv, meta)
@@ -370,7 +371,7 @@ def step_function(cfg, page_size: int, all_logits: bool = False, mesh=None, unro
             if len(kv.get("linear", ())) == 4:  # GDN states: each row's after the tokens it kept
                 kv = {**kv, "linear": keep_checkpoints(kv["linear"], batch, out[1])}
             if isinstance(drafter, Lookup):
-                drafts, cache = lookup_rows(drafter, tokens, out, kv["draft"], meta, page_size, spec)
+                drafts, cache = lookup_rows(drafter, out, kv["draft"], meta, page_size, spec)
             elif drafter is not None:
                 drafts, cache = draft_rows(params, drafter, tokens, h, aux[0] if aux else None, out, kv["draft"], meta,
                                            page_size, spec)
@@ -633,13 +634,14 @@ class Runner:
         # the outputs replicated: every process reads them
         outs = None if mesh is None else _frozen((rep, kv_sharding, last_sharding))
         key = (cfg, self.page_size, mesh, unroll, fp8, self.ep, dp, _frozen(formats), outs, interpreted_chip())
-        self._step, self._logits = jitted_step(*key, False), jitted_step(*key, True)
-        self._forward, self._sample = jitted_step(*key, False, False), jitted_sampler(rep)
+        lookup = draft if isinstance(draft, Lookup) else None  # (whose token pages every step writes)
+        self._step, self._logits = jitted_step(*key, False, drafter=lookup), jitted_step(*key, True)
+        self._forward, self._sample = jitted_step(*key, False, False, drafter=lookup), jitted_sampler(rep)
         self._programs = {STEP: self._step, LOGITS: self._logits}
         if self.speculative:
             self._programs[VERIFY] = jitted_step(*key, False, True, self.speculative, draft)
         if cfg.linear_layers:  # steps of one token a row without the chunked delta rule (gdn.py `_recurrence`)
-            self._programs[DECODE] = jitted_step(*key, False, True, 0, None, True)
+            self._programs[DECODE] = jitted_step(*key, False, True, 0, lookup, True)
 
     @property
     def has_decode_program(self) -> bool:
