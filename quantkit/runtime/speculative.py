@@ -23,8 +23,6 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-import jax.numpy as jnp
-
 from quantkit.errors import Unsupported
 
 KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model")
@@ -127,12 +125,14 @@ class Lookup:
     hi: int  # prompt_lookup_max
     aux = ()  # (no target hidden states)
 
-    def draft(self, seq: jnp.ndarray, length: jnp.ndarray, k: int, none: int) -> jnp.ndarray:
+    def draft(self, seq, length, k: int, none: int):
         """k drafts a row [S, k] from its tokens seq [S, M] (positions >= length [S] unused): what followed
         the latest earlier occurrence of its last n tokens, for the largest n in [lo, hi] that occurs (as
         `PromptLookup.draft`), continued periodically past the sequence's end (the match a period p back
         predicts what follows it as repeating those p tokens); `none` for every draft of a row with no
         match."""
+        import jax.numpy as jnp
+
         m = seq.shape[1]
         end = jnp.arange(m)[None]  # where an earlier occurrence ends, followed by at least one known token
         last = length[:, None] - 1
