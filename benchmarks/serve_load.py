@@ -17,8 +17,8 @@ both kinds write exactly 64 tokens), the two kinds alternating over --runs runs 
 median output tokens/s of each and their ratio, and the server's mask time per step (/metrics).
 
 --speculative: speculative decoding on the default model, servers side by side (plain, and one per
---spec-config: by default n-gram with 4 drafts and the default model's EAGLE-3 head with 3), the same load
-alternating between them over --runs runs, at
+--spec-config: by default n-gram with 4 drafts (lookups of 1 to 5 tokens) and the default model's EAGLE-3
+head with 3), the same load alternating between them over --runs runs, at
 concurrency 1 (8 requests) and 16 (64 requests) of 64 tokens, temperature 0, on two workloads:
 `code-edit`, a prompt that quotes code the answer repeats (a held-out stdlib function, the model's own
 greedy continuation of it, then the function's first lines again: a model that copies continues with the
@@ -206,7 +206,7 @@ def main() -> None:
     ap.add_argument("--structured", action="store_true", help="structured outputs vs unconstrained (see above)")
     ap.add_argument("--speculative", action="store_true", help="speculative decoding vs plain (see above)")
     ap.add_argument("--spec-config", nargs="+", default=[
-        '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5}',
+        '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 5}',
         '{"method": "eagle3", "model": "assets/tiny-llama-eagle3", "num_speculative_tokens": 3}'],
         help="one speculative server per config, beside the plain one")
     ap.add_argument("--workloads", nargs="+", choices=["code-edit", "random", "random, temperature 1"],
