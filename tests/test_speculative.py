@@ -281,26 +281,6 @@ def test_lookups_that_find_nothing_stop_reading_steps_back(llama, monkeypatch):
     assert greedy == list(range(11, 49))  # a greedy one looks at every step (not for its last token)
 
 
-def test_lookups_in_the_step_that_find_nothing_stop_verifying(llama, monkeypatch):
-    """A greedy sequence whose lookups on the device find nothing (Lookup.draft replaced by one that never
-    does; a lookup config of its own, so the program is traced with it) drafts nothing, and once its moving
-    average has fallen below the greedy floor (0.5 x 0.95^n < 0.05 from n = 45) its steps run the plain
-    program, the verifying one only for a probe every SPEC_PROBE steps; its tokens are the target's."""
-    import quantkit.runtime.engine as eng
-
-    monkeypatch.setattr(Lookup, "draft", lambda self, seq, length, k, none: jnp.full((seq.shape[0], k), none))
-    spec = SpeculativeConfig("ngram", 4, 2, 6)
-    engine = Engine(Runner(llama, max_model_len=128, max_num_seqs=4, page_size=8, max_num_batched_tokens=16,
-                           speculative=4, drafter=drafter_for(spec, llama)), speculative=spec)
-    ran, call = [], engine.runner._call
-    engine.runner._call = lambda program, batch: ran.append(program) or call(program, batch)
-    r = engine.submit(Request(list(range(3, 13)), 118))
-    while engine.busy():
-        engine.step()
-    assert engine.drafts == 0 and r.out == greedy_reference(llama, list(range(3, 13)), 118)
-    assert 45 <= ran.index(STEP) <= 48 and ran[-64:].count(VERIFY) <= 2 * 64 // eng.SPEC_PROBE + 2, ran
-
-
 def test_a_greedy_stream_drafts_down_to_its_own_floor():
     """Between the two floors (recent acceptance 0.1) a greedy sequence still drafts and a sampled one does
     not; below the greedy floor neither does, until SPEC_PROBE decode steps have passed without a look."""

@@ -364,11 +364,9 @@ class Engine:
 
     def _observe(self, r: Request, rate: float, weight: float = 0.25) -> None:
         """What r's last look for drafts gave: the fraction of its drafts accepted, or 0 with a smaller weight
-        for an n-gram lookup that found nothing: a sampled sequence's on the host (the step was read back for
-        nothing: a smaller loss than rejected drafts; a greedy stream's host lookups go on, as what falls into
-        a loop or starts copying stays there, and cost no step), and any sequence's on the device (it ran the
-        verifying program for nothing: 1.2-1.3x a plain step on this CPU; a greedy one's with half that
-        weight: about 45 in a row stop it, so that one that starts copying later on still drafts). r's moving average follows it, and so does the one that greedy or
+        for a sampled sequence's n-gram lookup that found nothing (the step was read back for nothing: a
+        smaller loss than rejected drafts; a greedy stream's lookups go on, as what falls into a loop or
+        starts copying stays there). r's moving average follows it, and so does the one that greedy or
         sampled sequences start from, more slowly (a server whose sampled streams reject their drafts starts
         the next ones without drafts: they look again after r.probe steps). A sampled sequence's look made
         below the floor (a probe) that leaves it there doubles r.probe (its rejections come from its
@@ -532,8 +530,8 @@ class Engine:
                             self.drafts + 1, self.draft_tokens + int(offered[i]), self.accepted + c - 1)
                         for j in range(c - 1):
                             self.accepted_at[j] += 1
-                    else:  # the device's lookup found nothing: a verifying step for nothing
-                        self._observe(r, 0.0, 0.1 if r.sampling.temperature > 0 else 0.05)
+                    elif r.sampling.temperature > 0:  # the device's lookup found nothing
+                        self._observe(r, 0.0, 0.1)
                 if r.finish_reason is None:
                     self._accept(r, toks[i, :c], lps[i, :c], top_ids[i, :c], top_lps[i, :c])
                     self._name(r)
