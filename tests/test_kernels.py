@@ -361,6 +361,26 @@ def test_compiles_for_representative_layer_shapes(chip, qtype, group):
     _aot_case(chip, qtype, group, REPRESENTATIVE, (1, 2048) if (qtype, group) == ("int4", 128) else (2048,))
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("chip", ["v6e", "v7x"])
+def test_gated_pair_compiles_for_an_mlp(chip):
+    """Mosaic compiles Llama-3-8B's gate and up projections (int4 g128, [4096, 14336] each) as one gated call
+    at a decode and a prefill row count, with the pair's tiles (both weights' blocks in VMEM: v7x has half
+    v6e's): both weights packed in the arguments, nothing dequantized in HBM."""
+    from quantkit.runtime.aot import compile_for
+
+    k, n = 4096, 14336
+    for m in (16, 2048):
+        lhs, gate, gs = _abstract("int4", 1, k, n, 128, m)
+        _, up, _ = _abstract("int4", 1, k, n, 128, m)
+        compiled, _ = compile_for(chip, lambda a, b, c, d: gmm_v2(a, b, c, chip=chip, up=d, gate="silu"),
+                                  lhs, gate, gs, up, pinned=(1, 3))
+        mem = compiled.memory_analysis()
+        packed = k * n // 2
+        assert 2 * packed < mem.argument_size_in_bytes < 2.1 * packed + m * k * 2, (chip, m)
+        assert mem.temp_size_in_bytes < packed // 16, (chip, m, mem.temp_size_in_bytes)
+
+
 @pytest.mark.exhaustive
 @pytest.mark.parametrize("chip,qtype,group", AOT_CASES + [("v5e", "nvfp4", 16), ("v7x", "nvfp4", 16),
                                                          ("v5e", "mxfp8", 32), ("v5e", "fp8", None)])
@@ -544,6 +564,60 @@ def test_quantized_activations_match_reference(chip, act, qtype, group, tk, zero
     assert _rel(out[:total], ref[:total]) < 4e-3, f"seed {seed}, sizes {sizes.tolist()}"
 
 
+GATE_REFS = {"silu": lambda v: v * 0.5 * (1 + np.tanh(v / 2)),  # numpy's, not the kernel's jax.nn
+             "gelu_tanh": lambda v: 0.5 * v * (1 + np.tanh(np.sqrt(2 / np.pi) * (v + 0.044715 * v ** 3)))}
+
+
+@pytest.mark.parametrize("qtype,group,tk,zeros,act,gate", [
+    ("int4", 32, 256, False, "", "silu"), ("int4", None, 128, True, "", "gelu_tanh"),
+    ("nvfp4", 16, 512, False, "", "silu"), ("int8", 128, 128, False, "int8", "silu"),
+    ("bf16", None, 256, False, "", "gelu_tanh")])
+@pytest.mark.parametrize("g,m", [(1, 37), (8, 61)])
+def test_gated_pair_matches_the_gate_of_two_products(qtype, group, tk, zeros, act, gate, g, m, seed):
+    """gmm_v2 with `up` (an MLP's gate and up projections in one call) against numpy's gate of the
+    reference's first product times its second, each rounded to bf16 as the kernel rounds them: pre-dot and
+    post-dot scales, zero points, nvfp4's two global scales (one a weight, in SMEM), int8 rows on the int8
+    MXU, a dense bf16 pair; grouped rows. Tolerance 1.2e-2: each product carries the single call's error
+    (4e-3 / 6e-3, above), and the gate's relative sensitivity x g'(x) / g(x) exceeds 1 for negative inputs
+    (silu: 1 + x (1 - sigmoid(x))); a swapped pair, a missed gate or one weight's scales on both give errors
+    of order 1."""
+    from quantkit.quant.qtensor import DENSE, QTensor
+    from quantkit.runtime.ops import quantize_rows
+
+    rng = np.random.default_rng(seed)
+    k, n = 512, 256
+    group = group or k
+
+    def weight():
+        if qtype == "bf16":
+            values = jnp.asarray(rng.standard_normal((g, k, n)) / np.sqrt(k), jnp.bfloat16)
+            return QTensor(values, jnp.ones((g, 1, n), jnp.bfloat16), DENSE, k)
+        return dataclasses.replace(_random_qtensor(rng, qtype, g, k, n, group, zeros), act=act)
+
+    a, b = weight(), weight()
+    x = _activations(rng, m, k)
+    lhs, rows = quantize_rows(x, act) if act else (x, None)
+    ref_lhs = lhs if rows is None else lhs.astype(jnp.float32) * rows.astype(jnp.float32)
+    sizes = jnp.asarray(_sizes(rng, g, m))
+    tiles = Tiles(tm=32 if act else 16, tk=tk, tn=128, predot=group < tk, lhs_resident=bool(m % 2), vmem_bytes=0,
+                  vmem_limit=32 << 20)
+    out = gmm_v2(lhs, a, sizes, row_scales=rows, tiles=tiles, interpret=INTERPRET, up=b, gate=gate)
+
+    def rounded(w):
+        return np.asarray(gmm_reference(ref_lhs, w, sizes).astype(jnp.bfloat16).astype(jnp.float32))
+
+    ref = GATE_REFS[gate](rounded(a)) * rounded(b)
+    total = int(sizes.sum())
+    assert out.shape == (m, n) and out.dtype == jnp.bfloat16
+    assert bool(jnp.isfinite(out).all()), f"unwritten (NaN) output, seed {seed}"
+    assert bool((out[total:] == 0).all()), f"rows past the groups not zero, seed {seed}"
+    if total:
+        assert _rel(out[:total], ref[:total]) < 1.2e-2, f"seed {seed}, sizes {sizes.tolist()}"
+    with pytest.raises(ValueError, match="differ in more than their arrays"):
+        gmm_v2(lhs, a, sizes, row_scales=rows, tiles=tiles, interpret=INTERPRET, gate=gate,
+               up=dataclasses.replace(b, group=group // 2) if qtype != "bf16" else dataclasses.replace(b, act="int8"))
+
+
 def _dots(jaxpr) -> list[tuple]:
     """(lhs dtype, rhs dtype, preferred type) of every dot_general in a jaxpr and the jaxprs inside it."""
     found = []
@@ -571,7 +645,7 @@ def test_declared_cost_equals_the_blocks_the_grid_copies(act, qtype, group, resi
     written when its index changes. Groups of 40 / 30 / 26 rows over 32-row tiles straddle tiles (5 visits,
     the static bound tiles_m + g - 1, attained); the bound's padding visit copies nothing; 8-bit rows move 1
     byte an element and a float32 scale a row; with all of k in one tile (tk 512) a group's visits share
-    its weight block."""
+    its weight block; a gated pair copies its second weight's blocks as the first's."""
     from quantkit.kernels.gmm_v2 import cost
 
     m, k, n, tm, tn = 96, 512, 384, 32, 128
@@ -580,6 +654,9 @@ def test_declared_cost_equals_the_blocks_the_grid_copies(act, qtype, group, resi
     tiles = Tiles(tm=tm, tk=tk, tn=tn, predot=group < tk, lhs_resident=resident, vmem_bytes=0, vmem_limit=0)
     copied, written = _grid_walk(sizes, m, k, n, tiles, qtype, group, act)
     assert cost(m, k, n, len(sizes), rhs, tiles).bytes_accessed == sum(copied) + written, (copied, written)
+    # a gated pair (`up`): the second weight's values and scales by the same index maps, one lhs, one output
+    assert cost(m, k, n, len(sizes), rhs, tiles, weights=2).bytes_accessed == \
+        sum(copied) + copied[2] + copied[3] + written
 
 
 def _grid_walk(sizes, m, k, n, tiles, qtype, group, act=""):

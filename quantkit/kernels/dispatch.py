@@ -50,7 +50,8 @@ class Verdict:
 
 
 def can_use_gmm_v2(qtype: str, k: int, n: int, group_size: int | None, chip: Chip, m: int = 256, g: int = 1,
-                   scale_bytes: int = 2, zero_bytes: int = 0, act: str = "") -> tuple[Tiles | None, str]:
+                   scale_bytes: int = 2, zero_bytes: int = 0, act: str = "", weights: int = 1
+                   ) -> tuple[Tiles | None, str]:
     """Tiles with which the Pallas gmm_v2 kernel serves a [k, n] weight of `qtype` on `chip`, or None
     and why not (the caller falls back to the XLA path).
 
@@ -66,6 +67,7 @@ def can_use_gmm_v2(qtype: str, k: int, n: int, group_size: int | None, chip: Chi
             "fp8" fp8 rows by integer or fp8 weights, "fp8_g<N>" fp8 rows with a scale per group of N inputs
             (8-bit rows, their scales after the dot: row_codes); any other reaches the kernel already
             dequantized (bf16 rows).
+        weights: 2 for a gated pair of such weights in one call (gmm_v2 `up`).
     """
     rows = row_codes(act, qtype)
     if not chip.tpu:
@@ -82,7 +84,7 @@ def can_use_gmm_v2(qtype: str, k: int, n: int, group_size: int | None, chip: Chi
     if rows and qtype not in ROW_WEIGHTS[rows]:
         return None, f"{act} activations with {qtype} weights"
     tiles = choose_tiles(m, k, n, g, qtype, group, scale_bytes, chip, zero_bytes, int8_lhs=bool(rows),
-                         row_group=row_group(act) if rows else 0)
+                         row_group=row_group(act) if rows else 0, weights=weights)
     if tiles is None and rows and group < LANES:
         return None, f"{act} activations need scale groups of at least {LANES} inputs, not {group}"
     if tiles is None:

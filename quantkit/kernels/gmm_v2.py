@@ -2,9 +2,13 @@
 tile in VMEM (and dense bf16 layer weights, multiplied as they are: runtime/ops.py dense_as_qtensor).
 
 out[i, :] = lhs[i, :] @ dequantize(rhs[group of row i])    rows sorted by group; rows past the groups -> 0
+out[i, :] = gate(lhs[i, :] @ dequantize(rhs[..])) * (lhs[i, :] @ dequantize(up[..]))    a gated pair (`up`)
 
-One kernel serves dense layers (one group) and MoE experts (many groups). Per grid step (n tile, visit,
-k tile), the weight tile [tk, tn] is DMA'd from HBM to VMEM in its packed type (double-buffered by the
+One kernel serves dense layers (one group) and MoE experts (many groups), and an MLP's gate and up
+projections as one gated pair: both weights' tiles meet each lhs tile (read once), two accumulators, and the
+output tile is the gate of the first times the second, so neither [m, n] product goes to HBM nor does the
+elementwise pass that would multiply them (Llama-3-8B on a v6e: 9.8 MB less a layer at 80 tokens).
+Per grid step (n tile, visit, k tile), the weight tile [tk, tn] is DMA'd from HBM to VMEM in its packed type (double-buffered by the
 Pallas pipeline), converted to float on the vector unit and multiplied by its scales, then fed to the
 MXU in bf16 with float32 accumulation. Scales (and zero points z of asymmetric ints: (q - z) * s):
 - group < tk ("pre-dot"): each group of rows of the tile is shifted and scaled before the dot;
@@ -43,6 +47,9 @@ from quantkit.quant.qtensor import QTensor, decode_scales, decode_values
 
 # ---- configs --------------------------------------------------------------------------------------
 
+# The gates of a gated pair (gmm_v2 `up`): out = GATES[gate](lhs @ rhs) * (lhs @ up)
+GATES = {"silu": jax.nn.silu, "gelu_tanh": functools.partial(jax.nn.gelu, approximate=True)}
+
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
@@ -50,17 +57,17 @@ def _cdiv(a: int, b: int) -> int:
 
 # ---- validation -----------------------------------------------------------------------------------
 
-def check_gmm_v2(lhs_shape: tuple[int, int], rhs: QTensor, chip: Chip, groups: int | None = None
-                 ) -> tuple[Tiles | None, str]:
-    """Tiles for this call (over `groups` of rhs's groups, default all), or None and why gmm_v2 cannot
-    serve it (callers fall back to XLA)."""
+def check_gmm_v2(lhs_shape: tuple[int, int], rhs: QTensor, chip: Chip, groups: int | None = None,
+                 pair: bool = False) -> tuple[Tiles | None, str]:
+    """Tiles for this call (over `groups` of rhs's groups, default all; `pair`: with a gated pair's second
+    weight like rhs), or None and why gmm_v2 cannot serve it (callers fall back to XLA)."""
     m, k = lhs_shape
     g, k2, n = rhs.shape
     g = groups or g
     if k != k2:
         return None, f"lhs has {k} features but the weight {k2}"
     return can_use_gmm_v2(rhs.qtype, k, n, rhs.group, chip, m=m, g=g, scale_bytes=rhs.scales.dtype.itemsize,
-                          zero_bytes=_zero_bytes(rhs), act=rhs.act)
+                          zero_bytes=_zero_bytes(rhs), act=rhs.act, weights=2 if pair else 1)
 
 
 def _zero_bytes(rhs: QTensor) -> int:
@@ -103,66 +110,72 @@ def visits(group_sizes: jax.Array, m: int, tm: int) -> tuple[jax.Array, jax.Arra
 # ---- the kernel ------------------------------------------------------------------------------------
 
 def _kernel(vg_ref, vt_ref, nv_ref, bounds_ref, off_ref, *refs, qtype: str, group: int, tiles: Tiles,
-            num_groups: int, nk: int, zeros: bool, gscale: bool, int8_lhs: bool, mxu: str, row_group: int):
+            num_groups: int, nk: int, zeros: bool, gscale: bool, int8_lhs: bool, mxu: str, row_group: int,
+            gate: str):
     gs_ref, refs = (refs[0], refs[1:]) if gscale else (None, refs)  # global scales [num_groups] (nvfp4)
     lhs_ref, *refs = refs
     # row scales of 8-bit codes: [tm, 1], or [tm, k / row_group] per group of inputs
     rs_ref, refs = (refs[0], refs[1:]) if int8_lhs else (None, refs)
-    q_ref, s_ref, *refs = refs
-    z_ref, out_ref, acc_ref = refs if zeros else (None, *refs)  # zero points: asymmetric ints
+    per = 3 if zeros else 2  # a weight's refs: values, scales (and zero points: asymmetric ints)
+    pair = 2 if gate else 1  # a gated pair: rhs's and up's refs, then the output, then an accumulator each
+    weights = [refs[j * per:(j + 1) * per] + [None] * (3 - per) for j in range(pair)]
+    out_ref, accs = refs[pair * per], refs[pair * per + 1:]
     v, ki = pl.program_id(1), pl.program_id(2)
     tm, tk, tn = tiles.tm, tiles.tk, tiles.tn
     g = vg_ref[v]
     real = (v < nv_ref[0]) & (g < num_groups)
 
-    def scales():  # the scale block as float32, over the group's global scale
+    def scales(s_ref, j):  # the scale block as float32, over the group's global scale (weight j's: [pair * groups])
         s = decode_scales(s_ref[...], qtype)
-        return s if gs_ref is None else s / gs_ref[jnp.minimum(g, num_groups - 1)]
+        return s if gs_ref is None else s / gs_ref[j * num_groups + jnp.minimum(g, num_groups - 1)]
 
-    @pl.when(ki == 0)
-    def _():
-        acc_ref[...] = jnp.zeros_like(acc_ref)
-
-    @pl.when(real)
-    def _():
-        x = lhs_ref[:, pl.ds(pl.multiple_of(ki * tk, 128), tk)] if tiles.lhs_resident else lhs_ref[...]  # [tm, tk]
+    def part(x, q_ref, s_ref, z_ref, j):  # this k tile's float32 contribution to weight j's [tm, tn] sums
         if int8_lhs:  # 8-bit codes on both sides; scales after the dot (tk divides the group)
             if mxu == "int8":
-                part = jnp.dot(x, q_ref[...].astype(jnp.int8), preferred_element_type=jnp.int32)
+                y = jnp.dot(x, q_ref[...].astype(jnp.int8), preferred_element_type=jnp.int32)
             elif mxu == "fp8":  # int4 or fp8 weight values, exact in e4m3
-                part = jnp.dot(x, decode_values(q_ref[...], qtype).astype(x.dtype), preferred_element_type=jnp.float32)
+                y = jnp.dot(x, decode_values(q_ref[...], qtype).astype(x.dtype), preferred_element_type=jnp.float32)
             else:
-                part = jnp.dot(x.astype(jnp.bfloat16), decode_values(q_ref[...], qtype).astype(jnp.bfloat16),
-                               preferred_element_type=jnp.float32)
-            part = part.astype(jnp.float32)
+                y = jnp.dot(x.astype(jnp.bfloat16), decode_values(q_ref[...], qtype).astype(jnp.bfloat16),
+                            preferred_element_type=jnp.float32)
+            y = y.astype(jnp.float32)
             if z_ref is not None:
-                part -= jnp.sum(x.astype(jnp.float32), axis=1, keepdims=True) * _tile_row(
+                y -= jnp.sum(x.astype(jnp.float32), axis=1, keepdims=True) * _tile_row(
                     z_ref[...].astype(jnp.float32), ki, tk, group)
-            part *= _tile_row(scales(), ki, tk, group)
+            y *= _tile_row(scales(s_ref, j), ki, tk, group)
             if row_group:  # the k tile's own column of row scales (a tile never spans two), by a mask
                 rs = rs_ref[...]
                 hit = jax.lax.broadcasted_iota(jnp.int32, rs.shape, 1) == (ki * tk) // row_group
-                part *= jnp.sum(jnp.where(hit, rs, 0.0), axis=1, keepdims=True)
-            acc_ref[...] += part
-            return
+                y *= jnp.sum(jnp.where(hit, rs, 0.0), axis=1, keepdims=True)
+            return y
         if qtype == "bf16":  # a dense weight: its unit scales change nothing
-            acc_ref[...] += jnp.dot(x, q_ref[...], preferred_element_type=jnp.float32)
-            return
+            return jnp.dot(x, q_ref[...], preferred_element_type=jnp.float32)
         q = decode_values(q_ref[...], qtype)  # [tk, tn] f32
         if tiles.predot:
             rows = tk // group
-            s = scales()  # [tk/group, tn]: this k tile's scale rows
+            s = scales(s_ref, j)  # [tk/group, tn]: this k tile's scale rows
             q = q.reshape(rows, group, tn)
             if z_ref is not None:
                 q = q - z_ref[...].astype(jnp.float32)[:, None, :]  # exact: small integers
             w = (q * s[:, None, :]).reshape(tk, tn).astype(jnp.bfloat16)
-            acc_ref[...] += jnp.dot(x, w, preferred_element_type=jnp.float32)
-        else:  # one scale row serves the whole k tile
-            part = jnp.dot(x, q.astype(jnp.bfloat16), preferred_element_type=jnp.float32)
-            if z_ref is not None:
-                z = _tile_row(z_ref[...].astype(jnp.float32), ki, tk, group)
-                part -= jnp.sum(x.astype(jnp.float32), axis=1, keepdims=True) * z
-            acc_ref[...] += part * _tile_row(scales(), ki, tk, group)
+            return jnp.dot(x, w, preferred_element_type=jnp.float32)
+        # one scale row serves the whole k tile
+        y = jnp.dot(x, q.astype(jnp.bfloat16), preferred_element_type=jnp.float32)
+        if z_ref is not None:
+            y -= jnp.sum(x.astype(jnp.float32), axis=1, keepdims=True) * _tile_row(
+                z_ref[...].astype(jnp.float32), ki, tk, group)
+        return y * _tile_row(scales(s_ref, j), ki, tk, group)
+
+    @pl.when(ki == 0)
+    def _():
+        for acc_ref in accs:
+            acc_ref[...] = jnp.zeros_like(acc_ref)
+
+    @pl.when(real)
+    def _():
+        x = lhs_ref[:, pl.ds(pl.multiple_of(ki * tk, 128), tk)] if tiles.lhs_resident else lhs_ref[...]  # [tm, tk]
+        for j, (refs_j, acc_ref) in enumerate(zip(weights, accs)):
+            acc_ref[...] += part(x, *refs_j, j)
 
     @pl.when((ki == nk - 1) & (v < nv_ref[0]))
     def _():
@@ -171,8 +184,11 @@ def _kernel(vg_ref, vt_ref, nv_ref, bounds_ref, off_ref, *refs, qtype: str, grou
         rows = t * tm + jax.lax.broadcasted_iota(jnp.int32, (tm, tn), 0)
         mine = (rows >= bounds_ref[g, 0]) & (rows < bounds_ref[g, 1])
         prev = jnp.where(first, 0.0, out_ref[...].astype(jnp.float32))
-        acc = acc_ref[...] if rs_ref is None or row_group else acc_ref[...] * rs_ref[...]
-        out_ref[...] = jnp.where(mine, acc, prev).astype(out_ref.dtype)
+        sums = [a[...] if rs_ref is None or row_group else a[...] * rs_ref[...] for a in accs]
+        if gate:  # each product rounded to the output's type, as two calls give them; the rest in float32
+            g_, u = (y.astype(out_ref.dtype).astype(jnp.float32) for y in sums)
+            sums = [GATES[gate](g_) * u]
+        out_ref[...] = jnp.where(mine, sums[0], prev).astype(out_ref.dtype)
 
 
 def _tile_row(all_rows: jax.Array, ki, tk: int, group: int) -> jax.Array:
@@ -187,12 +203,14 @@ def _tile_row(all_rows: jax.Array, ki, tk: int, group: int) -> jax.Array:
 
 # ---- cost estimate ---------------------------------------------------------------------------------
 
-def cost(m: int, k: int, n: int, g: int, rhs: QTensor, tiles: Tiles, out_bytes: int = 2) -> pl.CostEstimate:
-    """The static bound of tiling.traffic: bytes the call moves and FLOPs the MXU executes."""
+def cost(m: int, k: int, n: int, g: int, rhs: QTensor, tiles: Tiles, out_bytes: int = 2,
+         weights: int = 1) -> pl.CostEstimate:
+    """The static bound of tiling.traffic: bytes the call moves and FLOPs the MXU executes (`weights` 2: a
+    gated pair's)."""
     moved, flops = traffic(m, k, n, g, rhs.qtype, rhs.group, rhs.scales.dtype.itemsize, tiles, out_bytes,
                            _zero_bytes(rhs), lhs_bytes=1 if row_codes(rhs.act, rhs.qtype) else 2,
-                           row_scales=k // row_group(rhs.act) if row_group(rhs.act) else 1)
-    moved += 0 if rhs.gscale is None else 4 * g  # the call's global scales, into SMEM once
+                           row_scales=k // row_group(rhs.act) if row_group(rhs.act) else 1, weights=weights)
+    moved += 0 if rhs.gscale is None else 4 * g * weights  # the call's global scales, into SMEM once
     return pl.CostEstimate(flops=flops, transcendentals=0, bytes_accessed=moved)
 
 
@@ -234,7 +252,7 @@ def index_maps(tiles: Tiles, g: int, nk: int) -> tuple:
 
 
 def _call(lhs: jax.Array, rhs: QTensor, group_sizes: jax.Array, group_offset: jax.Array, tiles: Tiles,
-          interpret, row_scales: jax.Array | None, out_dtype, mxu: str) -> jax.Array:
+          interpret, row_scales: jax.Array | None, out_dtype, mxu: str, up: QTensor | None, gate: str) -> jax.Array:
     m, k = lhs.shape
     _, _, n = rhs.shape
     g = group_sizes.shape[0]
@@ -246,17 +264,20 @@ def _call(lhs: jax.Array, rhs: QTensor, group_sizes: jax.Array, group_offset: ja
     kernel = functools.partial(_kernel, qtype=rhs.qtype, group=rhs.group, tiles=tiles, num_groups=g, nk=nk,
                                zeros=rhs.zeros is not None, gscale=rhs.gscale is not None,
                                int8_lhs=row_scales is not None, mxu=mxu,
-                               row_group=row_group(rhs.act) if row_scales is not None else 0)
+                               row_group=row_group(rhs.act) if row_scales is not None else 0, gate=gate)
     lhs_map, rows_map, q_map, s_map, out_map = index_maps(tiles, g, nk)
     s_spec = pl.BlockSpec((None, tk // rhs.group if tiles.predot else srows, tn), s_map)  # zero points too
 
     offset = group_offset.reshape(1).astype(jnp.int32)
     prefetch = [vg, vt, nv, bounds, offset]
-    if rhs.gscale is not None:  # this call's groups' global scales: [g] float32 in SMEM
-        prefetch.append(jax.lax.dynamic_slice_in_dim(rhs.gscale.astype(jnp.float32), offset[0], g))
+    pair = (rhs,) if up is None else (rhs, up)
+    if rhs.gscale is not None:  # this call's groups' global scales: [g] float32 a weight, in SMEM
+        prefetch.append(jnp.concatenate([jax.lax.dynamic_slice_in_dim(w.gscale.astype(jnp.float32), offset[0], g)
+                                         for w in pair]))
     # weights stay in HBM: else XLA may stage a small one whole into VMEM before the call (a second copy
     # of its bytes, seen for Gemma-3-27B's o-proj and scales), where the kernel streams tiles anyway
-    blocks = [pltpu.with_memory_space_constraint(a, pltpu.HBM) for f, a in rhs.arrays.items() if f != "gscale"]
+    blocks = [[pltpu.with_memory_space_constraint(a, pltpu.HBM) for f, a in w.arrays.items() if f != "gscale"]
+              for w in pair]
     lhs_specs = [pl.BlockSpec((tm, k if tiles.lhs_resident else tk), lhs_map)]
     lhs_args = [lhs]
     if row_scales is not None:  # [m, 1] or [m, k / N] float32, a block per m tile like the output's
@@ -269,29 +290,26 @@ def _call(lhs: jax.Array, rhs: QTensor, group_sizes: jax.Array, group_offset: ja
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=len(prefetch),
             grid=grid,
-            in_specs=[
-                *lhs_specs,
-                pl.BlockSpec((None, tk, tn), q_map),
-                *[s_spec] * (len(blocks) - 1),
-            ],
+            in_specs=[*lhs_specs, *[spec for b in blocks for spec in [pl.BlockSpec((None, tk, tn), q_map),
+                                                                     *[s_spec] * (len(b) - 1)]]],
             out_specs=pl.BlockSpec((tm, tn), out_map),
-            scratch_shapes=[pltpu.VMEM((tm, tn), jnp.float32)],
+            scratch_shapes=[pltpu.VMEM((tm, tn), jnp.float32)] * len(pair),
         ),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary", "arbitrary"),
                                              vmem_limit_bytes=tiles.vmem_limit),
-        cost_estimate=cost(m, k, n, g, rhs, tiles, jnp.dtype(out_dtype).itemsize),
+        cost_estimate=cost(m, k, n, g, rhs, tiles, jnp.dtype(out_dtype).itemsize, len(pair)),
         name="gmm_v2", metadata={"mxu": mxu},  # the MXU's operand type, which `plan` counts FLOPs by
         interpret=interpret,
-    )(*prefetch, *lhs_args, *blocks)
+    )(*prefetch, *lhs_args, *[a for b in blocks for a in b])
 
 
 # ---- public entry ----------------------------------------------------------------------------------
 
-@functools.partial(jax.jit, static_argnames=("chip", "tiles", "interpret"))
+@functools.partial(jax.jit, static_argnames=("chip", "tiles", "interpret", "gate"))
 def gmm_v2(lhs: jax.Array, rhs: QTensor, group_sizes: jax.Array, group_offset: jax.Array | None = None, *,
            row_scales: jax.Array | None = None, chip: str = "v6e", tiles: Tiles | None = None,
-           interpret=False) -> jax.Array:
-    """Grouped matmul with quantized weights.
+           interpret=False, up: QTensor | None = None, gate: str = "") -> jax.Array:
+    """Grouped matmul with quantized weights; with `up`, a gated pair: GATES[gate](lhs @ rhs) * (lhs @ up).
 
     Args:
         lhs: [m, k] bf16, rows sorted by group; int8 / fp8 codes when rhs.act is "int8" / "fp8"
@@ -307,19 +325,37 @@ def gmm_v2(lhs: jax.Array, rhs: QTensor, group_sizes: jax.Array, group_offset: j
         chip: target generation ("v5e", "v6e", "v7x"); its facts pick the tiles.
         tiles: explicit tiles (tests); default: `choose_tiles` for the chip.
         interpret: run in Pallas interpret mode (CPU), e.g. `pltpu.InterpretParams()`.
+        up, gate: a second weight stored as rhs is (its arrays alone differ) and a GATES key: each k tile of
+            lhs, read once, meets both weights' tiles, and the output tile is the gate of rhs's sums, each
+            rounded to the output's type, times up's (an MLP's gate and up projections: their two [m, n]
+            products and the pass that multiplies them never reach HBM).
     Returns:
         [m, n] in lhs.dtype (row_scales.dtype with int8 rows).
     """
+    if (up is None) != (not gate) or (gate and gate not in GATES):
+        raise ValueError(f"a gated pair needs up and one of {sorted(GATES)} (got gate {gate!r})")
+    if up is not None and not pairs(rhs, up):
+        raise ValueError("a gated pair's weights differ in more than their arrays")
     codes = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn}.get(row_codes(rhs.act, rhs.qtype))
     if (codes is None) != (row_scales is None) or (codes is not None and lhs.dtype != codes):
         raise ValueError(f"act {rhs.act!r}: {rhs.act} lhs rows and row_scales go together (got {lhs.dtype} rows)")
     if row_scales is not None and tiles is not None and tiles.predot:
         raise ValueError("quantized rows take their weight scales after the dot: tk must divide the group")
     if tiles is None:
-        tiles, why = check_gmm_v2(lhs.shape, rhs, CHIPS[chip], group_sizes.shape[0])
+        tiles, why = check_gmm_v2(lhs.shape, rhs, CHIPS[chip], group_sizes.shape[0], up is not None)
         if tiles is None:
             raise ValueError(f"gmm_v2 cannot serve this call: {why}")
     offset = jnp.zeros((), jnp.int32) if group_offset is None else jnp.asarray(group_offset, jnp.int32)
     out_dtype = lhs.dtype if row_scales is None else row_scales.dtype
     mxu = mxu_type(rhs.qtype, rhs.act, CHIPS[chip]) if rhs.act else "bf16"
-    return _call(lhs, rhs, group_sizes, offset, tiles, interpret, row_scales, out_dtype, mxu)
+    return _call(lhs, rhs, group_sizes, offset, tiles, interpret, row_scales, out_dtype, mxu, up, gate)
+
+
+def pairs(a: QTensor, b: QTensor) -> bool:
+    """Whether gmm_v2 takes b as a's gated pair (`up`): the same shape, storage and placement, scale and zero
+    point arrays alike, and no per-weight transform of the activations (activation order, rotation, nvfp4
+    input scales), which would give each weight its own lhs."""
+    alike = all(getattr(a, f) == getattr(b, f) for f in ("shape", "qtype", "group", "act", "mesh", "split"))
+    present = all((getattr(a, f) is None) == (getattr(b, f) is None) for f in ("zeros", "gscale"))
+    return alike and present and a.scales.dtype == b.scales.dtype and \
+        all(getattr(w, f) is None for w in (a, b) for f in ("perm", "rot", "act_gscale"))

@@ -94,10 +94,11 @@ def weight_bits(qtype: str) -> int:
 
 
 def vmem_estimate(tm: int, tk: int, tn: int, k: int, group: int, qtype: str, scale_bytes: int,
-                  lhs_resident: bool = False, zero_bytes: int = 0, lhs_bytes: int = 2) -> int:
+                  lhs_resident: bool = False, zero_bytes: int = 0, lhs_bytes: int = 2, weights: int = 1) -> int:
     """VMEM of one step: double-buffered lhs, weight, scales and zero points (pre-dot: the tile's tk/group
     rows; else all k/group rows of its columns) and output blocks, the f32 accumulator, and the dequantized
-    tile (f32 and bf16 copies)."""
+    tile (f32 and bf16 copies); `weights` 2: a gated pair's (gmm_v2 `up`), each with its blocks and
+    accumulator."""
     lhs = 2 * tm * (k if lhs_resident else tk) * lhs_bytes
     rhs = 2 * tk * tn * weight_bits(qtype) // 8
     rows = tk // group if group < tk else max(1, k // group)
@@ -105,7 +106,7 @@ def vmem_estimate(tm: int, tk: int, tn: int, k: int, group: int, qtype: str, sca
     out = 2 * tm * tn * 2
     acc = tm * tn * 4
     tmp = tk * tn * (4 + 4 + 2)  # decoded f32, scaled f32, bf16 operand
-    return lhs + rhs + scales + out + acc + tmp
+    return lhs + weights * (rhs + scales + acc + tmp) + out
 
 
 def _visits(m: int, g: int, tm: int) -> int:
@@ -115,7 +116,8 @@ def _visits(m: int, g: int, tm: int) -> int:
 
 
 def traffic(m: int, k: int, n: int, g: int, qtype: str, group: int, scale_bytes: int, tiles: Tiles,
-            out_bytes: int = 2, zero_bytes: int = 0, lhs_bytes: int = 2, row_scales: int = 1) -> tuple[int, int]:
+            out_bytes: int = 2, zero_bytes: int = 0, lhs_bytes: int = 2, row_scales: int = 1,
+            weights: int = 1) -> tuple[int, int]:
     """(bytes moved, FLOPs executed) by one gmm_v2 call, bounded statically.
 
     Each visit reads its group's packed weight tile by tile; at most min(g, m) groups hold rows, so there are
@@ -127,6 +129,7 @@ def traffic(m: int, k: int, n: int, g: int, qtype: str, group: int, scale_bytes:
     visit its rows (an m tile shared by two groups twice), for each n tile. The output is written once. FLOPs
     are what the MXU executes: whole m tiles per visit, masked rows included. Quantized activations
     (lhs_bytes 1): 8-bit rows and `row_scales` float32 scales each (one, or one per group of inputs).
+    `weights` 2: a gated pair (gmm_v2 `up`): two weights' blocks and products, one lhs and one output.
     (test_declared_cost_equals_the_blocks_the_grid_copies walks the grid through the kernel's index maps.)
     """
     tiles_m = -(-m // tiles.tm)
@@ -138,12 +141,13 @@ def traffic(m: int, k: int, n: int, g: int, qtype: str, group: int, scale_bytes:
     lhs_reads = 1 if (tiles.lhs_resident and tiles_m == 1) else n // tiles.tn
     lhs_rows = visits * min(tiles.tm, m) if ktiles and not tiles.lhs_resident else m  # k tiles: a visit reads its rows
     rows = m * 4 * row_scales if lhs_bytes == 1 else 0  # 8-bit rows' float32 scales, a block per m tile
-    moved = values + scales + lhs_reads * (lhs_rows * k * lhs_bytes + rows) + m * n * out_bytes
-    return moved, 2 * visits * min(tiles.tm, m) * k * n
+    moved = weights * (values + scales) + lhs_reads * (lhs_rows * k * lhs_bytes + rows) + m * n * out_bytes
+    return moved, 2 * weights * visits * min(tiles.tm, m) * k * n
 
 
 def choose_tiles(m: int, k: int, n: int, g: int, qtype: str, group: int, scale_bytes: int,
-                 chip: Chip, zero_bytes: int = 0, int8_lhs: bool = False, row_group: int = 0) -> Tiles | None:
+                 chip: Chip, zero_bytes: int = 0, int8_lhs: bool = False, row_group: int = 0,
+                 weights: int = 1) -> Tiles | None:
     """Picks gmm_v2 blocks for lhs [m, k] x weights [g, k, n] on `chip`, or None if nothing fits.
 
     Rules: blocks obey the (8, 128) rule (tk, tn multiples of 128 dividing k and n; tm a multiple of 8
@@ -154,12 +158,13 @@ def choose_tiles(m: int, k: int, n: int, g: int, qtype: str, group: int, scale_b
     stays under 75% of the limit; a weight of 8 MiB or more gets at least 4 grid steps along k x n so
     that its DMA overlaps compute; otherwise tiles are as large as allowed (fewer, longer steps).
     int8_lhs (8-bit quantized activations, int8 or fp8): the scales apply after the dot (tk divides the group,
-    and `row_group`, the inputs per row scale of per-group rows, when set).
+    and `row_group`, the inputs per row scale of per-group rows, when set). `weights` 2: a gated pair's
+    tiles (gmm_v2 `up`: both weights' blocks in VMEM at once).
     """
     limit = chip.vmem_bytes * 3 // 4
     if g == 1:
         return _choose_kn(m if m <= 512 else 512, k, n, qtype, group, scale_bytes, chip, limit, zero_bytes, int8_lhs,
-                          row_group)
+                          row_group, weights=weights)
     # Grouped: a tall m tile wastes MXU work on rows of other groups, a short one re-reads the weights
     # of groups that straddle tiles (unless all of k is one tile), and each grid step has a fixed overhead;
     # take the m tile with the lowest roofline time plus overhead on this chip.
@@ -170,11 +175,12 @@ def choose_tiles(m: int, k: int, n: int, g: int, qtype: str, group: int, scale_b
     for tm in sizes:
         if tm > round_up(m, 8) and tm != 8:
             break
-        tiles = _choose_kn(tm, k, n, qtype, group, scale_bytes, chip, limit, zero_bytes, int8_lhs, row_group, True)
+        tiles = _choose_kn(tm, k, n, qtype, group, scale_bytes, chip, limit, zero_bytes, int8_lhs, row_group, True,
+                           weights)
         if tiles is None:
             continue
         moved, flops = traffic(m, k, n, g, qtype, group, scale_bytes, tiles, zero_bytes=zero_bytes,
-                               lhs_bytes=1 if int8_lhs else 2)
+                               lhs_bytes=1 if int8_lhs else 2, weights=weights)
         steps = (n // tiles.tn) * (k // tiles.tk) * _visits(m, g, tm)
         t = max(moved / chip.hbm_bytes_per_s, flops / chip.bf16_flops) + steps * STEP_SECONDS
         if best is None or t < best[0]:
@@ -183,7 +189,8 @@ def choose_tiles(m: int, k: int, n: int, g: int, qtype: str, group: int, scale_b
 
 
 def _choose_kn(tm: int, k: int, n: int, qtype: str, group: int, scale_bytes: int, chip: Chip, limit: int,
-               zero_bytes: int, int8_lhs: bool = False, row_group: int = 0, grouped: bool = False) -> Tiles | None:
+               zero_bytes: int, int8_lhs: bool = False, row_group: int = 0, grouped: bool = False,
+               weights: int = 1) -> Tiles | None:
     """tk and tn for a given tm (see choose_tiles)."""
     bits = weight_bits(qtype)
     # tk a multiple of the group (scales before the dot), or a divisor of it (scales on partial sums,
@@ -214,10 +221,10 @@ def _choose_kn(tm: int, k: int, n: int, qtype: str, group: int, scale_bytes: int
     for tk in tks:
         for tn in tns:
             steps = (k // tk) * (n // tn)
-            tile_bytes = tk * tn * bits // 8
-            if k * n * bits // 8 >= BIG_WEIGHT_BYTES and steps < MIN_STEPS:
+            tile_bytes = weights * tk * tn * bits // 8
+            if weights * k * n * bits // 8 >= BIG_WEIGHT_BYTES and steps < MIN_STEPS:
                 continue
-            vmem = vmem_estimate(tm, tk, tn, k, group, qtype, scale_bytes, resident, zero_bytes, lhs_bytes)
+            vmem = vmem_estimate(tm, tk, tn, k, group, qtype, scale_bytes, resident, zero_bytes, lhs_bytes, weights)
             if vmem * 4 > limit * 3:
                 continue
             # Prefer big tiles, but not below the overhead floor; ties -> grouped: all of k in one tile

@@ -189,10 +189,18 @@ def _divide(a: jax.Array, b: jax.Array) -> jax.Array:
     return a / jax.lax.optimization_barrier(jnp.broadcast_to(b, a.shape))
 
 
-def grouped_matmul(x: jax.Array, w: QTensor, group_sizes: jax.Array, group_offset=None) -> jax.Array:
+def grouped_matmul(x: jax.Array, w: QTensor, group_sizes: jax.Array, group_offset=None,
+                   up: QTensor | None = None, gate: str = "") -> jax.Array:
     """x [m, k] rows sorted by group, w [G, k, n], groups group_offset .. + len(group_sizes) - 1 -> [m, n].
     Activations are put in w's stored row order (QTensor.perm) and quantized (QTensor.act) here, on the whole
-    rows: before a tensor-parallel split, whose shards see only some columns."""
+    rows: before a tensor-parallel split, whose shards see only some columns.
+    With `up` (a weight like w) and `gate` (a gmm_v2.GATES key): GATES[gate](x @ w) * (x @ up), an MLP's
+    gate and up projections, in one gmm_v2 call where the two pair (gmm_v2.pairs) and it serves them."""
+    from quantkit.kernels.gmm_v2 import GATES, pairs
+
+    if up is not None and (not pairs(w, up) or w.split == "k"):  # the gate needs whole sums: not k-split ones
+        return GATES[gate](grouped_matmul(x, w, group_sizes, group_offset)) * grouped_matmul(
+            x, up, group_sizes, group_offset)
     if w.rot is not None:
         x = rotate(x, _per_row(w.rot, group_sizes, group_offset, x.shape[0]))
     if w.perm is not None:
@@ -203,30 +211,37 @@ def grouped_matmul(x: jax.Array, w: QTensor, group_sizes: jax.Array, group_offse
         x = quantize_rows(x, w.act)
     elif w.act:  # group-quantized activations: exact values, then the weights' own path
         x, w = fake_quantize_groups(x, w.act, gscale), w.with_arrays(w.arrays, act="")
+        up = up if up is None else up.with_arrays(up.arrays, act="")
     if w.mesh is not None:
-        return _per_shard(x, w, group_sizes, group_offset)
-    return _local(x, w, group_sizes, group_offset)
+        return _per_shard(x, w, group_sizes, group_offset, up, gate)
+    return _local(x, w, group_sizes, group_offset, up, gate)
 
 
-def _local(x, w: QTensor, group_sizes: jax.Array, group_offset) -> jax.Array:
-    """One device's matmul: gmm_v2 where it serves the call, else the XLA path; x is an array, or the pair
-    (8-bit codes, row scales in the activations' dtype) of quantize_rows (the XLA path multiplies them back:
-    the library's fake-quantized activations, then the weights' own path)."""
+def _local(x, w: QTensor, group_sizes: jax.Array, group_offset, up: QTensor | None = None, gate: str = ""
+           ) -> jax.Array:
+    """One device's matmul (or gated pair: grouped_matmul): gmm_v2 where it serves the call, else the XLA
+    path; x is an array, or the pair (8-bit codes, row scales in the activations' dtype) of quantize_rows (the
+    XLA path multiplies them back: the library's fake-quantized activations, then the weights' own path)."""
     codes, rows = x if isinstance(x, tuple) else (x, None)
     chip = tpu_chip()
     if chip is not None:
         from quantkit.kernels.gmm_v2 import check_gmm_v2, gmm_v2
 
-        tiles, _ = check_gmm_v2(codes.shape, w, CHIPS[chip], group_sizes.shape[0])
+        tiles, _ = check_gmm_v2(codes.shape, w, CHIPS[chip], group_sizes.shape[0], up is not None)
         if tiles is not None:
             return gmm_v2(codes, w, group_sizes, group_offset, row_scales=rows, chip=chip, tiles=tiles,
-                          interpret=interpret())
+                          interpret=interpret(), up=up, gate=gate)
+    if up is not None:  # two calls: on the XLA path, or where gmm_v2 cannot tile the pair
+        from quantkit.kernels.gmm_v2 import GATES
+
+        return GATES[gate](_local(x, w, group_sizes, group_offset)) * _local(x, up, group_sizes, group_offset)
     if rows is not None:  # the library's fake-quantized rows
         codes = codes.astype(rows.dtype) * jnp.repeat(rows, codes.shape[1] // rows.shape[1], axis=1)
     return gmm_xla(codes, w, group_sizes, group_offset)
 
 
-def _per_shard(x, w: QTensor, group_sizes: jax.Array, group_offset) -> jax.Array:
+def _per_shard(x, w: QTensor, group_sizes: jax.Array, group_offset, up: QTensor | None = None, gate: str = ""
+               ) -> jax.Array:
     """A tensor-parallel weight (runtime/sharding.py): each device multiplies by its own shard under
     shard_map, since XLA cannot partition a Mosaic kernel by itself. Split "n": each device computes its
     output columns; split "k": each its input rows' partial product, summed across devices."""
@@ -237,19 +252,21 @@ def _per_shard(x, w: QTensor, group_sizes: jax.Array, group_offset) -> jax.Array
     channel = w.group == w.shape[1]  # one scale row: replicated when the rows are split, and spans a shard
     offset = jnp.zeros((), jnp.int32) if group_offset is None else jnp.asarray(group_offset, jnp.int32)
 
+    pair = (w,) if up is None else (w, up)
+
     def body(x, arrays, sizes, off):
-        mine = w.with_arrays(arrays, group=arrays["values"].shape[1] if channel else w.group, mesh=None, split="")
-        y = _local(x, mine, sizes, off)
+        mine = [a.with_arrays(b, group=b["values"].shape[1] if channel else w.group, mesh=None, split="")
+                for a, b in zip(pair, arrays)] + [None]
+        y = _local(x, mine[0], sizes, off, mine[1], gate)
         return jax.lax.psum(y, ax) if k_split else y
 
     rows = P() if channel and k_split else spec  # scales and zero points
     xspec = P(None, ax) if k_split else P()
     # per-group row scales [m, k / N] are split with the columns they scale
     xspecs = (xspec, xspec if x[1].shape[1] > 1 else P()) if isinstance(x, tuple) else xspec
-    return jax.shard_map(body, mesh=w.mesh, in_specs=(xspecs,
-                                                      w.per_array(spec, rows, P()), P(), P()),
+    return jax.shard_map(body, mesh=w.mesh, in_specs=(xspecs, [a.per_array(spec, rows, P()) for a in pair], P(), P()),
                          out_specs=P(None, ax) if w.split == "n" else P(), check_vma=False)(
-        x, w.arrays, group_sizes, offset)
+        x, [a.arrays for a in pair], group_sizes, offset)
 
 
 def dense_as_qtensor(params: dict, cfg, mesh=None, ep: bool = False) -> dict:

@@ -115,9 +115,29 @@ def grouped(x: jax.Array, w, sizes: jax.Array) -> jax.Array:
     return jax.lax.ragged_dot(x, w.astype(x.dtype), sizes, preferred_element_type=jnp.float32).astype(x.dtype)
 
 
+def gated(x: jax.Array, gate, up, act: str, sizes: jax.Array | None = None) -> jax.Array:
+    """GATES[act](x @ gate) * (x @ up) (kernels/gmm_v2.py GATES): an MLP's gate and up projections, by `linear`,
+    or with sizes by `grouped` (rows sorted by expert). At views of one layer's stacks are one gated gmm_v2
+    call where the two pair (runtime/ops.py grouped_matmul): x read once, the two products and the pass that
+    multiplies them kept out of HBM."""
+    from quantkit.kernels.gmm_v2 import GATES
+
+    if isinstance(gate, At) and isinstance(up, At):
+        from quantkit.runtime.ops import grouped_matmul
+
+        x2 = x.reshape(-1, x.shape[-1])
+        sizes = jnp.full((1,), x2.shape[0], jnp.int32) if sizes is None else sizes
+        y = grouped_matmul(x2, gate.w, sizes, gate.index * gate.groups, up=up.w, gate=act)
+        return y.reshape(*x.shape[:-1], y.shape[-1])
+    if sizes is None:
+        return GATES[act](linear(x, gate)) * linear(x, up)
+    return GATES[act](grouped(x, gate, sizes)) * grouped(x, up, sizes)
+
+
 def routed_experts(x: jax.Array, weights: jax.Array, experts: jax.Array, w: tuple, num_experts: int,
-                   act: Callable, mesh=None, bias: tuple | None = None) -> jax.Array:
-    """Sum over each token's chosen experts of weight * down(act(gate(x), up(x))).
+                   act: Callable | str, mesh=None, bias: tuple | None = None) -> jax.Array:
+    """Sum over each token's chosen experts of weight * down(act(gate(x), up(x))); act a GATES key: the
+    gated pair GATES[act](gate(x)) * up(x) (`gated`).
 
     x [T, hidden]; weights, experts [T, k] (float32, int); w: one layer's (gate, up, down) experts; bias: their
     biases [experts, out] each (gpt-oss), added to each row's outputs. The T * k rows are sorted by expert and
@@ -147,8 +167,8 @@ def _served(x: jax.Array, w: tuple) -> jax.Array:
     return jnp.pad(x, ((0, 0), (0, served - x.shape[-1]))) if served > x.shape[-1] else x
 
 
-def _sorted_rows(xs: jax.Array, ids: jax.Array, weights: jax.Array, w: tuple, num_experts: int, act: Callable,
-                 bias: tuple | None) -> jax.Array:
+def _sorted_rows(xs: jax.Array, ids: jax.Array, weights: jax.Array, w: tuple, num_experts: int,
+                 act: Callable | str, bias: tuple | None) -> jax.Array:
     """Rows xs [R, served] sorted by their expert ids [R] through the grouped matmuls, each output row times
     its routing weight [R]; a row whose id is >= num_experts gives zeros. The weight scales the down
     projection's input (it is linear; rows past the groups come out of it zero): no float32 pass over the
@@ -163,13 +183,13 @@ def _sorted_rows(xs: jax.Array, ids: jax.Array, weights: jax.Array, w: tuple, nu
             return y
         return (y.astype(jnp.float32) + bias[j][row_expert].astype(jnp.float32)).astype(y.dtype)
 
-    h = act(run(xs, 0), run(xs, 1))
+    h = gated(xs, w[0], w[1], act, sizes) if isinstance(act, str) else act(run(xs, 0), run(xs, 1))
     if bias is None and not getattr(getattr(w[2], "w", w[2]), "act", None):
         return run(h * weights[:, None].astype(h.dtype), 2)
     return jnp.where((ids < num_experts)[:, None], run(h, 2).astype(jnp.float32) * weights[:, None], 0.0)
 
 
-def _expert_parallel(x, weights, experts, w: tuple, num_experts: int, act: Callable, mesh,
+def _expert_parallel(x, weights, experts, w: tuple, num_experts: int, act: Callable | str, mesh,
                      bias: tuple | None = None) -> jax.Array:
     """routed_experts with each device holding num_experts / tp whole experts: every device sees all tokens
     (x is replicated after the tensor-parallel attention), runs the rows routed to its own experts through
@@ -238,7 +258,7 @@ def balanced_expert_passes():
         _ONE_PASS[0] = False
 
 
-def _data_parallel_experts(x, weights, experts, w: tuple, num_experts: int, act: Callable, axis: str,
+def _data_parallel_experts(x, weights, experts, w: tuple, num_experts: int, act: Callable | str, axis: str,
                            bias: tuple | None = None) -> jax.Array:
     """routed_experts inside the data-parallel step (runtime/step.py): each device of `axis` has its own
     tokens x [T, hidden] and holds num_experts / n whole experts (w: already its own). The tokens' routing

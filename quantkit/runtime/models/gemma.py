@@ -96,15 +96,14 @@ def moe(p: dict, x, cfg: ModelConfig, batch: dict):
     weights = weights / weights.sum(-1, keepdims=True) * p["expert_scale"][chosen]
     h = rms_norm(x, p["pre_mlp_norm_2"], eps)
     return routed_experts(h, weights, chosen, (p["experts_gate"], p["experts_up"], p["experts_down"]),
-                          cfg.num_experts, lambda g, u: jax.nn.gelu(g, approximate=True) * u, batch.get("ep_mesh"))
+                          cfg.num_experts, "gelu_tanh", batch.get("ep_mesh"))
 
 
 def forward(params: dict, cfg: ModelConfig, tokens, kv: dict, batch: dict):
     """As llama.forward, for the Gemma 3 / Gemma 4 decoder."""
-    import jax
     import jax.numpy as jnp
 
-    from quantkit.runtime.models.common import attention_block, layer_params, linear, rms_norm, run_layers
+    from quantkit.runtime.models.common import attention_block, gated, layer_params, linear, rms_norm, run_layers
 
     eps, off = cfg.rms_norm_eps, cfg.norm_offset
     x = params["embed"][tokens]
@@ -116,7 +115,7 @@ def forward(params: dict, cfg: ModelConfig, tokens, kv: dict, batch: dict):
         a, kv_kind = attention_block(p, rms_norm(x, p["attn_norm"], eps, off), kv[kind], i, batch, cfg, kind)
         x = x + rms_norm(a, p["post_attn_norm"], eps, off)
         h = rms_norm(x, p["mlp_norm"], eps, off)
-        m = linear(jax.nn.gelu(linear(h, p["gate"]), approximate=True) * linear(h, p["up"]), p["down"])
+        m = linear(gated(h, p["gate"], p["up"], "gelu_tanh"), p["down"])
         if cfg.moe_dense:
             m = rms_norm(m, p["post_mlp_norm_1"], eps) + rms_norm(moe(p, x, cfg, batch), p["post_mlp_norm_2"], eps)
         x = x + rms_norm(m, p["post_mlp_norm"], eps, off)

@@ -18,11 +18,9 @@ def layer(cfg: ModelConfig, pre: str, kind: str, widths: tuple[int, int]) -> dic
 
 
 def swiglu(p: dict, x, cfg: ModelConfig, batch: dict):
-    import jax
+    from quantkit.runtime.models.common import gated, linear
 
-    from quantkit.runtime.models.common import linear
-
-    return linear(jax.nn.silu(linear(x, p["gate"])) * linear(x, p["up"]), p["down"])
+    return linear(gated(x, p["gate"], p["up"], "silu"), p["down"])
 
 
 def forward(params: dict, cfg: ModelConfig, tokens, kv: dict, batch: dict, ffn=swiglu):

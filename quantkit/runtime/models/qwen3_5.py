@@ -73,27 +73,25 @@ def moe(p: dict, x, cfg: ModelConfig, batch: dict):
     import jax
     import jax.numpy as jnp
 
-    from quantkit.runtime.models.common import linear, routed_experts
+    from quantkit.runtime.models.common import gated, linear, routed_experts
 
     probs = jax.nn.softmax(jnp.dot(x.astype(jnp.float32), p["router"]), axis=-1)  # [T, experts]
     weights, chosen = jax.lax.top_k(probs, cfg.top_k)
     weights = weights / weights.sum(-1, keepdims=True)
     routed = routed_experts(x, weights, chosen, (p["experts_gate"], p["experts_up"], p["experts_down"]),
-                            cfg.num_experts, lambda g, u: jax.nn.silu(g) * u, batch.get("ep_mesh"))
-    shared = linear(jax.nn.silu(linear(x, p["shared_gate"])) * linear(x, p["shared_up"]), p["shared_down"])
+                            cfg.num_experts, "silu", batch.get("ep_mesh"))
+    shared = linear(gated(x, p["shared_gate"], p["shared_up"], "silu"), p["shared_down"])
     gate = jax.nn.sigmoid(jnp.dot(x.astype(jnp.float32), p["shared_expert_gate"]))  # [T, 1]
     return (routed.astype(jnp.float32) + gate * shared.astype(jnp.float32)).astype(x.dtype)
 
 
 def ffn(p: dict, h, cfg: ModelConfig, batch: dict):
     """The layer's MLP: SwiGLU, or routed experts with the shared expert (`moe`)."""
-    import jax
-
-    from quantkit.runtime.models.common import linear
+    from quantkit.runtime.models.common import gated, linear
 
     if cfg.num_experts:
         return moe(p, h, cfg, batch)
-    return linear(jax.nn.silu(linear(h, p["gate"])) * linear(h, p["up"]), p["down"])
+    return linear(gated(h, p["gate"], p["up"], "silu"), p["down"])
 
 
 def mtp_slots(cfg: ModelConfig, widths: tuple[int, int]) -> dict:

@@ -36,7 +36,7 @@ def moe(p: dict, x, cfg: ModelConfig, batch: dict):
     if cfg.norm_topk_prob:
         weights = weights / weights.sum(-1, keepdims=True)
     return routed_experts(x, weights, chosen, (p["experts_gate"], p["experts_up"], p["experts_down"]),
-                          cfg.num_experts, lambda g, u: jax.nn.silu(g) * u, batch.get("ep_mesh"))
+                          cfg.num_experts, "silu", batch.get("ep_mesh"))
 
 
 def forward(params, cfg, tokens, kv, batch):
