@@ -281,6 +281,34 @@ def test_lookups_that_find_nothing_stop_reading_steps_back(llama, monkeypatch):
     assert greedy == list(range(11, 49))  # a greedy one looks at every step (not for its last token)
 
 
+def test_rows_the_device_lookup_finds_nothing_for_take_no_draft_tokens(llama, monkeypatch):
+    """The n-gram lookup in the step replaced by one that never finds anything (a config no other test
+    compiles, so that the jitted step is traced with it): a greedy sequence carries draft tokens only in
+    the steps scheduled before the first lookup is read back (two: the next step is scheduled while the
+    previous runs), then plain one-token rows in the verifying program, which looks again every step; its
+    tokens are the target's."""
+    monkeypatch.setattr(Lookup, "draft", lambda self, seq, length, k, none: jnp.full((seq.shape[0], k), none))
+    spec = SpeculativeConfig("ngram", 4, 3, 7)
+    engine = Engine(Runner(llama, max_model_len=128, max_num_seqs=4, page_size=8, max_num_batched_tokens=16,
+                           speculative=4, drafter=drafter_for(spec, llama)), speculative=spec)
+    engine.fill_only = True
+    run, drafts, heads = engine.runner.run, [], []
+
+    def counted(batch, head=True, decode=None):
+        drafts.append(int(batch["drafts"].sum()))
+        heads.append(head)
+        return run(batch, head, decode)
+
+    engine.runner.run = counted
+    prompt = list(range(3, 13))
+    r = engine.submit(Request(prompt=prompt, max_tokens=30))
+    while engine.busy():
+        engine.step()
+    assert r.out == greedy_reference(llama, prompt, 30)
+    assert 0 < sum(d > 0 for d in drafts) <= 2 and drafts[-1] == 0 and all(heads), drafts
+    assert engine.draft_tokens == engine.accepted == 0
+
+
 def test_a_greedy_stream_drafts_down_to_its_own_floor():
     """Between the two floors (recent acceptance 0.1) a greedy sequence still drafts and a sampled one does
     not; below the greedy floor neither does, until SPEC_PROBE decode steps have passed without a look."""
@@ -551,7 +579,9 @@ def test_qwen3_5_gdn_state_follows_the_kept_drafts(tmp_path):
 
     qwen3_5_model(False).save_pretrained(tmp_path / "qwen")
     model = load(tmp_path / "qwen", dtype=jnp.float32)
-    reqs = [dict(prompt=p, max_tokens=n) for p, n in zip(_prompts()[:4], [30, 20, 24, 12])]
+    # streams that repeat themselves, some drafts rejected (a row takes drafts only where its lookup found
+    # some in the last step read back, and chance matches in random text seldom last: prompts that give both)
+    reqs = [dict(prompt=_prompts()[i], max_tokens=n) for i, n in zip((0, 4, 5, 3), [30, 20, 24, 12])]
     spec, engine = _run(model, 64, SpeculativeConfig("ngram", 4, 1, 4), reqs, fill_only=False)
     alone, plain = _run(model, 64, None, reqs)
     slots = [0, 1, 2, 3]  # each request's state stays in its slot after it finished

@@ -32,8 +32,8 @@ import numpy as np
 
 from quantkit.errors import InvalidInput
 from quantkit.runtime.cache import page_hashes
-from quantkit.runtime.speculative import PromptLookup, SpeculativeConfig
-from quantkit.runtime.step import BANNED, TOP_LOGPROBS, Row, Runner, Sampling  # noqa: F401 - re-exported
+from quantkit.runtime.speculative import Lookup, PromptLookup, SpeculativeConfig
+from quantkit.runtime.step import BANNED, NO_TOKEN, TOP_LOGPROBS, Row, Runner, Sampling  # noqa: F401 - re-exported
 
 
 def enable_compilation_cache(directory: str | None = None) -> str:
@@ -102,6 +102,7 @@ class Request:
     named: int = 0  # pages registered in the prefix cache
     align_at: int = 0  # Gated DeltaNet models: where its cached KV pages end (a prompt chunk ends there)
     proposed: int = 0  # drafts a draft head left on the device for its slot (speculative decoding: eagle3, mtp)
+    matched: bool = True  # whether the device's n-gram lookup found it drafts in the last step read back
     acceptance: float = 0.5  # its drafts' recent acceptance (moving average; `Engine._observe`)
     undrafted: int = 0  # its decode steps since it last looked for drafts
     probe: int = SPEC_PROBE  # how many it waits for the next look while below the floor (`Engine._observe`)
@@ -156,6 +157,8 @@ class Engine:
         self.accepted_at = [0] * runner.speculative
         self.prior = {True: 0.5, False: 0.5}  # greedy / sampled sequences' recent acceptance (`_observe`)
         self.fill_only = jax.default_backend() == "cpu"  # drafts only in a decode step's padding (`_room`)
+        # the n-gram lookup in the verifying step (its drafts are read back: whether it found any for a row)
+        self.device_lookup = runner.drafter is not None and isinstance(runner.drafter.spec, Lookup)
         self.pool = runner.pool
         # Gated DeltaNet models: with the runner's state snapshots (cache.py), on one process (the copies are
         # not broadcast to the others)
@@ -382,8 +385,9 @@ class Engine:
             r.probe = SPEC_PROBE if r.acceptance >= SPEC_FLOOR else min(2 * r.probe, SPEC_PROBE_MAX)
 
     def _head(self) -> bool:
-        """Whether the step runs the draft head (eagle3, mtp): some sequence wants drafts and, on XLA:CPU,
-        few enough run that the next step can take them (`_room`: at most half the smallest bucket)."""
+        """Whether the step runs the draft head (eagle3, mtp; or the device's n-gram lookup): some sequence
+        wants drafts and, on XLA:CPU, few enough run that the next step can take them (`_room`: at most half
+        the smallest bucket)."""
         return self.runner.drafter is not None and any(self._wants_drafts(r) for r in self.running) and (
             not self.fill_only or 2 * len(self.running) <= self.runner.buckets[0])
 
@@ -403,8 +407,8 @@ class Engine:
         if row.tokens is not None or r.grammar is not None or row.banned or \
                 len(r.out) + r.pending + r.ahead >= r.max_tokens or not self._wants_drafts(r):
             return False
-        if not self.host_lookup:  # what the head (or the device's lookup) left on the device
-            return r.proposed > 0
+        if not self.host_lookup:  # what the head (or the device's lookup, where it last found some) left there
+            return r.proposed > 0 and r.matched
         n = self.speculative.lookup_min - 1
         return r.pending < 2 or n == 0 or bool(self._lookup(r).draft(1, n, n))
 
@@ -511,9 +515,10 @@ class Engine:
         accepted drafts and the token after them; the cache then ends after the last accepted draft: what the
         rejected ones wrote is overwritten later); then the next masks of the constrained rows, all at once
         (a sequence whose constraint allows nothing more ends there)."""
-        out = jax.device_get(out[:6])  # (a drafter's proposals stay on the device)
-        if len(out) == 6:  # step.verify_rows: [S, k + 1] a row, `count` of them real
-            toks, counts, lps, top_ids, top_lps, offered = out
+        # a draft head's proposals stay on the device; the n-gram lookup's come back, to tell which it found
+        out = jax.device_get(out[:7 if self.device_lookup else 6])
+        if len(out) >= 6:  # step.verify_rows: [S, k + 1] a row, `count` of them real
+            toks, counts, lps, top_ids, top_lps, offered = out[:6]
         else:
             (toks, lps, top_ids, top_lps), counts = (x[:, None] for x in out), np.ones(len(out[0]), np.int32)
         for i, (r, samples, drafts) in enumerate(rows):
@@ -521,6 +526,8 @@ class Engine:
                 r.pending -= 1
                 c = int(counts[i])
                 r.undrafted += 1
+                if len(out) == 7:  # the device's lookup: a row it found nothing for takes no draft tokens
+                    r.matched = bool((out[6][i] != NO_TOKEN).any())  # (until a later look finds some)
                 if drafts:
                     r.ahead -= drafts
                     r.done -= drafts + 1 - c
