@@ -137,7 +137,8 @@ class Engine:
         so far: a step that drafts reads the previous one back before it is scheduled, and the step after a
         drafted one too (its positions follow the accepted count); other steps overlap as without
         speculation. A row under a structured-output constraint or before its
-        min_tokens gets none. How many a step takes (`_room`): on XLA:CPU, where a step's time grows with
+        min_tokens gets none, nor one the device's lookup found nothing for in the last step read back. How
+        many a step takes (`_room`): on XLA:CPU, where a step's time grows with
         its tokens, only the padding of the token bucket a step of decodes alone runs anyway, and only where
         that padding is at least the step's tokens, so that the drafts can pay for reading the previous step
         back first (measured on the default model, 16 concurrent streams: drafts up to k a row 0.42x as
