@@ -323,7 +323,10 @@ def speculative(args) -> None:
 
     name, model = "tiny-llama", str(ROOT / "assets/tiny-llama")
     Path(args.dir).mkdir(parents=True, exist_ok=True)  # the servers' logs
-    specs = {json.loads(c)["method"]: c for c in args.spec_config}  # one server each, named by its method
+    specs = {}  # one server each, named by its method (a second config of a method: by its place too)
+    for c in args.spec_config:
+        method = json.loads(c)["method"]
+        specs[method if method not in specs else f"{method}-{len(specs) + 1}"] = c
     ports = {k: args.port + i for i, k in enumerate(["plain", *specs])}
     flags = {"plain": [], **{k: ["--speculative-config", c] for k, c in specs.items()}}
     procs, caches = {}, []
