@@ -508,8 +508,10 @@ def test_tpu_kernels_in_interpret_mode_give_the_cpu_path_tokens(name, scheme, tm
     assert tokens == cpu_tokens
     assert rel_err(tpu_logits, cpu_logits) < (2e-2 if scheme else 1e-4)
     # the kernels really are in the traced step: attention's output is [T, heads, lanes], gmm_v2's [T, n]
-    ranks = [dims.count(",") + 1 for dims in re.findall(r"\w+\[([\d,]+)\] = pallas_call\[", jaxpr)]
+    # (one output; the sampler's are four)
+    ranks = [dims.count(",") + 1 for dims in re.findall(r"^\s+\w+:\w+\[([\d,]+)\] = pallas_call\[", jaxpr, re.M)]
     assert 3 in ranks and (2 in ranks) == bool(scheme), ranks
+    assert re.search(r"i32\[\d+,1\] \w+:f32\[\d+,1\] \w+:i32\[\d+,20\] \w+:f32\[\d+,20\] = pallas_call", jaxpr)
 
 
 @pytest.mark.slow

@@ -98,13 +98,15 @@ def _outside_strings(text: str) -> str:
 
 
 def test_mask_application_matches_numpy():
-    """The on-device mask (step.allowed_logits) against a numpy reading of llguidance's bit order: token t is
-    allowed by bit t % 32 of int32 word t // 32. A vocabulary of 100 (the last word partial), random words
-    incl. sign bits, a padding row of all ones; and pick's tokens and log-probabilities unchanged by a
-    mask that allows every token (its padding bits clear, so the masked path runs)."""
+    """The on-device mask (step.allowed_logits, from masks structured.spread puts in the device layout)
+    against a numpy reading of llguidance's bit order: token t is allowed by bit t % 32 of int32 word t // 32.
+    A vocabulary of 100 (the last word partial), random words incl. sign bits, a padding row of all ones;
+    and pick's tokens and log-probabilities unchanged by a mask that allows every token (its padding bits
+    clear, so the masked path runs)."""
     import jax.numpy as jnp
 
     from quantkit.runtime.step import allowed_logits, pick, sample_rows, sampling_arrays
+    from quantkit.runtime.structured import device_words, spread
 
     rng = np.random.default_rng()
     logits = rng.standard_normal((4, 100)).astype(np.float32)
@@ -114,8 +116,9 @@ def test_mask_application_matches_numpy():
     allow.view(np.uint32)[0, t0 // 32] &= ~np.uint32(1 << (t0 % 32))
     bits = (allow.view(np.uint32)[:, :, None] >> np.arange(32, dtype=np.uint32)) & 1
     ref = np.where(bits.reshape(4, -1)[:, :100] == 1, logits, -np.inf)
+    device = lambda masks: jnp.asarray(np.stack([spread(m, device_words(100)) for m in masks]))  # noqa: E731
     out = np.full_like(logits, np.nan)  # poisoned
-    out[:] = allowed_logits(jnp.asarray(logits), jnp.asarray(allow))
+    out[:] = allowed_logits(jnp.asarray(logits), device(allow))
     assert np.array_equal(out, ref) and np.array_equal(out[2], logits[2])
 
     s = {k: jnp.asarray(v) for k, v in sampling_arrays(4, 100).items()}
@@ -123,13 +126,13 @@ def test_mask_application_matches_numpy():
     everything[:, 3] = (1 << 4) - 1  # tokens 96..99 set, the 28 padding bits clear
     s["logprobs"] = jnp.ones(4, bool)
     plain = pick(jnp.asarray(logits), s, jnp.arange(4))
-    masked = pick(jnp.asarray(logits), {**s, "allow": jnp.asarray(everything)}, jnp.arange(4))
+    masked = pick(jnp.asarray(logits), {**s, "allow": device(everything)}, jnp.arange(4))
     for a, b in zip(plain, masked):
         assert np.array_equal(np.asarray(a), np.asarray(b))
-    only = pick(jnp.asarray(logits), {**s, "allow": jnp.asarray(allow)}, jnp.arange(4))
+    only = pick(jnp.asarray(logits), {**s, "allow": device(allow)}, jnp.arange(4))
     assert all(bits[r, int(t) // 32, int(t) % 32] for r, t in enumerate(np.asarray(only[0])))
     # the one-program step samples without masks (a masked step runs split): the same arrays, unmasked tokens
-    batch = {"sampling": {**s, "allow": jnp.asarray(allow)}, "kv_lens": jnp.arange(4), "slot": jnp.arange(4)}
+    batch = {"sampling": {**s, "allow": device(allow)}, "kv_lens": jnp.arange(4), "slot": jnp.arange(4)}
     (tok, *_), last = sample_rows(jnp.asarray(logits), jnp.zeros(5, jnp.int32), batch, masks=False)
     assert np.array_equal(np.asarray(tok), logits.argmax(-1)) and np.array_equal(np.asarray(last)[:4], np.asarray(tok))
     assert int(only[0][0]) != t0  # (the mask does change them)

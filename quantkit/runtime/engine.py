@@ -33,6 +33,7 @@ import numpy as np
 from quantkit.errors import InvalidInput
 from quantkit.runtime.cache import page_hashes
 from quantkit.runtime.speculative import Lookup, PromptLookup, SpeculativeConfig
+from quantkit.runtime.structured import spread
 from quantkit.runtime.step import BANNED, NO_TOKEN, TOP_LOGPROBS, Row, Runner, Sampling  # noqa: F401 - re-exported
 
 
@@ -269,7 +270,7 @@ class Engine:
                     previous = None
                 s = {**batch["sampling"], "allow": batch["sampling"]["allow"].copy()}
                 for k, r in constrained:
-                    s["allow"][k] = r.grammar.mask if r.finish_reason is None else -1
+                    s["allow"][k] = spread(r.grammar.mask, s["allow"].shape[1]) if r.finish_reason is None else -1
                 return s
 
             if constrained and batch["drafts"].any():  # read back for the drafts: the masks go in the batch

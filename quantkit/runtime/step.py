@@ -33,6 +33,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from quantkit.errors import InvalidInput
+from quantkit.kernels import sample as sample_kernel
 from quantkit.quant.qtensor import QTensor
 from quantkit.runtime.cache import (CacheLayout, DataParallelPools, PagePool, cache_layout, kv_fp8_dtype,
                                     with_kv_scales)
@@ -43,8 +44,8 @@ from quantkit.runtime.models.gdn import keep_checkpoints
 from quantkit.runtime.sharding import (AXIS, cache_sharding, local_view, make_mesh, place_row_major, row_major,
                                        shard_params)
 from quantkit.runtime.speculative import Lookup
-from quantkit.runtime.structured import words
-from quantkit.runtime.ops import dense_as_qtensor, interpreted_chip, interpreted_tpu_kernels, tpu_chip
+from quantkit.runtime.structured import device_words
+from quantkit.runtime.ops import dense_as_qtensor, interpret, interpreted_chip, interpreted_tpu_kernels, tpu_chip
 
 TOP_LOGPROBS = 20  # the most alternatives a request may ask for (OpenAI's limit)
 STOP, STEP, LOGITS, VERIFY, DECODE = 0, 1, 2, 3, 4  # what the first process of a multi-process run broadcasts (Runner._call)
@@ -128,18 +129,18 @@ def sample(logits: jax.Array, keys: jax.Array, temperature, top_k, top_p, banned
 
 
 def allowed_logits(logits: jax.Array, allow: jax.Array) -> jax.Array:
-    """logits [b, vocab] with the tokens a row's bitmask allow [b, ceil(vocab / 32)] (int32 words; token t:
-    bit t % 32 of word t // 32, structured.py) does not set at -inf. The bits are expanded to a boolean
-    [b, vocab] only when some row has a mask (a cond); the selection itself is elementwise, so that XLA
-    computes it inside the reductions that read it instead of storing a masked copy of the logits."""
+    """logits [b, vocab] with the tokens a row's bitmask allow [b, W] (int32 words in the device layout,
+    structured.spread: token t is bit t // W of word t % W) does not set at -inf. The bits are expanded to a
+    boolean [b, vocab] only when some row has a mask (a cond); the selection itself is elementwise, so that
+    XLA computes it inside the reductions that read it instead of storing a masked copy of the logits."""
     def keep():
-        bits = (allow[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1
+        bits = (allow[:, None, :] >> jnp.arange(32, dtype=jnp.int32)[:, None]) & 1
         return bits.reshape(allow.shape[0], -1)[:, :logits.shape[-1]] != 0
 
     return jnp.where(jax.lax.cond(jnp.any(allow != -1), keep, lambda: jnp.ones(logits.shape, bool)), logits, -jnp.inf)
 
 
-def pick(logits: jax.Array, s: dict, next_pos: jax.Array, draft: jax.Array | None = None):
+def pick(logits: jax.Array, s: dict, next_pos: jax.Array, draft: jax.Array | None = None, split: bool = False):
     """Token, its log-probability and the top alternatives for logits [b, vocab] (float32).
 
     The key of a draw depends only on the request's seed and the position of the drawn token, so a seeded
@@ -151,11 +152,20 @@ def pick(logits: jax.Array, s: dict, next_pos: jax.Array, draft: jax.Array | Non
     not, the token drawn is distributed as p without it: speculative sampling's rule for a drafter that is
     certain (max(p - q, 0) renormalized for a one-hot q), drawn with the very key a step without drafts
     uses, so that a seeded request's tokens do not depend on its drafts.
+
+    On a TPU one kernel (kernels/sample.py) reads the logits once and computes all of it, unless `split`
+    (a tensor-parallel mesh, whose devices may each hold a slice of the vocabulary): XLA's reductions below
+    then combine the slices.
     """
-    if "allow" in s:
-        logits = allowed_logits(logits, s["allow"])
     keys = jax.vmap(lambda seed, p: jax.random.fold_in(jax.random.PRNGKey(seed), p))(s["seed"], next_pos)
     banned = s["banned"]
+    if tpu_chip() is not None and not split and sample_kernel.servable(logits.shape[-1]):
+        allow = s["allow"] if "allow" in s else jnp.full((logits.shape[0], device_words(logits.shape[-1])), -1)
+        out = sample_kernel.sample(logits, allow, keys, s["temperature"], s["top_k"], s["top_p"], banned,
+                                   s["logprobs"], interpret=interpret())
+        return out if draft is None else (*out, out[0] == draft)
+    if "allow" in s:
+        logits = allowed_logits(logits, s["allow"])
     tok = jax.lax.cond(jnp.all(s["temperature"] <= 0), lambda: _argmax(_unbanned(logits, banned)),
                        lambda: sample(logits, keys, s["temperature"], s["top_k"], s["top_p"], banned))
     # log-probabilities without a [b, vocab] log-softmax: the chosen token's and the top ones' logits less
@@ -204,19 +214,20 @@ def _slots(batch: dict, ps: int) -> dict:
     return {k: jnp.where(live, tab[seq, pos // ps] * ps + pos % ps, 0) for k, tab in batch["tables"].items()}
 
 
-def sample_rows(logits: jax.Array, last: jax.Array, batch: dict, masks: bool = True):
+def sample_rows(logits: jax.Array, last: jax.Array, batch: dict, masks: bool = True, split: bool = False):
     """(token, logprob, top ids, top logprobs) of each sequence row from its logits [S, vocab] (`pick`), and
     `last` with each row's slot set to its token. batch: the step's "sampling", "kv_lens" and "slot".
     masks: whether structured-output masks apply; the one-program step has none (a constrained step runs
     split, or verifies drafts), and a masking branch in it, never taken, perturbs XLA's buffer assignment
-    of the whole program: gpt-oss-20b's v6e decode step counted 1.38 GB more, 1.27x its floor for 1.18x."""
+    of the whole program: gpt-oss-20b's v6e decode step counted 1.38 GB more, 1.27x its floor for 1.18x.
+    split: as `pick`'s."""
     s = batch["sampling"] if masks else {k: v for k, v in batch["sampling"].items() if k != "allow"}
-    out = pick(logits, s, batch["kv_lens"])
+    out = pick(logits, s, batch["kv_lens"], split=split)
     return out, last.at[batch["slot"]].set(out[0], mode="drop")
 
 
 def verify_rows(logits: jax.Array, row: jax.Array, draft: jax.Array, next_pos: jax.Array, grid: jax.Array,
-                last: jax.Array, batch: dict):
+                last: jax.Array, batch: dict, split: bool = False):
     """Speculative decoding's verification, from the target's logits [R, vocab] at R positions: per position
     its sequence row [R], the draft that follows it [R] (NO_TOKEN: none) and the position of the token it
     draws [R]; grid [S, k + 1]: each row's positions in R, its last token before the drafts, each draft,
@@ -231,7 +242,7 @@ def verify_rows(logits: jax.Array, row: jax.Array, draft: jax.Array, next_pos: j
     NO_TOKEN, which the device's n-gram lookup leaves where it found nothing), `last` with each row's slot set
     to its last token)."""
     sampling = jax.tree_util.tree_map(lambda x: x[row], batch["sampling"])
-    tok, lp, top_ids, top_lps, accepted = (x[grid] for x in pick(logits, sampling, next_pos, draft))
+    tok, lp, top_ids, top_lps, accepted = (x[grid] for x in pick(logits, sampling, next_pos, draft, split))
     count = jnp.sum(jnp.cumprod(accepted, axis=1), axis=1) + 1
     last = last.at[batch["slot"]].set(jnp.take_along_axis(tok, count[:, None] - 1, axis=1)[:, 0], mode="drop")
     return (tok, count, lp, top_ids, top_lps, jnp.sum(draft[grid] != NO_TOKEN, axis=1)), last
@@ -367,7 +378,7 @@ def step_function(cfg, page_size: int, all_logits: bool = False, mesh=None, unro
             return project(params, h, cfg), kv, last
         if spec:
             src, *verified = verify_positions(batch, drafted, spec)
-            out, last = verify_rows(project(params, h[src], cfg), *verified, last, batch)
+            out, last = verify_rows(project(params, h[src], cfg), *verified, last, batch, tp_mesh is not None)
             if len(kv.get("linear", ())) == 4:  # GDN states: each row's after the tokens it kept
                 kv = {**kv, "linear": keep_checkpoints(kv["linear"], batch, out[1])}
             if isinstance(drafter, Lookup):
@@ -385,7 +396,7 @@ def step_function(cfg, page_size: int, all_logits: bool = False, mesh=None, unro
         logits = project(params, h[jnp.maximum(ends, 0)], cfg)
         if not sample:
             return logits, kv, last
-        out, last = sample_rows(logits, last, batch, masks=False)
+        out, last = sample_rows(logits, last, batch, masks=False, split=tp_mesh is not None)
         return out, kv, last
 
     return _data_parallel(step, mesh, ep, all_logits) if dp else step
@@ -463,7 +474,8 @@ def _copy_slots_on(mesh, states: tuple, src, dst) -> tuple:
 @functools.lru_cache(maxsize=4)
 def jitted_sampler(rep):
     """sample_rows jitted (`last` donated; rep: the replicated sharding of a mesh, or None)."""
-    return jax.jit(sample_rows, donate_argnums=(1,), **({} if rep is None else {"out_shardings": (rep, rep)}))
+    run = functools.partial(sample_rows, split=rep is not None)
+    return jax.jit(run, donate_argnums=(1,), **({} if rep is None else {"out_shardings": (rep, rep)}))
 
 
 def token_buckets(max_num_batched_tokens: int, lo: int = 8, verify: int = 0) -> tuple[int, ...]:
@@ -481,7 +493,8 @@ def sampling_arrays(b: int, vocab: int) -> dict:
     """Greedy sampling parameters for b rows, every token allowed."""
     return {"temperature": np.zeros(b, np.float32), "top_k": np.zeros(b, np.int32),
             "top_p": np.ones(b, np.float32), "seed": np.zeros(b, np.uint32), "logprobs": np.zeros(b, bool),
-            "banned": np.full((b, BANNED), NO_TOKEN, np.int32), "allow": np.full((b, words(vocab)), -1, np.int32)}
+            "banned": np.full((b, BANNED), NO_TOKEN, np.int32),
+            "allow": np.full((b, device_words(vocab)), -1, np.int32)}
 
 
 def empty_batch(t: int, s: int, layout: CacheLayout, max_num_seqs: int, vocab: int) -> dict:

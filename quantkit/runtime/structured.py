@@ -30,8 +30,22 @@ COMPACT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator"
 
 
 def words(vocab: int) -> int:
-    """int32 words of a vocabulary's bitmask."""
+    """int32 words of a vocabulary's bitmask (llguidance's layout)."""
     return -(-vocab // 32)
+
+
+def device_words(vocab: int) -> int:
+    """int32 words of a row's mask in the device layout (`spread`): words(vocab) rounded up to 1,024."""
+    return -(-vocab // (32 * 1024)) * 1024
+
+
+def spread(mask: np.ndarray, width: int) -> np.ndarray:
+    """A bitmask in llguidance's layout (token t: bit t % 32 of word t // 32) in the device's, `width`
+    (device_words) words, which the sampler reads (step.allowed_logits, kernels/sample.py): token t is bit
+    t // width of word t % width, so that any aligned run of tokens is one bit of one aligned run of words."""
+    bits = np.unpackbits(np.ascontiguousarray(mask).view(np.uint8), bitorder="little")
+    bits = np.pad(bits, (0, 32 * width - bits.size)).reshape(32, width)
+    return np.ascontiguousarray(np.packbits(bits.T, axis=1, bitorder="little")).view(np.int32)[:, 0]
 
 
 class Grammar:
