@@ -204,17 +204,23 @@ AOT = [(64, 8, 4, None, jnp.bfloat16), (128, 8, 4, None, jnp.bfloat16), (256, 16
 def test_compiles_for_v6e_and_declares_its_bytes(d, kvh, g, window, kv_dtype):
     """Mosaic compiles the kernel for a v6e (no TPU needed) and XLA's count of the program's bytes is the
     declared estimate: the program is the kernel plus a few tiny metadata ops (and, for D = 64, a relayout of
-    q and out between XLA's entry layout and the kernel's, ~3% here)."""
+    q and out between XLA's entry layout and the kernel's, ~3% here). q and out come and go as [T, H x D],
+    as the projections give and take them (D >= 128: the kernel's own blocks, no relayout)."""
     from quantkit.runtime.aot import compile_for
 
     t, s, pps, ps, layers = 128, 16, 128, 16, 4
     h = kvh * g
     sds = jax.ShapeDtypeStruct
-    args = (sds((t, h, d), jnp.bfloat16), sds((layers, s * pps + 1, ps, kvh * 2 * d), kv_dtype),
+    args = (sds((t, h * d), jnp.bfloat16), sds((layers, s * pps + 1, ps, kvh * 2 * d), kv_dtype),
             sds((1,), jnp.int32), sds((s,), jnp.int32), sds((s, pps), jnp.int32), sds((s + 1,), jnp.int32),
             sds((1,), jnp.int32))
-    compiled, _ = compile_for("v6e", lambda *a: paged_attention(*a, scale=d ** -0.5, sliding_window=window,
-                                                                soft_cap=30.0 if window else None), *args)
+
+    def call(q, *a):  # q and out [T, H x D], as the projections give and take them
+        out = paged_attention(q.reshape(t, h, d), *a, scale=d ** -0.5, sliding_window=window,
+                              soft_cap=30.0 if window else None)
+        return out.reshape(t, h * d)
+
+    compiled, _ = compile_for("v6e", call, *args)
     ca = compiled.cost_analysis()
     ca = ca[0] if isinstance(ca, list) else ca
     kv_bytes = jnp.dtype(kv_dtype).itemsize

@@ -121,8 +121,8 @@ def choose_blocks(t: int, h: int, d: int, kvh: int, ps: int, pps: int, q_bytes: 
         raise ValueError(f"pages_per_chunk {pages_per_chunk} not in [1, {pps}]")
     dp = max(d, 128)
     rows, keys = g * block_q, pages_per_chunk * ps
-    # q / out blocks [bq, H, D] (D = 64: [bq, H/2, 128]) are tiled over the last two dims: heads pad to sublanes.
-    q_tile = _cdiv(h if d >= 128 else _cdiv(h, 2), 32 // q_bytes) * (32 // q_bytes) * max(d, 128)
+    # q / out blocks [bq, H * D] (D = 64: [bq, H/2, 128], tiled over the last two dims: heads pad to sublanes)
+    q_tile = h * d if d >= 128 else _cdiv(_cdiv(h, 2), 32 // q_bytes) * (32 // q_bytes) * 128
     vmem = (2 * keys * kvh * 2 * d * kv_bytes  # KV double buffer
             + 2 * 2 * block_q * q_tile * q_bytes  # q and out blocks, pipelined
             + kvh * rows * dp * (q_bytes + 4)  # stacked q, f32 accumulator
@@ -240,8 +240,8 @@ def _kernel(layer_ref, kv_lens_ref, bt_ref, cu_ref, ns_ref, lo_ref, hi_ref, *res
     for kg in range(kvh):
         parts = []
         for hh in range(kg * g, kg * g + g):
-            if d >= 128:
-                x = q_ref[:, hh, :].astype(jnp.float32)  # [bq, D]
+            if d >= 128:  # q_ref is [bq, H * D]: head hh is lanes hh * D .. (hh + 1) * D
+                x = q_ref[:, hh * d:(hh + 1) * d].astype(jnp.float32)  # [bq, D]
             else:  # q_ref is [bq, H/2, 128]: head hh is lane half hh % 2 of pair hh // 2
                 x = q_ref[:, hh // 2, :].astype(jnp.float32)  # [bq, 128]
                 if hh % 2:
@@ -331,7 +331,7 @@ def _kernel(layer_ref, kv_lens_ref, bt_ref, cu_ref, ns_ref, lo_ref, hi_ref, *res
         res.append(acc_ref[kg, gi * block_q:(gi + 1) * block_q] / jnp.where(l == 0.0, 1.0, l))  # [bq, Dp]
     if d >= 128:
         for hh in range(h):
-            o_ref[:, hh, :] = res[hh].astype(o_ref.dtype)
+            o_ref[:, hh * d:(hh + 1) * d] = res[hh].astype(o_ref.dtype)
     else:  # p @ [k|v] left p @ v in lanes 64..127; pair heads (2i, 2i+1) into one 128-lane row
         for i in range(o_ref.shape[1]):
             upper = res[2 * i + 1] if 2 * i + 1 < h else jnp.zeros_like(res[2 * i])
@@ -373,6 +373,8 @@ def _call(q, kv, layer, kv_lens, block_tables, cu_q_lens, num_seqs, sinks, *, bl
         hp = h + h % 2
         q = jnp.pad(q, ((0, 0), (0, hp - h), (0, 0))) if hp != h else q
         q = q.reshape(t, hp // 2, 128)
+    else:  # [T, H * D] as the q projection gives it: no relayout to [T, H, D]'s tiles of heads x lanes
+        q = q.reshape(t, h * d)
     lo, hi = _seq_bounds(cu_q_lens, num_seqs, t, bq)
     prefetch = (jnp.asarray(layer, jnp.int32).reshape(1), kv_lens.astype(jnp.int32),
                 block_tables.astype(jnp.int32).reshape(-1), cu_q_lens.astype(jnp.int32),
@@ -381,7 +383,7 @@ def _call(q, kv, layer, kv_lens, block_tables, cu_q_lens, num_seqs, sinks, *, bl
         prefetch += (sinks.astype(jnp.float32).reshape(h),)
     kernel = functools.partial(_kernel, h=h, d=d, kvh=kvh, ps=ps, pps=pps, block_q=bq, chunk=chunk, scale=scale,
                                window=sliding_window, soft_cap=soft_cap, count=count, sinks=sinks is not None)
-    qspec = pl.BlockSpec((bq,) + q.shape[1:], lambda i, *_: (i, 0, 0))
+    qspec = pl.BlockSpec((bq,) + q.shape[1:], lambda i, *_: (i,) + (0,) * (q.ndim - 1))
     out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype)]
     out_specs = [qspec]
     if count:
@@ -414,7 +416,7 @@ def _call(q, kv, layer, kv_lens, block_tables, cu_q_lens, num_seqs, sinks, *, bl
         name="paged_attention", metadata={"mxu": "bf16"},  # q and the KV chunk (fp8 widened) meet in bf16
         interpret=interpret,
     )(*prefetch, q, kv)
-    out = outs[0] if d >= 128 else outs[0].reshape(t, -1, d)[:, :h]
+    out = outs[0].reshape(t, -1, d)[:, :h]
     return (out, outs[1]) if count else out
 
 

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 
 
 def write_kv(kv: jax.Array, layer, k: jax.Array, v: jax.Array, slots: jax.Array, kv_scale=None,
-             fp8=None) -> jax.Array:
+             fp8=None, mesh=None) -> jax.Array:
     """Stores each token's keys and values k, v [T, KVH, D] into layer `layer` of the stacked pages
     kv [L, P, page_size, KVH * 2 * D] at flat slots [T] (page * page_size + offset; padding tokens go to
     the scratch page 0). A scatter into the scan's carried cache: updated in place.
@@ -16,13 +16,24 @@ def write_kv(kv: jax.Array, layer, k: jax.Array, v: jax.Array, slots: jax.Array,
     fp8 (a float8 dtype): an FP8 cache; each value is divided by its layer's scale (kv_scale [2, KVH]: k
     then v, per KV head), clamped to the format's finite range (as compressed-tensors and vLLM saturate)
     and rounded to fp8; the pages hold those fp8 values (on CPU as float32: XLA:CPU copies the whole cache
-    on every scatter into a float8 array, as into bf16)."""
-    rows = jnp.stack([k, v], axis=2)  # [T, KVH, 2, D]
-    if fp8 is not None:
-        big = float(jnp.finfo(fp8).max)
-        rows = jnp.clip(rows.astype(jnp.float32) / kv_scale.T[None, :, :, None], -big, big).astype(fp8)
+    on every scatter into a float8 array, as into bf16).
+
+    A row is each KV head's key then value; without a tensor-parallel `mesh` (whose heads are split) and
+    FP8, it is put together from lane slices of k and v as the projections give them, [T, KVH x D]:
+    stacking the [T, KVH, D] arrays took XLA two relayouts of the step's keys and values on a TPU (a v6e
+    step of Llama-3-8B at 512 tokens counted 0.6 GB more, docs/benchmarks.md)."""
+    t, kvh, d = k.shape
+    if fp8 is not None or mesh is not None:
+        rows = jnp.stack([k, v], axis=2)  # [T, KVH, 2, D]
+        if fp8 is not None:
+            big = float(jnp.finfo(fp8).max)
+            rows = jnp.clip(rows.astype(jnp.float32) / kv_scale.T[None, :, :, None], -big, big).astype(fp8)
+        rows = rows.reshape(t, -1)
+    else:
+        k, v = k.reshape(t, -1), v.reshape(t, -1)
+        rows = jnp.concatenate([x[:, j * d:(j + 1) * d] for j in range(kvh) for x in (k, v)], axis=1)
     ps = kv.shape[2]
-    return kv.at[layer, slots // ps, slots % ps].set(rows.reshape(rows.shape[0], -1).astype(kv.dtype))
+    return kv.at[layer, slots // ps, slots % ps].set(rows.astype(kv.dtype))
 
 
 def attention(q, kv, layer, kv_lens, block_tables, cu_q_lens, num_seqs, *, scale: float,

@@ -404,7 +404,7 @@ def attention_block(p: dict, x: jax.Array, kv: jax.Array, i, batch: dict, cfg: M
     if not flat:
         q, k = apply_rope(q, pos, inv, scale), apply_rope(k, pos, inv, scale)
     ks = p.get("kv_scale")  # [2, KVH] with an FP8 cache
-    kv = write_kv(kv, i, k, v, batch["slots"][kind], ks, batch.get("kv_fp8"))
+    kv = write_kv(kv, i, k, v, batch["slots"][kind], ks, batch.get("kv_fp8"), batch.get("mesh"))
     if ks is not None:  # dequantization folded into q (k's scale) and the output (v's): scalars per KV head
         head = jnp.arange(h) // (h // kvh)
         q = (q.astype(jnp.float32) * ks[0, head][:, None]).astype(q.dtype)
