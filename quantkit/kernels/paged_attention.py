@@ -22,6 +22,9 @@ Design
   async copy each into a double buffer [2, C * ps, KVH * 2D]; the copies of the next chunk (next sequence, or
   the next block's first chunk) start before the current chunk is waited on. Pages past the needed range are
   not copied (their rows are masked and zeroed), so bytes moved are exactly the needed pages.
+- q and out blocks (D >= 128): [block_q, H * D], the layout of the projections that make q and take the
+  output (the wrapper's reshapes of [T, H, D] are free there); [T, H, D]'s tiles of heads x lanes had XLA
+  relay both out around the call.
 - D = 64: a head's [k | v] pair is one 128-lane slab. q is zero-padded to 128 lanes in VMEM (q . [k|v] = q . k)
   and p @ [k|v] leaves p @ v in lanes 64..127; heads are moved between lane halves with `pltpu.roll`.
 - Online softmax in float32 scratch (running max m, sum l, accumulator), probabilities cast to the KV dtype

