@@ -112,7 +112,7 @@ def visits(group_sizes: jax.Array, m: int, tm: int) -> tuple[jax.Array, jax.Arra
 def _kernel(vg_ref, vt_ref, nv_ref, bounds_ref, off_ref, *refs, qtype: str, group: int, tiles: Tiles,
             num_groups: int, nk: int, zeros: bool, gscale: bool, int8_lhs: bool, mxu: str, row_group: int,
             gate: str):
-    gs_ref, refs = (refs[0], refs[1:]) if gscale else (None, refs)  # global scales [num_groups] (nvfp4)
+    gs_ref, refs = (refs[0], refs[1:]) if gscale else (None, refs)  # nvfp4 global scales: [groups] a weight, pair: both
     lhs_ref, *refs = refs
     # row scales of 8-bit codes: [tm, 1], or [tm, k / row_group] per group of inputs
     rs_ref, refs = (refs[0], refs[1:]) if int8_lhs else (None, refs)

@@ -69,7 +69,7 @@ SPEC_FLOOR, SPEC_PROBE = 0.15, 32  # drafts stop for a sequence whose recent acc
 # below doubles that, up to SPEC_PROBE_MAX, and one that lifts it above resets it
 SPEC_PROBE_MAX = 8 * SPEC_PROBE
 # a greedy sequence's floor: about where a drafted step stops paying (its read-back, ~16% of a step on XLA:CPU,
-# or a TPU's verifying step 1.11-1.24x a decode step, against k drafts a few percent of which save a step each);
+# or a TPU's verifying step 1.08-1.41x a decode step, against k drafts a few percent of which save a step each);
 # a sampled sequence's is the no-loss bound measured at temperature 1 (docs/benchmarks.md)
 SPEC_FLOOR_GREEDY = 0.05
 
