@@ -20,8 +20,8 @@ def write_kv(kv: jax.Array, layer, k: jax.Array, v: jax.Array, slots: jax.Array,
 
     A row is each KV head's key then value; without a tensor-parallel `mesh` (whose heads are split) and
     FP8, it is put together from lane slices of k and v as the projections give them, [T, KVH x D]:
-    stacking the [T, KVH, D] arrays took XLA two relayouts of the step's keys and values on a TPU (a v6e
-    step of Llama-3-8B at 512 tokens counted 0.6 GB more, docs/benchmarks.md)."""
+    stacking the [T, KVH, D] arrays took XLA two relayouts of the step's keys and values on a TPU (2 MB a
+    layer of Llama-3-8B's 80-token verifying step on a v6e, docs/benchmarks.md)."""
     t, kvh, d = k.shape
     if fp8 is not None or mesh is not None:
         rows = jnp.stack([k, v], axis=2)  # [T, KVH, 2, D]
