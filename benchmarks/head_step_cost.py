@@ -1,7 +1,8 @@
 """What a draft head costs a step on this machine, in process: one sequence of 300 cached tokens of the
 default model, its step timed as `Runner.run` (median of --steps): the plain decode step at --max-num-seqs 1
 and 16, a 4-token chunk of the same sequence, the verifying step of 1 + 3 tokens with n-gram drafts, and with
-the EAGLE-3 head drafting 1, 2 and 3 tokens (assets/tiny-llama-eagle3).
+the EAGLE-3 head drafting 1, 2 and 3 tokens (assets/tiny-llama-eagle3); then 16 such sequences: their
+decode step, and the verifying step of 16 rows of 1 + 4 n-gram drafts.
 
 Usage: .venv/bin/python benchmarks/head_step_cost.py [--steps 200]
 """
@@ -28,9 +29,9 @@ from quantkit.runtime.step import Row, Runner  # noqa: E402
 CACHED = 300
 
 
-def timed(runner: Runner, row: Row, steps: int) -> float:
-    """Median milliseconds of `runner.run` on the one-row batch of `row` (after 5 untimed runs)."""
-    b = runner.batch([row])
+def timed(runner: Runner, rows: Row | list[Row], steps: int) -> float:
+    """Median milliseconds of `runner.run` on the batch of `rows` (after 5 untimed runs)."""
+    b = runner.batch(rows if isinstance(rows, list) else [rows])
     for _ in range(5):
         jax.block_until_ready(runner.run(b))
     ts = []
@@ -49,12 +50,13 @@ def main() -> None:
     model = load("assets/tiny-llama")
     prompt = [int(t) for t in np.random.default_rng(0).integers(3, 4000, CACHED)]
 
-    def runner(seqs: int, spec: str | None = None) -> Runner:
+    def runner(seqs: int, spec: str | None = None, cached: int = 1) -> Runner:
         s = parse(spec)
         r = Runner(model, max_model_len=1024, max_num_seqs=seqs, speculative=s.k if s else 0,
                    drafter=drafter_for(s, model))
-        assert r.pool.reserve(0, 0, CACHED + 16)
-        jax.block_until_ready(r.run(r.batch([Row(0, 0, CACHED, prompt)])))
+        for i in range(cached):  # the prompt in each of `cached` slots, a prefill step each
+            assert r.pool.reserve(i, 0, CACHED + 16)
+            jax.block_until_ready(r.run(r.batch([Row(i, 0, CACHED, prompt)])))
         return r
 
     print("| step (one sequence, 300 cached tokens) | --max-num-seqs | ms (median) |")
@@ -70,6 +72,14 @@ def main() -> None:
         r = runner(16, f'{{"method": "eagle3", "model": "assets/tiny-llama-eagle3", "num_speculative_tokens": {k}}}')
         ms = timed(r, Row(0, CACHED, 1 + k, None, proposed=k), args.steps)
         print(f"| verifying, 1 + {k} drafts, the EAGLE-3 head drafting {k} | 16 | {ms:.2f} |")
+    r = runner(16, '{"method": "ngram", "num_speculative_tokens": 4}', cached=16)
+    ms = timed(r, [Row(i, CACHED, 1, None) for i in range(16)], args.steps)
+    print(f"| 16 sequences: decode, 1 token each (the verifying program) | 16 | {ms:.2f} |")
+    ms = timed(r, [Row(i, CACHED, 5, None, drafts=tuple(prompt[:4])) for i in range(16)], args.steps)
+    print(f"| 16 sequences: verifying, 1 + 4 n-gram drafts each | 16 | {ms:.2f} |")
+    r = runner(16, cached=16)
+    ms = timed(r, [Row(i, CACHED, 1, None) for i in range(16)], args.steps)
+    print(f"| 16 sequences: plain decode | 16 | {ms:.2f} |")
 
 
 if __name__ == "__main__":

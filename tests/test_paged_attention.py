@@ -309,34 +309,38 @@ def test_sinks_compile_and_declare_their_bytes(chip):
 
 # ---- the CPU path (kernels/xla.py): the runtime's attention off TPU -------------------------------------
 
-@pytest.mark.parametrize("d,kvh,g,window,soft_cap", [(64, 2, 2, None, None), (128, 1, 4, 24, 20.0),
-                                                     (256, 2, 1, 40, None), (32, 2, 2, 9, 30.0)])
-def test_cpu_path_matches_jax_reference(d, kvh, g, window, soft_cap):
-    """paged_attention_xla on fresh random ragged batches (decodes and chunks, poisoned pages) equals jax's
-    ref_ragged_paged_attention. float32, same math, another summation order (chunked online softmax): 1e-5."""
+@pytest.mark.parametrize("d,kvh,g,window,soft_cap,short", [(64, 2, 2, None, None, 1), (128, 1, 4, 24, 20.0, 5),
+                                                           (256, 2, 1, 40, None, 1), (32, 2, 2, 9, 30.0, 2)])
+def test_cpu_path_matches_jax_reference(d, kvh, g, window, soft_cap, short):
+    """paged_attention_xla on fresh random ragged batches (decodes and chunks, poisoned pages; rows of up to
+    `short` queries computed together) equals jax's ref_ragged_paged_attention. float32, same math, another
+    summation order (chunked online softmax): 1e-5."""
     from quantkit.kernels.xla import paged_attention_xla
 
     seed = _seed()
     rng = np.random.default_rng(seed)
     args, n, info = make_batch(rng, d=d, kvh=kvh, g=g, window=window, ps=8 if d == 32 else 16)
     out = np.asarray(paged_attention_xla(*args, scale=d ** -0.5, sliding_window=window, soft_cap=soft_cap,
-                                         chunk_pages=2))
+                                         chunk_pages=2, short=short))
     want = np.asarray(reference(args, d=d, kvh=kvh, scale=d ** -0.5, window=window, soft_cap=soft_cap))
     assert np.all(np.isfinite(out[:n])) and np.all(out[n:] == 0), f"seed={seed} {info}"
     err = np.linalg.norm(out[:n] - want) / np.linalg.norm(want)
     assert err < 1e-5, f"seed={seed} {info} err={err:.2e}"
 
 
-@pytest.mark.parametrize("q_lens", [[40, 1, 1], [11, 5, 2, 40], [1, 1, 1], [5, 1], [20, 12]])
-def test_cpu_path_computes_every_block_it_needs(q_lens):
+@pytest.mark.parametrize("q_lens,short", [([40, 1, 1], 1), ([11, 5, 2, 40], 1), ([1, 1, 1], 1), ([5, 1], 1),
+                                          ([20, 12], 1), ([5, 1, 3, 40], 5), ([4], 5), ([2, 5, 5, 1], 5),
+                                          ([6, 5, 1], 5), ([1, 33], 3)])
+def test_cpu_path_computes_every_block_it_needs(q_lens, short):
     """The CPU path computes the query blocks in use one after another (one, two, several; 32 rows a block
-    here), and of the one-query rows only one when at most one sequence has one (here one after a chunk),
-    else all: each case against the oracle."""
+    here), and the rows of sequences with at most `short` queries (decodes; a verifying step's token and
+    drafts) together, only one sequence's when at most one has such rows (here one beside a chunk), else
+    all: each case against the oracle."""
     from quantkit.kernels.xla import paged_attention_xla
 
     seed = _seed()
     args, n, info = make_batch(np.random.default_rng(seed), d=64, kvh=2, g=2, t=64, q_lens=q_lens, pps=8)
-    out = np.asarray(paged_attention_xla(*args, scale=0.125))
+    out = np.asarray(paged_attention_xla(*args, scale=0.125, short=short))
     want = np.asarray(reference(args, d=64, kvh=2, scale=0.125, window=None, soft_cap=None))
     assert np.all(out[n:] == 0) and np.linalg.norm(out[:n] - want) / np.linalg.norm(want) < 1e-5, f"seed={seed}"
 

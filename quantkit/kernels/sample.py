@@ -58,12 +58,12 @@ def vmem_bytes(vocab: int, width: int) -> int:
 
 # ---- cost estimate ---------------------------------------------------------------------------------
 
-def cost(b: int, vocab: int, width: int) -> pl.CostEstimate:
-    """The logits and masks read once, the outputs written once; per element a mask, a ban, the Threefry
-    noise (~120 integer operations, two logs) and the passes' comparisons (an estimate: the searches run
-    only where a row filters)."""
+def cost(b: int, vocab: int, width: int, params: int) -> pl.CostEstimate:
+    """The logits, masks (`width` words a row) and parameters (`params` integers and 2 floats a row) read
+    once, the outputs written once; per element a mask, a ban, the Threefry noise (~120 integer operations,
+    two logs) and the passes' comparisons (an estimate: the searches run only where a row filters)."""
     n = b * vocab
-    io = b * (vocab + width + 12 + 2) * 4 + b * (2 + 2 * TOP) * 4
+    io = b * (vocab + width + params + 2) * 4 + b * (2 + 2 * TOP) * 4
     return pl.CostEstimate(flops=200 * n, transcendentals=3 * n, bytes_accessed=io)
 
 
@@ -223,9 +223,8 @@ def _kernel(flags_ref, x_ref, allow_ref, ints_ref, floats_ref, tok_ref, lp_ref, 
 
 # ---- pallas_call -------------------------------------------------------------------------------------
 
-def _call(flags, logits, allow, ints, floats, interpret):
+def _call(flags, logits, allow, ints, floats, rows: int, interpret):
     b, vocab = logits.shape
-    rows = min(b, ROWS)
     row = lambda r, *_: (r, 0)  # noqa: E731
     blk = lambda w: pl.BlockSpec((rows, w), row)  # noqa: E731
     limit = min(100 << 20, max(32 << 20, vmem_bytes(vocab, allow.shape[1]) + (8 << 20)))
@@ -239,7 +238,7 @@ def _call(flags, logits, allow, ints, floats, interpret):
             out_specs=[blk(1), blk(1), blk(TOP), blk(TOP)],
             scratch_shapes=[pltpu.VMEM((rows, vocab), jnp.float32), pltpu.VMEM((rows, vocab), jnp.float32)]),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",), vmem_limit_bytes=limit),
-        cost_estimate=cost(b, vocab, allow.shape[1]),
+        cost_estimate=cost(b, vocab, allow.shape[1], ints.shape[1]),
         name="sample",
         interpret=interpret,
     )(flags, logits, allow, ints, floats)
@@ -271,5 +270,6 @@ def sample(logits, allow, keys, temperature, top_k, top_p, banned, logprobs, *, 
     ints = jnp.concatenate([jax.lax.bitcast_convert_type(keys, jnp.int32), top_k[:, None].astype(jnp.int32),
                             logprobs[:, None].astype(jnp.int32), banned.astype(jnp.int32)], axis=1)
     floats = jnp.stack([temperature, top_p], axis=1).astype(jnp.float32)
-    tok, lp, ids, lps = _call(flags, logits.astype(jnp.float32), allow.astype(jnp.int32), ints, floats, interpret)
+    tok, lp, ids, lps = _call(flags, logits.astype(jnp.float32), allow.astype(jnp.int32), ints, floats, rows,
+                              interpret)
     return tok[:, 0], lp[:, 0], ids, lps

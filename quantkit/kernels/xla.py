@@ -98,10 +98,11 @@ def _attend_chunks(q, qpos, tables, kv, layer, kv_lens, *, scale, window, soft_c
     return out.reshape(b, r, h, d)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "sliding_window", "soft_cap", "chunk_pages"))
+@functools.partial(jax.jit, static_argnames=("scale", "sliding_window", "soft_cap", "chunk_pages", "block", "short"))
 def paged_attention_xla(q, kv, layer, kv_lens, block_tables, cu_q_lens, num_seqs, *, scale: float,
                         sliding_window: int | None = None, soft_cap: float | None = None,
-                        chunk_pages: int = 4, block: int = 32, sinks: jax.Array | None = None) -> jax.Array:
+                        chunk_pages: int = 4, block: int = 32, sinks: jax.Array | None = None,
+                        short: int = 1) -> jax.Array:
     """Ragged paged attention (the contract of kernels/paged_attention.py, pure JAX).
 
     Args:
@@ -116,10 +117,11 @@ def paged_attention_xla(q, kv, layer, kv_lens, block_tables, cu_q_lens, num_seqs
     Returns:
         [T, H, D] in q.dtype; rows of no sequence are zero.
 
-    Decode rows (one query of a sequence) are computed together, one row per sequence (only one when at
-    most one sequence decodes); the rows of sequences with several queries (prompt chunks) in blocks of
-    `block` rows of one sequence each (a chunk's last block may be partial), one block after another, only
-    those in use, each over the key chunks its own rows see.
+    The rows of sequences with at most `short` queries (decodes; a verifying step's rows of a token and its
+    drafts, short = 1 + drafts) are computed together, `short` rows per sequence (only the first such
+    sequence's when no other has any), each sequence's keys read once for its rows; the rows of sequences
+    with more (prompt chunks) in blocks of `block` rows of one sequence each (a chunk's last block may be
+    partial), one block after another, only those in use, each over the key chunks its own rows see.
     """
     t, h, d = q.shape
     s = block_tables.shape[0]
@@ -128,25 +130,32 @@ def paged_attention_xla(q, kv, layer, kv_lens, block_tables, cu_q_lens, num_seqs
     start, q_len = cu_q_lens[:-1], cu_q_lens[1:] - cu_q_lens[:-1]
     real = jnp.arange(s) < n
     kw = dict(scale=scale, window=sliding_window, soft_cap=soft_cap, chunk=chunk_pages, sinks=sinks)
-    # one query per sequence (decodes): one row a sequence, all S together, or only the first such
-    # sequence's when no other has one (one stream decoding: the S - 1 padding rows cost as much as it)
-    single = real & (q_len == 1)
+    qp = jnp.pad(q, ((0, 1), (0, 0), (0, 0)))  # row t: no query
+    # short rows: all S sequences' together, one row each when none has more than one (decodes), or only
+    # the first such sequence's when no other has any (one stream decoding: the S - 1 padding sequences'
+    # rows would cost as much as its own)
+    few = real & (q_len <= short)
 
-    def decode(idx):
+    def together(idx, width):
         def run(out):
-            one = single[idx]
-            dec = _attend_chunks(q[jnp.where(one, start[idx], 0)][:, None],
-                                 jnp.where(one, kv_lens[idx] - 1, -1)[:, None], block_tables[idx], kv, layer,
-                                 kv_lens[idx], **kw)[:, 0]
-            return out.at[jnp.where(one, start[idx], t)].set(dec)
+            j = jnp.arange(width)
+            ok = few[idx][:, None] & (j < q_len[idx][:, None])  # [B, width]
+            rows = jnp.where(ok, start[idx][:, None] + j, t)
+            qpos = jnp.where(ok, kv_lens[idx][:, None] - q_len[idx][:, None] + j, -1)
+            return out.at[rows].set(_attend_chunks(qp[rows], qpos, block_tables[idx], kv, layer, kv_lens[idx], **kw))
         return run
 
-    out, every = jnp.zeros((t + 1, h, d), jnp.float32), decode(jnp.arange(s))
-    out = jax.lax.cond(jnp.sum(single) <= 1, decode(jnp.argmax(single)[None]), every, out) if s > 1 else every(out)
+    out, every = jnp.zeros((t + 1, h, d), jnp.float32), together(jnp.arange(s), 1)
+    if s > 1:
+        case = jnp.where(jnp.sum(few) <= 1, 0, jnp.where(jnp.max(jnp.where(few, q_len, 0)) <= 1, 1, 2))
+        out = jax.lax.switch(case, [together(jnp.argmax(few)[None], short), every,
+                                    together(jnp.arange(s), short)][:2 + (short > 1)], out)
+    else:
+        out = together(jnp.arange(s), short)(out)
     # several queries: block b holds rows start[seq[b]] + offset[:, b] of sequence seq[b] (t: none)
     r = min(block, t)
     nb = t // r + s
-    per_seq = jnp.where(real & (q_len > 1), -(-q_len // r), 0)
+    per_seq = jnp.where(real & (q_len > short), -(-q_len // r), 0)
     ends = jnp.cumsum(per_seq)
     b = jnp.arange(nb)
     seq = jnp.minimum(jnp.searchsorted(ends, b, side="right"), s - 1)
@@ -154,7 +163,6 @@ def paged_attention_xla(q, kv, layer, kv_lens, block_tables, cu_q_lens, num_seqs
     valid = (b < ends[-1]) & (offset < q_len[seq])
     rows = jnp.where(valid, start[seq] + offset, t).T  # [nb, r]
     qpos = jnp.where(valid, kv_lens[seq] - q_len[seq] + offset, -1).T
-    qp = jnp.pad(q, ((0, 1), (0, 0), (0, 0)))
 
     def one_block(b, out):  # each block over the key chunks its own rows see
         o = _attend_chunks(qp[rows[b]][None], qpos[b][None], block_tables[seq[b]][None], kv, layer,

@@ -38,14 +38,15 @@ def write_kv(kv: jax.Array, layer, k: jax.Array, v: jax.Array, slots: jax.Array,
 
 def attention(q, kv, layer, kv_lens, block_tables, cu_q_lens, num_seqs, *, scale: float,
               sliding_window: int | None = None, soft_cap: float | None = None, mesh=None,
-              sinks: jax.Array | None = None) -> jax.Array:
+              sinks: jax.Array | None = None, short: int = 1) -> jax.Array:
     """Ragged paged attention of q [T, H, D] over layer `layer` of kv (kernels/xla.py documents the
     contract); on a TPU target the Pallas kernel, elsewhere the pure-JAX path.
 
     mesh: the tensor-parallel mesh (runtime/sharding.py). XLA cannot partition a Mosaic kernel, so the
     call runs per device under shard_map: each device its query heads over its KV heads when the cache's
     heads are split, else (KV replicated) every device the whole attention.
-    sinks: [H] per-head sink logits (gpt-oss), split with the heads."""
+    sinks: [H] per-head sink logits (gpt-oss), split with the heads. short: the pure-JAX path computes the
+    rows of sequences with at most this many queries together (a verifying step: 1 + its drafts)."""
     layer = jnp.asarray(layer, jnp.int32).reshape(1)
     kw = dict(scale=scale, sliding_window=sliding_window, soft_cap=soft_cap)
     if mesh is not None:
@@ -55,7 +56,7 @@ def attention(q, kv, layer, kv_lens, block_tables, cu_q_lens, num_seqs, *, scale
 
         split = kv.shape[-1] // (2 * q.shape[-1]) % mesh.shape[AXIS] == 0  # KV heads divide the mesh (cache_sharding)
         qs, kvs = (P(None, AXIS, None), P(None, None, None, AXIS)) if split else (P(), P())
-        return jax.shard_map(lambda *args: attention(*args[:7], sinks=args[7], **kw), mesh=mesh,
+        return jax.shard_map(lambda *args: attention(*args[:7], sinks=args[7], short=short, **kw), mesh=mesh,
                              in_specs=(qs, kvs, P(), P(), P(), P(), P(), P(AXIS) if split else P()), out_specs=qs,
                              check_vma=False)(q, kv, layer, kv_lens, block_tables, cu_q_lens, num_seqs, sinks)
     kw["sinks"] = sinks
@@ -69,4 +70,4 @@ def attention(q, kv, layer, kv_lens, block_tables, cu_q_lens, num_seqs, *, scale
                                interpret=interpret())
     from quantkit.kernels.xla import paged_attention_xla
 
-    return paged_attention_xla(q, kv, layer, kv_lens, block_tables, cu_q_lens, num_seqs, **kw)
+    return paged_attention_xla(q, kv, layer, kv_lens, block_tables, cu_q_lens, num_seqs, **kw, short=short)

@@ -143,7 +143,8 @@ class Engine:
         its tokens, only the padding of the token bucket a step of decodes alone runs anyway, and only where
         that padding is at least the step's tokens, so that the drafts can pay for reading the previous step
         back first (measured on the default model, 16 concurrent streams: drafts up to k a row 0.42x as
-        fast as without, drafts in any padding 0.75x); on a TPU, whose decode step is bound by reading the
+        fast as without, drafts in any padding 0.75x; 0.79-1.18x since the CPU attention takes a verifying
+        row's queries together, docs/benchmarks.md); on a TPU, whose decode step is bound by reading the
         weights, up to the token budget."""
         if (speculative.k if speculative else 0) != runner.speculative:
             raise ValueError(f"the runner verifies {runner.speculative} drafts a row, the config says {speculative}")

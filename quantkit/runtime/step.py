@@ -303,7 +303,7 @@ def draft_rows(params: dict, head, tokens: jax.Array, h: jax.Array, aux: jax.Arr
     pos = meta["positions"][last]
     pad = ((0, -s % 8), (0, 0))  # the TPU attention kernel takes a multiple of 8 tokens: padding, in no row
     for j in range(1, k):  # one query a row: row i is token i
-        m = {**meta, "kv_fp8": None, "positions": jnp.pad(pos + j, pad[0]), "kv_lens": pos + j + 1,
+        m = {**meta, "kv_fp8": None, "verify": 0, "positions": jnp.pad(pos + j, pad[0]), "kv_lens": pos + j + 1,
              "cu_q_lens": jnp.minimum(jnp.arange(s + 1, dtype=jnp.int32), n[0]),
              "tables": {"full": meta["tables"]["full"]}}
         g, kv = run(jnp.pad(embed[drafts[-1]], pad), jnp.pad(g, pad), kv, {**m, "slots": _slots(m, page_size)})
@@ -367,7 +367,7 @@ def step_function(cfg, page_size: int, all_logits: bool = False, mesh=None, unro
         if drafter is not None and spec:
             batch = _followed(batch, last, spec)
         meta = {**batch, "slots": _slots(batch, page_size), "mesh": tp_mesh, "unroll": unroll, "kv_fp8": kv_fp8,
-                "ep_mesh": (AXIS if dp else mesh) if ep else None, "verify": bool(spec), "decode": decode}
+                "ep_mesh": (AXIS if dp else mesh) if ep else None, "verify": spec, "decode": decode}
         if isinstance(drafter, Lookup):  # every step writes its tokens where the lookup reads them
             tokens = jnp.where(tokens == NO_TOKEN, 0, tokens)
             kv = {**kv, "draft": kv["draft"].at[meta["slots"]["full"]].set(tokens)}

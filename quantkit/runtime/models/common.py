@@ -410,7 +410,7 @@ def attention_block(p: dict, x: jax.Array, kv: jax.Array, i, batch: dict, cfg: M
         q = (q.astype(jnp.float32) * ks[0, head][:, None]).astype(q.dtype)
     out = attention(q, kv, i, batch["kv_lens"], batch["tables"][kind], batch["cu_q_lens"], batch["num_seqs"],
                     scale=cfg.scale, sliding_window=cfg.sliding_window if sliding else None, mesh=batch.get("mesh"),
-                    sinks=p.get("sinks"))
+                    sinks=p.get("sinks"), short=1 + batch.get("verify", 0))
     if ks is not None:
         out = (out.astype(jnp.float32) * ks[1, head][:, None]).astype(out.dtype)
     out = out.reshape(t, h * d)
