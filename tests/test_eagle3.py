@@ -20,7 +20,7 @@ from quantkit.formats.safetensors_io import write_safetensors
 from quantkit.runtime.engine import Engine, Request, Runner, Sampling
 from quantkit.runtime.loader import load
 from quantkit.runtime.models import eagle3
-from quantkit.runtime.speculative import Drafter, SpeculativeConfig
+from quantkit.runtime.speculative import Drafter, SpeculativeConfig, drafter_for
 from quantkit.runtime.step import VERIFY
 from helpers import check_draft_head, greedy_reference
 
@@ -158,6 +158,17 @@ def test_plans_view_of_a_head_is_what_load_holds(pair, tmp_path):
         loaded, abstract = eagle3.load(path, cfg, jnp.bfloat16), eagle3.abstract(path, cfg, jnp.bfloat16)
         assert loaded[0] == abstract[0] and describe(loaded[1]) == describe(abstract[1])
         assert describe(abstract[1])["d2t"] == ((vd,), "int32") and describe(abstract[1])["fc"][1] == "bfloat16"
+
+
+def test_served_head_is_float32_on_this_cpu(pair):
+    """serve and generate (`drafter_for`) hold the head's matrices in float32 on CPU, where XLA's bf16 dots
+    take about twice as long, beside a bf16 target (the head casts the target's states to its type; greedy
+    output with it equals the target's: test_speculative's generate test)."""
+    _, _, root = pair
+    model = load(root / "target")  # bf16, as serve loads it
+    d = drafter_for(SpeculativeConfig("eagle3", 3, model=str(root / "head")), model)
+    assert str(model.dtype) == "bfloat16"
+    assert {str(v.dtype) for v in d.params.values() if v.ndim == 2} == {"float32"}
 
 
 def test_bad_draft_checkpoints_are_refused(pair, tmp_path):

@@ -147,9 +147,11 @@ def paged_attention_xla(q, kv, layer, kv_lens, block_tables, cu_q_lens, num_seqs
 
     out, every = jnp.zeros((t + 1, h, d), jnp.float32), together(jnp.arange(s), 1)
     if s > 1:
+        cases = [together(jnp.argmax(few)[None], short), every]  # one sequence's rows; every sequence's one row
+        if short > 1:  # every sequence's `short` rows (with short = 1 the second case is that)
+            cases.append(together(jnp.arange(s), short))
         case = jnp.where(jnp.sum(few) <= 1, 0, jnp.where(jnp.max(jnp.where(few, q_len, 0)) <= 1, 1, 2))
-        out = jax.lax.switch(case, [together(jnp.argmax(few)[None], short), every,
-                                    together(jnp.arange(s), short)][:2 + (short > 1)], out)
+        out = jax.lax.switch(case, cases, out)
     else:
         out = together(jnp.arange(s), short)(out)
     # several queries: block b holds rows start[seq[b]] + offset[:, b] of sequence seq[b] (t: none)

@@ -49,13 +49,14 @@ class Eagle3:
     def hidden(self, params: dict, h, aux):
         from quantkit.runtime.models.common import linear
 
-        return linear(aux, params["draft"]["fc"])
+        fc = params["draft"]["fc"]
+        return linear(aux.astype(fc.dtype), fc)
 
     def embed(self, params: dict):
         return params["draft"].get("embed", params["embed"])
 
     def run(self, params: dict, emb, hidden, attend):
-        return layer(params["draft"], self.cfg, emb, hidden, lambda x: attend(params["draft"], x))
+        return layer(params["draft"], self.cfg, emb.astype(hidden.dtype), hidden, lambda x: attend(params["draft"], x))
 
     def tokens(self, params: dict, g):
         return tokens_of(params["draft"], self.cfg, g)
