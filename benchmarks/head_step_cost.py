@@ -2,7 +2,7 @@
 default model, its step timed as `Runner.run` (median of --steps): the plain decode step at --max-num-seqs 1
 and 16, a 4-token chunk of the same sequence, the verifying step of 1 + 3 tokens with n-gram drafts, and with
 the EAGLE-3 head drafting 1, 2 and 3 tokens (assets/tiny-llama-eagle3); then 16 such sequences: their
-decode step, and the verifying step of 16 rows of 1 + 4 n-gram drafts.
+decode step, and the verifying step of 16 rows of 1 + k n-gram drafts, k = 1 to 4 (the program of k = 4).
 
 Usage: .venv/bin/python benchmarks/head_step_cost.py [--steps 200]
 """
@@ -75,8 +75,9 @@ def main() -> None:
     r = runner(16, '{"method": "ngram", "num_speculative_tokens": 4}', cached=16)
     ms = timed(r, [Row(i, CACHED, 1, None) for i in range(16)], args.steps)
     print(f"| 16 sequences: decode, 1 token each (the verifying program) | 16 | {ms:.2f} |")
-    ms = timed(r, [Row(i, CACHED, 5, None, drafts=tuple(prompt[:4])) for i in range(16)], args.steps)
-    print(f"| 16 sequences: verifying, 1 + 4 n-gram drafts each | 16 | {ms:.2f} |")
+    for k in (1, 2, 3, 4):
+        ms = timed(r, [Row(i, CACHED, 1 + k, None, drafts=tuple(prompt[:k])) for i in range(16)], args.steps)
+        print(f"| 16 sequences: verifying, 1 + {k} n-gram drafts each | 16 | {ms:.2f} |")
     r = runner(16, cached=16)
     ms = timed(r, [Row(i, CACHED, 1, None) for i in range(16)], args.steps)
     print(f"| 16 sequences: plain decode | 16 | {ms:.2f} |")
