@@ -12,6 +12,7 @@ import typer
 
 from quantkit.errors import InvalidInput, QuantkitError
 from quantkit.formats.ct_writer import SCHEMES
+from quantkit.runtime.config import MAX_NUM_BATCHED_TOKENS
 
 app = typer.Typer(
     name="quantkit",
@@ -412,7 +413,8 @@ def plan(
                                                              "count the state slots of its prefix snapshots "
                                                              "(--max-num-seqs more).")] = True,
     max_num_batched_tokens: Annotated[int, typer.Option(min=8, help="As serve's: the most tokens one step "
-                                                                    "runs (its largest program).")] = 512,
+                                                                    "runs (its largest program).")]
+    = MAX_NUM_BATCHED_TOKENS,
     json_out: Annotated[bool, typer.Option("--json", help="One JSON document on stdout.")] = False,
 ) -> None:
     """Compile the serving steps for a TPU without one (libtpu, deviceless) and report HBM for weights, KV
@@ -511,7 +513,8 @@ def serve(
     served_model_name: Annotated[str | None, typer.Option(help="Model id clients send \\[default: PATH's name].")]
     = None,
     max_num_batched_tokens: Annotated[int, typer.Option(min=8, help="Tokens one step runs at most: decodes "
-                                                                    "first, prompt chunks fill the rest.")] = 512,
+                                                                    "first, prompt chunks fill the rest.")]
+    = MAX_NUM_BATCHED_TOKENS,
     max_waiting: Annotated[int, typer.Option(min=0, help="Queued requests beyond which the server answers 429.")]
     = 256,
     grace: Annotated[float, typer.Option(min=0, help="Seconds SIGTERM waits for in-flight requests.")] = 30.0,

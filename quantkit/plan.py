@@ -22,8 +22,8 @@ import time
 from pathlib import Path
 
 from quantkit.errors import InvalidInput, Unsupported
-
-PAGE_SIZE, BUDGET = 16, 512  # the serve defaults (page size, --max-num-batched-tokens)
+from quantkit.runtime.config import MAX_NUM_BATCHED_TOKENS as BUDGET
+from quantkit.runtime.config import PAGE_SIZE
 # scalar memory of a TensorCore, where Pallas kernels' scalar prefetch lives (libtpu's refusals on v6e and
 # v7x: "Used 1.01M of 1.00M smem"): the paged-attention kernel's block table of every sequence
 SMEM_BYTES = 1 << 20

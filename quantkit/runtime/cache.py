@@ -46,7 +46,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from quantkit.errors import InvalidInput
-from quantkit.runtime.config import ModelConfig
+from quantkit.runtime.config import MAX_NUM_BATCHED_TOKENS, PAGE_SIZE, ModelConfig
 
 KV_CACHE_DTYPES = ("auto", "bf16", "fp8", "fp8_e4m3", "fp8_e5m2")  # vLLM's --kv-cache-dtype names
 
@@ -100,8 +100,9 @@ class CacheLayout:
         return out
 
 
-def cache_layout(cfg: ModelConfig, max_model_len: int, max_num_seqs: int, page_size: int = 16,
-                 max_num_batched_tokens: int = 512, speculative: int = 0, snapshots: int = 0) -> CacheLayout:
+def cache_layout(cfg: ModelConfig, max_model_len: int, max_num_seqs: int, page_size: int = PAGE_SIZE,
+                 max_num_batched_tokens: int = MAX_NUM_BATCHED_TOKENS, speculative: int = 0,
+                 snapshots: int = 0) -> CacheLayout:
     """speculative: drafts a row at most; Gated DeltaNet layers then also keep each slot's states after
     each of its first `speculative` tokens of a step (gdn.gdn_block), k times the state memory. snapshots:
     Gated DeltaNet models' state slots for prefix caching (none without GDN layers)."""

@@ -8,6 +8,10 @@ from dataclasses import dataclass
 
 from quantkit.errors import Unsupported
 
+# serve's defaults, which plan, the Runner and the cache layout share: the tokens a KV page holds, and the
+# most tokens one step runs (--max-num-batched-tokens: the largest token bucket)
+PAGE_SIZE, MAX_NUM_BATCHED_TOKENS = 16, 512
+
 
 @dataclass(frozen=True)
 class ModelConfig:

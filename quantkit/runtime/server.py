@@ -33,6 +33,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from starlette.routing import Route
 
 from quantkit.errors import InvalidInput
+from quantkit.runtime.config import MAX_NUM_BATCHED_TOKENS
 from quantkit.runtime.engine import TOP_LOGPROBS, Engine, QueueFull, Request, Runner, Sampling, Update
 from quantkit.runtime.structured import COMPACT, KINDS, Constraints
 from quantkit.runtime.tools import call, held, parse, required_schema
@@ -199,7 +200,8 @@ class Params:
 
 class Server:
     def __init__(self, path: Path, served_model_name: str | None = None, max_model_len: int | None = None,
-                 max_num_seqs: int = 16, api_key: str | None = None, max_num_batched_tokens: int = 512,
+                 max_num_seqs: int = 16, api_key: str | None = None,
+                 max_num_batched_tokens: int = MAX_NUM_BATCHED_TOKENS,
                  max_waiting: int = 256, enable_prefix_caching: bool = True, kv_cache_dtype: str = "auto",
                  mesh=None, ep: bool = False, speculative=None, dp: bool = False):
         self.prefix_caching, self.kv_cache_dtype = enable_prefix_caching, kv_cache_dtype

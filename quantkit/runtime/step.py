@@ -37,6 +37,7 @@ from quantkit.kernels import sample as sample_kernel
 from quantkit.quant.qtensor import QTensor
 from quantkit.runtime.cache import (CacheLayout, DataParallelPools, PagePool, cache_layout, kv_fp8_dtype,
                                     with_kv_scales)
+from quantkit.runtime.config import MAX_NUM_BATCHED_TOKENS, PAGE_SIZE
 from quantkit.runtime.models import forward_for
 from quantkit.runtime.models.common import argmax as _argmax
 from quantkit.runtime.models.common import logits as project
@@ -555,8 +556,8 @@ class Runner:
     model: object  # loader.LoadedModel
     max_model_len: int = 2048
     max_num_seqs: int = 1
-    page_size: int = 16
-    max_num_batched_tokens: int = 512
+    page_size: int = PAGE_SIZE
+    max_num_batched_tokens: int = MAX_NUM_BATCHED_TOKENS
     tp: int = 1
     ep: bool = False
     dp: int = 1
