@@ -115,7 +115,7 @@ def drafter_for(spec: SpeculativeConfig | None, model):
     from quantkit.runtime.models.eagle3 import load
 
     # float32 on CPU, where XLA's bf16 dots take about twice as long (the head is small: 1.4 M parameters for
-    # the default model's; its passes are most of what it costs a step there)
+    # the default model's; its passes are most of what it adds to a step there)
     return Drafter(*load(spec.model, model.cfg, jnp.float32 if jax.default_backend() == "cpu" else model.dtype))
 
 
