@@ -50,9 +50,25 @@ def pytest_addoption(parser):
                      help="also run the exhaustive matrices (tests marked `exhaustive`; scripts/test.sh --exhaustive)")
 
 
+def tpu_attached() -> bool:
+    """Whether JAX runs on a TPU here: never under JAX_PLATFORMS=cpu (the default above), so that the CPU
+    suite never opens a backend to find out."""
+    if os.environ.get("JAX_PLATFORMS") == "cpu":
+        return False
+    import jax
+
+    return jax.default_backend() == "tpu"
+
+
 def pytest_collection_modifyitems(config, items):
     """Tests marked `exhaustive` run only with --exhaustive (deselected otherwise, not skipped); tests marked
-    `slow` run first, so that the xdist workers end on short tests, at about the same time."""
+    `tpu` are skipped, with the reason, where no TPU is attached; tests marked `slow` run first, so that the
+    xdist workers end on short tests, at about the same time."""
+    tpu = [i for i in items if i.get_closest_marker("tpu") is not None]
+    if tpu and not tpu_attached():
+        skip = pytest.mark.skip(reason="needs a TPU: scripts/test.sh --tpu runs the TPU lane on one (README)")
+        for item in tpu:
+            item.add_marker(skip)
     if not config.getoption("--exhaustive"):
         keep = [i for i in items if i.get_closest_marker("exhaustive") is None]
         if len(keep) < len(items):

@@ -20,6 +20,8 @@ from quantkit.kernels import gdn_prefill as prefill
 from quantkit.kernels.gdn_decode import conv_cost, conv_decode, cost, gdn_decode
 from quantkit.runtime.models.gdn import _conv, _l2norm, _recurrence
 
+INTERPRET = pltpu.InterpretParams()  # tests/test_tpu.py runs these tests with it off, on a TPU
+
 
 def _inputs(rng, rows, hv, dk, dv, layers, slots):
     q = _l2norm(jnp.asarray(rng.standard_normal((rows, hv, dk)), jnp.float32)) * dk ** -0.5
@@ -46,7 +48,7 @@ def test_decode_kernel_matches_the_recurrence(hv, dk, dv, seed):
     o_ref, s1 = _recurrence(q, k, v, g, beta, s0, jnp.arange(rows), jnp.asarray(valid), decode=True)
     want = np.asarray(state).copy()
     want[layer, slot[:5]] = np.asarray(s1)[:5]
-    o, got = gdn_decode(q, k, v, g, beta, state, layer, slot, fresh, valid, interpret=pltpu.InterpretParams())
+    o, got = gdn_decode(q, k, v, g, beta, state, layer, slot, fresh, valid, interpret=INTERPRET)
     o, got = np.asarray(o), np.asarray(got)
     assert np.isfinite(o).all() and np.isfinite(got).all(), f"unwritten (NaN) output, seed {seed}"
     assert rel_err(o[:5], np.asarray(o_ref)[:5]) < 1e-5, f"seed {seed}"
@@ -101,7 +103,7 @@ def test_conv_kernel_matches_the_conv(seed):
     y_ref, c1 = _conv(x, w, c0, jnp.arange(rows), jnp.zeros(rows, jnp.int32), jnp.arange(rows), ones)
     want = np.asarray(conv).copy()
     want[layer, slot[:5]] = np.asarray(c1).reshape(rows, 1, -1)[:5]
-    y, got = conv_decode(x, w, conv, layer, slot, fresh, valid, interpret=pltpu.InterpretParams())
+    y, got = conv_decode(x, w, conv, layer, slot, fresh, valid, interpret=INTERPRET)
     y, got = np.asarray(y, np.float32), np.asarray(got)
     assert rel_err(y[:5], np.asarray(y_ref, np.float32)[:5]) < 1e-6, f"seed {seed}"
     assert (y[5:] == 0).all(), f"padding rows' output, seed {seed}"
@@ -157,7 +159,7 @@ def test_prefill_kernel_matches_the_chunked_rule(seed):
     o_ref, s1 = _recurrence(q, k, v, g, beta, s0, jnp.asarray(first), jnp.asarray(n))
     want = np.asarray(state).copy()
     o, got = prefill.gdn_prefill(q, k, v, g, beta, state, layer, slot, fresh, first, n, chunk=16,
-                                 interpret=pltpu.InterpretParams())
+                                 interpret=INTERPRET)
     o, got = np.asarray(o), np.asarray(got)
     live = np.arange(t) < n.sum()
     assert rel_err(o[live], np.asarray(o_ref)[live]) < 1e-5, f"seed {seed}"

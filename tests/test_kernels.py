@@ -74,6 +74,8 @@ CASES = [  # qtype, group (None = channel), tk, zero points; k = 512. Pre-dot sc
     ("nvfp4", 16, 512, False),
     # zero points: pre-dot (the tile's rows shifted), one of several rows per k tile, channel (one row)
     ("int4", 32, 512, True), ("int4", 256, 128, True), ("int8", None, 256, True),
+    # groups of 128 and wider, several a k tile: each group's partial sums scaled (and zero points taken off)
+    ("int4", 128, 512, True), ("mxfp8", 128, 512, False),
 ]
 
 
@@ -86,7 +88,7 @@ def test_kernel_matches_reference(qtype, group, tk, zeros, g, m, seed):
     rhs = _random_qtensor(rng, qtype, g, k, n, group, zeros)
     lhs = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
     sizes = jnp.asarray(_sizes(rng, g, m))
-    tiles = Tiles(tm=m if m < 16 else 16, tk=tk, tn=128, predot=group < tk, lhs_resident=bool(m % 2),
+    tiles = Tiles(tm=m if m < 16 else 16, tk=tk, tn=128, predot=group < min(tk, 128), lhs_resident=bool(m % 2),
                   vmem_bytes=0, vmem_limit=32 << 20)
     out = gmm_v2(lhs, rhs, sizes, tiles=tiles, interpret=INTERPRET)
     ref = gmm_reference(lhs, rhs, sizes)
@@ -242,8 +244,9 @@ def test_tiles_obey_the_rules(chip, qtype, group):
             assert t is not None, (chip, k, n, grp, m)
             assert k % t.tk == 0 and n % t.tn == 0 and t.tk % 128 == 0 and t.tn % 128 == 0
             assert t.tm == m or t.tm % 8 == 0
-            assert (t.tk % grp == 0) if t.predot else (grp % t.tk == 0)
-            if t.predot and (zeros or scale_bytes == 1):  # 1-byte blocks of tk/group rows: whole (32, 128) tiles
+            assert (t.tk % grp == 0) if t.predot else (t.tk % grp == 0 or grp % t.tk == 0)
+            assert t.predot == (grp < min(t.tk, 128))  # groups of 128 and wider: scales on partial sums
+            if grp < t.tk and (zeros or scale_bytes == 1):  # 1-byte blocks of tk/group rows: whole (32, 128) tiles
                 assert (t.tk // grp) % 32 == 0 or t.tk == k, (chip, k, n, grp, t)
             # VMEM against the chip's own facts (jax's TPU info): the limit passed to Mosaic is within the
             # chip's VMEM, and the estimate covers at least what the blocks take double-buffered (lhs, the
@@ -599,7 +602,7 @@ def test_gated_pair_matches_the_gate_of_two_products(qtype, group, tk, zeros, ac
     lhs, rows = quantize_rows(x, act) if act else (x, None)
     ref_lhs = lhs if rows is None else lhs.astype(jnp.float32) * rows.astype(jnp.float32)
     sizes = jnp.asarray(_sizes(rng, g, m))
-    tiles = Tiles(tm=32 if act else 16, tk=tk, tn=128, predot=group < tk, lhs_resident=bool(m % 2), vmem_bytes=0,
+    tiles = Tiles(tm=32 if act else 16, tk=tk, tn=128, predot=group < min(tk, 128), lhs_resident=bool(m % 2), vmem_bytes=0,
                   vmem_limit=32 << 20)
     out = gmm_v2(lhs, a, sizes, row_scales=rows, tiles=tiles, interpret=INTERPRET, up=b, gate=gate)
 
@@ -668,7 +671,7 @@ def _grid_walk(sizes, m, k, n, tiles, qtype, group, act=""):
 
     g, nk, tm, tk, tn = len(sizes), k // tiles.tk, tiles.tm, tiles.tk, tiles.tn
     meta = visits(jnp.asarray(sizes, jnp.int32), m, tm) + (jnp.zeros(1, jnp.int32),)  # + the group offset
-    lhs_map, rows_map, q_map, s_map, out_map = index_maps(tiles, g, nk)
+    lhs_map, rows_map, q_map, s_map, out_map = index_maps(tiles, g, nk, group)
     vbits = 8 if qtype in ("int8", "fp8") else 4
     row_scales = k // 128 if act == "fp8_g128" else 1  # float32 scales a row
     blocks = [(lhs_map, tm * (k if tiles.lhs_resident else tk) * (1 if act else 2)),

@@ -13,6 +13,8 @@ from jax.experimental.pallas import tpu as pltpu
 from quantkit.kernels import sample as kernel
 from quantkit.runtime.structured import device_words, spread, words
 
+INTERPRET = pltpu.InterpretParams()  # tests/test_tpu.py runs these tests with it off, on a TPU
+
 BANNED = 3
 
 
@@ -83,7 +85,7 @@ def test_kernel_draws_what_numpy_draws_with_jax_noise(vocab, b, shared):
     r = _rows(rng, b, vocab, shared)
     allow = np.stack([spread(m, device_words(vocab)) for m in r["raw"]])
     out = kernel.sample(jnp.asarray(r["logits"]), jnp.asarray(allow), jnp.asarray(r["keys"]), r["temperature"],
-                        r["top_k"], r["top_p"], r["banned"], r["logprobs"], interpret=pltpu.InterpretParams())
+                        r["top_k"], r["top_p"], r["banned"], r["logprobs"], interpret=INTERPRET)
     tok, lp, ids, lps = (np.asarray(x) for x in out)
     rtok, rlp, rids, rlps = _reference(r)
     assert np.array_equal(tok, rtok)

@@ -11,10 +11,15 @@ elementwise pass that would multiply them (Llama-3-8B on a v6e: 9.8 MB less a la
 Per grid step (n tile, visit, k tile), the weight tile [tk, tn] is DMA'd from HBM to VMEM in its packed type (double-buffered by the
 Pallas pipeline), converted to float on the vector unit and multiplied by its scales, then fed to the
 MXU in bf16 with float32 accumulation. Scales (and zero points z of asymmetric ints: (q - z) * s):
-- group < tk ("pre-dot"): each group of rows of the tile is shifted and scaled before the dot;
-- group >= tk (wide groups, channel scales): the dot of the unscaled tile (exact small integers or fp8
-  values in bf16) is multiplied by the tile's single scale row: scales apply to partial sums; a zero
-  point row z is taken off first as z * (the sum of the tile's lhs columns), since x (q - z) = xq - (sum x) z.
+- group < 128, narrower than the MXU ("pre-dot"): each group of rows of the tile is shifted and scaled before
+  the dot;
+- group >= 128 (group 128 and wider, channel scales): scales apply to partial sums. Each group of the tile's
+  rows (or the whole tile, when a group spans it) is dotted unscaled (exact small integers or fp8 values in
+  bf16) and its [tm, tn] float32 product multiplied by the group's scale row; a zero point row z is taken off
+  first as z * (the sum of those lhs columns), since x (q - z) = xq - (sum x) z. Per element of the weight
+  this leaves one conversion to bf16: on a TPU v5e, W4A16 g128 at decode took 40-45% less time than
+  scaling every element before the dot (benchmarks/tpu_gmm.py), which left the vector unit, not HBM, the
+  bound.
 nvfp4's global scale (one float32 per group) comes in SMEM with the group metadata; the tile's scales are
 divided by it in float32 before use, as compressed-tensors divides them (so the bf16 weights are the library's).
 Quantized activations (QTensor.act "int8": W8A8, W4A8; "fp8": FP8_DYNAMIC, W4AFP8): lhs holds 8-bit codes
@@ -81,8 +86,10 @@ def visits(group_sizes: jax.Array, m: int, tm: int) -> tuple[jax.Array, jax.Arra
 
     Returns int32 arrays: group id per visit [V], m tile per visit [V], the number of real visits [1],
     and group row bounds [g + 1, 2] (the extra group g, empty, stands for rows past all groups). V is the
-    static bound tiles_m + g - 1 + 1; padding visits repeat the last real one (index_maps: same blocks, no new DMA)
-    and are skipped by the kernel.
+    static bound tiles_m + min(g, m): at most min(g, m) groups hold rows, and the real visits number at most
+    tiles_m + (groups holding rows) - 1. Padding visits repeat the last real one (index_maps: same blocks, no new
+    DMA) and are skipped by the kernel; each still costs a grid step, so a bound of tiles_m + g (128 experts, one
+    token: 129 steps for 8 real visits) cost Qwen3-30B-A3B's decode most of its expert time.
     """
     g = group_sizes.shape[0]
     tiles_m = _cdiv(m, tm)
@@ -98,7 +105,7 @@ def visits(group_sizes: jax.Array, m: int, tm: int) -> tuple[jax.Array, jax.Arra
     count = jnp.concatenate([count, (tiles_m - covered)[None]])
     cum = jnp.cumsum(count)
     n_visits = cum[-1]
-    bound = tiles_m + g
+    bound = tiles_m + min(g, m)
     v = jnp.arange(bound, dtype=jnp.int32)
     vg = jnp.searchsorted(cum, jnp.minimum(v, n_visits - 1), side="right").astype(jnp.int32)
     vt = (first[vg] + jnp.minimum(v, n_visits - 1) - (cum[vg] - count[vg])).astype(jnp.int32)
@@ -150,21 +157,29 @@ def _kernel(vg_ref, vt_ref, nv_ref, bounds_ref, off_ref, *refs, qtype: str, grou
             return y
         if qtype == "bf16":  # a dense weight: its unit scales change nothing
             return jnp.dot(x, q_ref[...], preferred_element_type=jnp.float32)
-        q = decode_values(q_ref[...], qtype)  # [tk, tn] f32
         if tiles.predot:
             rows = tk // group
             s = scales(s_ref, j)  # [tk/group, tn]: this k tile's scale rows
-            q = q.reshape(rows, group, tn)
+            q = decode_values(q_ref[...], qtype).reshape(rows, group, tn)  # f32
             if z_ref is not None:
                 q = q - z_ref[...].astype(jnp.float32)[:, None, :]  # exact: small integers
             w = (q * s[:, None, :]).reshape(tk, tn).astype(jnp.bfloat16)
             return jnp.dot(x, w, preferred_element_type=jnp.float32)
-        # one scale row serves the whole k tile
-        y = jnp.dot(x, q.astype(jnp.bfloat16), preferred_element_type=jnp.float32)
-        if z_ref is not None:
-            y -= jnp.sum(x.astype(jnp.float32), axis=1, keepdims=True) * _tile_row(
-                z_ref[...].astype(jnp.float32), ki, tk, group)
-        return y * _tile_row(scales(s_ref, j), ki, tk, group)
+        # scales on partial sums: the tile's groups of rows one by one, or the one group the tile lies in
+        s = scales(s_ref, j)  # [tk/group, tn]: this k tile's rows; else all k/group rows, one of them the tile's
+        z = None if z_ref is None else z_ref[...].astype(jnp.float32)
+        if group >= tk:
+            s, z = _tile_row(s, ki, tk, group), z if z is None else _tile_row(z, ki, tk, group)
+        width = min(group, tk)
+        y = None
+        for r in range(tk // width):
+            xr = x[:, r * width:(r + 1) * width]
+            p = jnp.dot(xr, _bf16_values(q_ref[r * width:(r + 1) * width, :], qtype),
+                        preferred_element_type=jnp.float32)
+            if z is not None:
+                p -= jnp.sum(xr.astype(jnp.float32), axis=1, keepdims=True) * z[r:r + 1]
+            y = p * s[r:r + 1] if y is None else y + p * s[r:r + 1]
+        return y
 
     @pl.when(ki == 0)
     def _():
@@ -189,6 +204,13 @@ def _kernel(vg_ref, vt_ref, nv_ref, bounds_ref, off_ref, *refs, qtype: str, grou
             g_, u = (y.astype(out_ref.dtype).astype(jnp.float32) for y in sums)
             sums = [GATES[gate](g_) * u]
         out_ref[...] = jnp.where(mine, sums[0], prev).astype(out_ref.dtype)
+
+
+def _bf16_values(values: jax.Array, qtype: str) -> jax.Array:
+    """A tile's stored values as the MXU's bf16 operand (exact: small integers, fp8 and e2m1 values): ints
+    converted straight to bf16 (one conversion an element, not two through float32)."""
+    return values.astype(jnp.bfloat16) if qtype in ("int4", "int8") else \
+        decode_values(values, qtype).astype(jnp.bfloat16)
 
 
 def _tile_row(all_rows: jax.Array, ki, tk: int, group: int) -> jax.Array:
@@ -216,7 +238,7 @@ def cost(m: int, k: int, n: int, g: int, rhs: QTensor, tiles: Tiles, out_bytes: 
 
 # ---- pallas_call -----------------------------------------------------------------------------------
 
-def index_maps(tiles: Tiles, g: int, nk: int) -> tuple:
+def index_maps(tiles: Tiles, g: int, nk: int, group: int) -> tuple:
     """The block index of each operand at grid step (n tile, visit, k tile) — (lhs, row scales, weight values,
     scales and zero points, output) — from the scalar prefetch refs (visit groups and m tiles, the number of
     real visits, group bounds, the group offset; nvfp4's global scales after them, unused). A visit that
@@ -242,8 +264,8 @@ def index_maps(tiles: Tiles, g: int, nk: int) -> tuple:
     def q_map(ni, v, ki, vg, vt, nv, bounds, off, *_):
         return off[0] + jnp.minimum(vg[v], g - 1), at(v, ki, vg, nv), ni
 
-    def s_map(ni, v, ki, vg, vt, nv, bounds, off, *_):  # pre-dot: the k tile's rows; else all rows (few)
-        return off[0] + jnp.minimum(vg[v], g - 1), at(v, ki, vg, nv) if tiles.predot else 0, ni
+    def s_map(ni, v, ki, vg, vt, nv, bounds, off, *_):  # group < tk: the k tile's rows; else all rows (few)
+        return off[0] + jnp.minimum(vg[v], g - 1), at(v, ki, vg, nv) if group < tiles.tk else 0, ni
 
     def out_map(ni, v, ki, vg, vt, nv, bounds, off, *_):
         return vt[v], ni
@@ -265,8 +287,8 @@ def _call(lhs: jax.Array, rhs: QTensor, group_sizes: jax.Array, group_offset: ja
                                zeros=rhs.zeros is not None, gscale=rhs.gscale is not None,
                                int8_lhs=row_scales is not None, mxu=mxu,
                                row_group=row_group(rhs.act) if row_scales is not None else 0, gate=gate)
-    lhs_map, rows_map, q_map, s_map, out_map = index_maps(tiles, g, nk)
-    s_spec = pl.BlockSpec((None, tk // rhs.group if tiles.predot else srows, tn), s_map)  # zero points too
+    lhs_map, rows_map, q_map, s_map, out_map = index_maps(tiles, g, nk, rhs.group)
+    s_spec = pl.BlockSpec((None, tk // rhs.group if rhs.group < tk else srows, tn), s_map)  # zero points too
 
     offset = group_offset.reshape(1).astype(jnp.int32)
     prefetch = [vg, vt, nv, bounds, offset]

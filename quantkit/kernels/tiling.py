@@ -72,7 +72,10 @@ def hbm_bytes(shape: tuple[int, ...], bits: int, chip: Chip) -> int:
 MAX_TILE = 4096
 STEP_SECONDS = 0.35e-6  # a grid step's fixed overhead
 MIN_TILE_WEIGHT_BYTES = 512 << 10  # below this, per-step overhead outweighs the overlap gained
-BIG_WEIGHT_BYTES = 8 << 20  # weights at least this big get at least MIN_STEPS grid steps along k and n
+# a dense weight at least this big gets at least MIN_STEPS grid steps along k and n (a grouped call's next visit
+# overlaps the DMA of its next expert anyway): on a v5e a 2 MiB int4 weight in one step took 7.1 us, 2.6x its HBM
+# floor, its DMA and compute in series (benchmarks/tpu_gmm_variants.py)
+BIG_WEIGHT_BYTES = 1 << 20
 MIN_STEPS = 4
 
 
@@ -83,7 +86,8 @@ class Tiles:
     tm: int
     tk: int
     tn: int
-    predot: bool  # group < tk: dequantize the tile (values * scales) before the dot
+    predot: bool  # group < tk and < 128: dequantize the tile (values * scales) before the dot; else scales
+    # multiply the partial sums of each group (gmm_v2)
     lhs_resident: bool  # lhs block spans all of k: read once per m tile, not once per n tile
     vmem_bytes: int  # estimated peak VMEM of one grid step, double buffers included
     vmem_limit: int  # the limit passed to Mosaic
@@ -137,7 +141,7 @@ def traffic(m: int, k: int, n: int, g: int, qtype: str, group: int, scale_bytes:
     runs = min(g, m, visits)  # runs of consecutive visits to one group
     ktiles = k // tiles.tk > 1  # blocks indexed by the k tile change at every step: a visit reads all of them
     values = (visits if ktiles else runs) * k * n * weight_bits(qtype) // 8
-    scales = (visits if ktiles and tiles.predot else runs) * max(1, k // group) * n * (scale_bytes + zero_bytes)
+    scales = (visits if ktiles and group < tiles.tk else runs) * max(1, k // group) * n * (scale_bytes + zero_bytes)
     lhs_reads = 1 if (tiles.lhs_resident and tiles_m == 1) else n // tiles.tn
     lhs_rows = visits * min(tiles.tm, m) if ktiles and not tiles.lhs_resident else m  # k tiles: a visit reads its rows
     rows = m * 4 * row_scales if lhs_bytes == 1 else 0  # 8-bit rows' float32 scales, a block per m tile
@@ -153,9 +157,10 @@ def choose_tiles(m: int, k: int, n: int, g: int, qtype: str, group: int, scale_b
     Rules: blocks obey the (8, 128) rule (tk, tn multiples of 128 dividing k and n; tm a multiple of 8
     or all of m); lhs rows stay resident across n tiles when 2 copies of [tm, k] take at most a quarter
     of the VMEM limit;
-    scale groups narrower than the MXU are dequantized before the dot (tk a multiple of the group),
-    wider groups and channel scales multiply partial sums (tk divides the group); the estimated VMEM
-    stays under 75% of the limit; a weight of 8 MiB or more gets at least 4 grid steps along k x n so
+    scale groups narrower than 128 are dequantized before the dot (tk a multiple of the group); groups of
+    128 and wider and channel scales multiply the partial sums of each group (tk a multiple of the group, or
+    a divisor of it); the estimated VMEM
+    stays under 75% of the limit; a dense weight of 1 MiB or more gets at least 4 grid steps along k x n so
     that its DMA overlaps compute; otherwise tiles are as large as allowed (fewer, longer steps).
     int8_lhs (8-bit quantized activations, int8 or fp8): the scales apply after the dot (tk divides the group,
     and `row_group`, the inputs per row scale of per-group rows, when set). `weights` 2: a gated pair's
@@ -193,9 +198,9 @@ def _choose_kn(tm: int, k: int, n: int, qtype: str, group: int, scale_bytes: int
                weights: int = 1) -> Tiles | None:
     """tk and tn for a given tm (see choose_tiles)."""
     bits = weight_bits(qtype)
-    # tk a multiple of the group (scales before the dot), or a divisor of it (scales on partial sums,
-    # one scale row per k step: the natural choice for groups at least as wide as the MXU and for
-    # channel scales).
+    # tk a multiple of the group (several groups a tile: scaled before the dot when narrower than 128, else
+    # each group's partial sums scaled), or a divisor of it (one scale row per k step: channel scales and
+    # wide groups).
     # A pre-dot tile's scales come as their own block of tk/group rows: a multiple of 8 rows for f32 and
     # bf16, of 32 for uint8 scales and int8 zero points (their HBM tiling is (32, 128); deviceless compiles
     # refuse less), or all of k.
@@ -222,7 +227,7 @@ def _choose_kn(tm: int, k: int, n: int, qtype: str, group: int, scale_bytes: int
         for tn in tns:
             steps = (k // tk) * (n // tn)
             tile_bytes = weights * tk * tn * bits // 8
-            if weights * k * n * bits // 8 >= BIG_WEIGHT_BYTES and steps < MIN_STEPS:
+            if not grouped and weights * k * n * bits // 8 >= BIG_WEIGHT_BYTES and steps < MIN_STEPS:
                 continue
             vmem = vmem_estimate(tm, tk, tn, k, group, qtype, scale_bytes, resident, zero_bytes, lhs_bytes, weights)
             if vmem * 4 > limit * 3:
@@ -233,5 +238,5 @@ def _choose_kn(tm: int, k: int, n: int, qtype: str, group: int, scale_bytes: int
             key = (tile_bytes >= MIN_TILE_WEIGHT_BYTES, tile_bytes if tile_bytes <= (4 << 20) else 0,
                    grouped and tk == k, tn)
             if best is None or key > best[0]:
-                best = (key, Tiles(tm, tk, tn, group < tk, resident, vmem, limit))
+                best = (key, Tiles(tm, tk, tn, group < min(tk, LANES), resident, vmem, limit))
     return best[1] if best else None
