@@ -13,7 +13,8 @@ Tables (--what, default all):
          int8 MXU);
   moe:   Qwen3-30B-A3B's experts (128, top 8; gate/up a gated pair) at 1..512 tokens, against lax.ragged_dot
          and JAX's own Pallas grouped matmul (megablox gmm), both bf16;
-  sweep: tiles (tk, tn) around the chosen ones for the Llama shapes at m = 8 and 64.
+  sweep: tiles (tk, tn) around the chosen ones for the Llama shapes at m = 8 and 64;
+  decode: gmm_v2 alone at decode sizes (Llama at m = 1, 8, 64; experts at 1 and 8 tokens).
 Usage (on the chip; benchmarks/README or docs/benchmarks.md): python3 benchmarks/tpu_gmm.py [--what llama,moe] [--out F]
 """
 
@@ -44,14 +45,17 @@ LLAMA = {"q/o": (4096, 4096), "k/v": (4096, 1024), "gate/up": (4096, 14336), "do
 MOE = {"experts gate/up": (2048, 768, True), "experts down": (768, 2048, False)}
 
 
-def per_call(fn, args, n: int = 32, reps: int = 5) -> float:
-    """Seconds per call of fn(x, *rest), chained n times in one program, less the one-call program."""
+def per_call(fn, args, n: int = 32, reps: int = 5, whole: bool = False) -> float:
+    """Seconds per call of fn(x, *rest), chained n times in one program, less the one-call program. The next
+    input depends on one output element of a Pallas call, which XLA cannot see into; on the whole output of
+    an XLA op (`whole`: its sum, a pass over [m, n]), whose one element XLA would compute alone."""
     def chain(count):
         @jax.jit
         def run(x, *rest):
             def body(i, c):
                 x, acc = c
-                t = fn(x, *rest)[0, 0].astype(jnp.float32)
+                out = fn(x, *rest)
+                t = (jnp.sum(out, dtype=jnp.float32) if whole else out[0, 0]).astype(jnp.float32)
                 return x + (t * 0).astype(x.dtype), acc + t
             return jax.lax.fori_loop(0, count, body, (x, jnp.float32(0)))
         return run
@@ -113,7 +117,7 @@ class Bench:
         try:
             t0 = time.perf_counter()
             jax.block_until_ready(fn(*args))
-            t = per_call(fn, args)
+            t = per_call(fn, args, whole=not label.startswith("gmm_v2"))
             r = dict(table=table, variant=label, us=round(t * 1e6, 2), floor_us=round(floor_bytes / self.hbm * 1e6, 2),
                      ratio=round(t / (floor_bytes / self.hbm), 3), **meta, wall_s=round(time.perf_counter() - t0, 1))
             if flops:
@@ -124,13 +128,13 @@ class Bench:
             self.log(table=table, variant=label, error=f"{type(e).__name__}: {str(e)[:400]}", **meta)
 
 
-def llama(b: Bench, rng):
+def llama(b: Bench, rng, ms=(1, 8, 16, 64, 128, 256, 2048), peers=True):
     for name, (k, n) in LLAMA.items():
         pair = name == "gate/up"
         w = weight(rng, "int4", 1, k, n, 128)
         up = weight(rng, "int4", 1, k, n, 128) if pair else None
         dense = jnp.asarray(rng.standard_normal((k, n), np.float32), jnp.bfloat16)
-        for m in (1, 8, 16, 64, 128, 256, 2048):
+        for m in ms:
             x = jnp.asarray(rng.standard_normal((m, k), np.float32), jnp.bfloat16)
             sizes = jnp.array([m], jnp.int32)
             floor = weight_bytes(w) * (2 if pair else 1) + 2 * m * k + 2 * m * n
@@ -138,7 +142,7 @@ def llama(b: Bench, rng):
             tiles, _ = check_gmm_v2((m, k), w, CHIPS[b.chip], 1, pair)
             b.time("llama", "gmm_v2 W4A16 g128", lambda x, w: gmm_v2(x, w, sizes, chip=b.chip, **kw), (x, w), floor,
                    2 * m * k * n * (2 if pair else 1), shape=name, m=m, tiles=[tiles.tm, tiles.tk, tiles.tn])
-            if m <= 256 or m == 2048:
+            if peers:
                 b.time("llama", "XLA bf16 dot", lambda x, d: jnp.dot(x, d), (x, dense), floor, 2 * m * k * n,
                        shape=name, m=m, note="one weight (a pair: x2)" if pair else "")
 
@@ -169,7 +173,7 @@ def qtypes(b: Bench, rng):
                 b.time("qtypes", label, fn, args, floor, 2 * m * k * n, shape=name, m=m)
 
 
-def moe(b: Bench, rng):
+def moe(b: Bench, rng, token_counts=(1, 8, 64, 512), peers=True):
     from jax.experimental.pallas.ops.tpu.megablox import gmm as megablox
 
     g, top = 128, 8
@@ -177,7 +181,7 @@ def moe(b: Bench, rng):
         w = weight(rng, "int4", g, k, n, 128)
         up = weight(rng, "int4", g, k, n, 128) if pair else None
         dense = jnp.asarray(rng.standard_normal((g, k, n), np.float32), jnp.bfloat16)
-        for tokens in (1, 8, 64, 512):
+        for tokens in token_counts:
             m = tokens * top
             experts = np.stack([rng.choice(g, top, replace=False) for _ in range(tokens)])
             counts = np.bincount(experts.ravel(), minlength=g)
@@ -189,6 +193,8 @@ def moe(b: Bench, rng):
             meta = dict(shape=name, tokens=tokens, active_experts=active)
             b.time("moe", "gmm_v2 W4A16 g128", lambda x, w, s: gmm_v2(x, w, s, chip=b.chip, **kw), (x, w, sizes),
                    floor, **meta)
+            if not peers:
+                continue
             dense_floor = active * k * n * 2 + 2 * m * k + 2 * m * n
             note = dict(note="one weight (a pair: x2)" if pair else "", bf16_floor_us=round(dense_floor / b.hbm * 1e6, 2))
             b.time("moe", "lax.ragged_dot bf16", lambda x, d, s: jax.lax.ragged_dot(x, d, s), (x, dense, sizes),
@@ -197,6 +203,12 @@ def moe(b: Bench, rng):
             b.time("moe", "megablox gmm bf16", lambda x, d, s: megablox(x, d, s, preferred_element_type=jnp.bfloat16,
                                                                         tiling=(tm, k if k < 512 else 512, 128 if n < 512 else 512)),
                    (x, dense, sizes), floor, **meta, **note)
+
+
+def decode(b: Bench, rng):
+    """gmm_v2 alone at decode sizes: the Llama-3-8B linears at m = 1, 8, 64, the experts at 1 and 8 tokens."""
+    llama(b, rng, (1, 8, 64), peers=False)
+    moe(b, rng, (1, 8), peers=False)
 
 
 def sweep(b: Bench, rng):
@@ -239,7 +251,7 @@ def main():
           date=datetime.date.today().isoformat(), command=" ".join(sys.argv))
     rng = np.random.default_rng(0)
     for what in a.what.split(","):
-        {"llama": llama, "qtypes": qtypes, "moe": moe, "sweep": sweep}[what](b, rng)
+        {"llama": llama, "qtypes": qtypes, "moe": moe, "sweep": sweep, "decode": decode}[what](b, rng)
 
 
 if __name__ == "__main__":

@@ -646,7 +646,7 @@ def test_declared_cost_equals_the_blocks_the_grid_copies(act, qtype, group, resi
     walking the grid with the call's own visit metadata (`visits`) through the kernel's own index maps
     (`index_maps`): an input block is copied when its index differs from the previous step's, the output
     written when its index changes. Groups of 40 / 30 / 26 rows over 32-row tiles straddle tiles (5 visits,
-    the static bound tiles_m + g - 1, attained); the bound's padding visit copies nothing; 8-bit rows move 1
+    the static bound tiles_m + g - 1, attained); 8-bit rows move 1
     byte an element and a float32 scale a row; with all of k in one tile (tk 512) a group's visits share
     its weight block; a gated pair copies its second weight's blocks as the first's."""
     from quantkit.kernels.gmm_v2 import cost

@@ -39,10 +39,14 @@ def attached_chip() -> str | None:
     return chip_of(jax.devices()[0].device_kind) if jax.default_backend() == "tpu" else None
 
 
+# what a module's tests hold differently on a TPU: its exp and log are approximations (test_sample_kernel)
+ON_CHIP = {test_sample_kernel: {"LOGPROB_TOL": 1e-4}}
+
+
 def on_chip(module, name: str):
     """`module.name` with its parametrization, fixtures, inputs and oracle, but the kernels compiled and run on
-    the TPU (module.INTERPRET off). A case for a chip whose 8-bit MXU types differ from the attached one's
-    (v7x's fp8 on a v5e) is skipped: its program cannot run here."""
+    the TPU (module.INTERPRET off; ON_CHIP's tolerances). A case for a chip whose 8-bit MXU types differ from
+    the attached one's (v7x's fp8 on a v5e) is skipped: its program cannot run here."""
     from quantkit.kernels.tiling import CHIPS
 
     fn = getattr(module, name)
@@ -53,6 +57,8 @@ def on_chip(module, name: str):
             pytest.skip(f"{chip}'s 8-bit MXU types {CHIPS[chip].mxu_8bit} are not this {here}'s")
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(module, "INTERPRET", False)
+            for attr, value in ON_CHIP.get(module, {}).items():
+                mp.setattr(module, attr, value)
             fn(*args, **kwargs)
 
     test.__signature__ = inspect.signature(fn)

@@ -40,7 +40,8 @@ def attention(q, kv, layer, kv_lens, block_tables, cu_q_lens, num_seqs, *, scale
               sliding_window: int | None = None, soft_cap: float | None = None, mesh=None,
               sinks: jax.Array | None = None, short: int = 1) -> jax.Array:
     """Ragged paged attention of q [T, H, D] over layer `layer` of kv (kernels/xla.py documents the
-    contract); on a TPU target the Pallas kernel, elsewhere the pure-JAX path.
+    contract); on a TPU target the Pallas kernel (head sizes kernels/paged_attention.HEAD_SIZES), elsewhere and
+    for other head sizes the pure-JAX path.
 
     mesh: the tensor-parallel mesh (runtime/sharding.py). XLA cannot partition a Mosaic kernel, so the
     call runs per device under shard_map: each device its query heads over its KV heads when the cache's
@@ -62,10 +63,10 @@ def attention(q, kv, layer, kv_lens, block_tables, cu_q_lens, num_seqs, *, scale
     kw["sinks"] = sinks
     from quantkit.runtime.ops import interpret, tpu_chip
 
-    chip = tpu_chip()
-    if chip is not None:
-        from quantkit.kernels.paged_attention import paged_attention
+    from quantkit.kernels.paged_attention import HEAD_SIZES, paged_attention
 
+    chip = tpu_chip()
+    if chip is not None and q.shape[-1] in HEAD_SIZES:  # other head sizes (tiny models' 32): the pure-JAX path
         return paged_attention(q, kv, layer, kv_lens, block_tables, cu_q_lens, num_seqs, **kw, chip=chip,
                                interpret=interpret())
     from quantkit.kernels.xla import paged_attention_xla

@@ -1,0 +1,179 @@
+"""Decode and prefill steps of a Llama-3-8B-shaped model (and a Qwen3-30B-A3B-shaped MoE) on a TPU, against
+each decode step's byte floor, side by side in one run.
+
+Random weights are made on the chip from the weight tree the loader would build (loader.abstract: the same
+QTensors, stacked layers and layouts as a converted checkpoint), one layer's values repeated over the stack:
+what a step costs does not depend on the values. The Runner is the one `generate` and `serve` use
+(runtime/step.py). Per configuration:
+- the time from Runner creation to the first token of a 128-token prompt (its compiles included);
+- decode: one Runner per configuration, the largest batch's sequences of 128-token prompts, then for each
+  batch the decode step (one token a sequence, sampled on the
+  device) dispatched 16 times back to back, wall time over 16 (the host's dispatch overlaps the device);
+  the floor: every weight byte once (int4 at 4 bits; the embedding table only its rows) plus the KV pages the
+  step reads (every sequence's 128-160 tokens, all layers) / the chip's HBM bandwidth;
+- prefill: one step of 2048 prompt tokens (16 sequences x 128), tokens/s.
+
+Usage (on the chip): python3 benchmarks/tpu_decode.py [--configs W4A16,bf16] [--layers 32] [--batches 1,64] [--out F]
+Configurations: W4A16 (g128), W8A16 (channel), W8A8 (int8 rows on the int8 MXU), bf16, W4A16-fp8kv, moe
+(Qwen3-30B-A3B W4A16 g128, --moe-layers layers).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from plan_table import LLAMA3_8B, QWEN3_30B_A3B  # noqa: E402
+from quantkit.kernels.tiling import CHIPS  # noqa: E402
+from quantkit.plan import _quantization  # noqa: E402
+from quantkit.quant.qtensor import BITS, QTensor  # noqa: E402
+from quantkit.runtime.loader import LoadedModel, abstract  # noqa: E402
+from quantkit.runtime.models import from_hf  # noqa: E402
+from quantkit.runtime.ops import chip_of  # noqa: E402
+from quantkit.runtime.step import Row, Runner  # noqa: E402
+
+PROMPT, STEPS = 128, 16
+# name -> (config, scheme, group size, KV cache dtype)
+CONFIGS = {"W4A16": (LLAMA3_8B, "W4A16", 128, "auto"), "W8A16": (LLAMA3_8B, "W8A16", -1, "auto"),
+           "W8A8": (LLAMA3_8B, "W8A8", -1, "auto"), "bf16": (LLAMA3_8B, "DENSE", 128, "auto"),
+           "W4A16-fp8kv": (LLAMA3_8B, "W4A16", 128, "fp8"), "moe": (QWEN3_30B_A3B, "W4A16", 128, "auto")}
+
+
+def random_weights(shapes):
+    """Device arrays for the weight tree `shapes` (ShapeDtypeStructs; QTensors of them): integer values over
+    their type's range, scales 1/400, norms 1, the rest N(0, 0.02); a stacked array repeats its first slice."""
+    key = iter(jax.random.split(jax.random.key(0), 4096))
+
+    def fill(s, kind):
+        one = s.shape[1:] if len(s.shape) == 3 else s.shape
+        if kind == "values" and jnp.issubdtype(s.dtype, jnp.integer):
+            lo, hi = (-8, 8) if s.dtype == jnp.int4 else (-128, 128)
+            x = jax.random.randint(next(key), one, lo, hi, jnp.int32).astype(s.dtype)
+        elif kind == "scales":
+            x = jnp.full(one, 1 / 400, s.dtype)
+        elif kind == "norm":
+            x = jnp.ones(one, s.dtype)
+        else:
+            x = (jax.random.normal(next(key), one, jnp.float32) * 0.02).astype(s.dtype)
+        return jax.jit(lambda x: jnp.broadcast_to(x, s.shape))(x) if x.shape != s.shape else x
+
+    def leaf(path, s):
+        if isinstance(s, QTensor):
+            arrays = {f: fill(a, f) if f in ("values", "scales") else fill(a, "other") for f, a in s.arrays.items()}
+            return s.with_arrays(arrays)
+        return fill(s, "norm" if "norm" in jax.tree_util.keystr(path) else "other")
+
+    return jax.tree_util.tree_map_with_path(leaf, shapes, is_leaf=lambda x: isinstance(x, QTensor))
+
+
+def weight_bytes(params) -> int:
+    """Bytes a decode step must read of the weights: all of them at their stored width, but the embedding."""
+    total = 0
+    for path, w in jax.tree_util.tree_flatten_with_path(params, is_leaf=lambda x: isinstance(x, QTensor))[0]:
+        if "embed" in jax.tree_util.keystr(path):
+            continue
+        if isinstance(w, QTensor):
+            total += w.values.size * BITS[w.qtype] // 8 + sum(a.nbytes for f, a in w.arrays.items() if f != "values")
+        else:
+            total += w.nbytes
+    return total
+
+
+def kv_bytes_per_token(cfg, itemsize: int) -> int:
+    return cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * itemsize
+
+
+def run(name, layers, batches, log, chip, prefill=True):
+    raw, scheme, group, kv = CONFIGS[name]
+    raw = dict(raw, num_hidden_layers=layers)
+    cfg = from_hf(raw)
+    qc = _quantization(raw, scheme, group)
+    t0 = time.perf_counter()
+    params = jax.block_until_ready(random_weights(abstract(cfg, qc)))
+    made = time.perf_counter() - t0
+    model = LoadedModel(Path("."), cfg, params, jnp.bfloat16)
+    wbytes = weight_bytes(params)
+    base = dict(config=name, layers=layers, weight_gb=round(wbytes / 1e9, 3), weights_made_s=round(made, 1))
+    try:
+        t0 = time.perf_counter()
+        most = max(batches)
+        runner = Runner(model, max_model_len=256, max_num_seqs=max(most, 16), page_size=16,
+                        max_num_batched_tokens=2048 if prefill else 128, kv_cache_dtype=kv)
+        prompt = [int(i) for i in np.random.default_rng(0).integers(3, 1000, PROMPT)]
+        runner.pool.reserve(0, 0, PROMPT - 1)
+        jax.block_until_ready(runner.run(runner.batch([Row(0, 0, PROMPT, prompt)])))
+        base["first_token_s"] = round(time.perf_counter() - t0, 1)
+        for s in range(max(most, 16)):
+            runner.pool.reserve(s, 0, PROMPT - 1)
+        if prefill:  # 16 sequences x 128 tokens in one step (twice: the first compiles), the rest likewise
+            b = runner.batch([Row(s, 0, PROMPT, prompt) for s in range(16)])
+            jax.block_until_ready(runner.run(b))
+            t0 = time.perf_counter()
+            jax.block_until_ready(runner.run(b))
+            took = time.perf_counter() - t0
+            base |= dict(prefill_2048_ms=round(took * 1e3, 2), prefill_tokens_per_s=round(2048 / took))
+        for s in range(most):
+            if s >= 16 or not prefill:
+                jax.block_until_ready(runner.run(runner.batch([Row(s, 0, PROMPT, prompt)])))
+            runner.pool.reserve(s, PROMPT, PROMPT + STEPS)
+    except Exception as e:  # noqa: BLE001 -- one configuration failing is reported, the rest still run
+        log(**base, error=f"{type(e).__name__}: {str(e)[:400]}")
+        return
+    for batch in batches:
+        try:
+            step = runner.batch([Row(s, PROMPT, 1) for s in range(batch)])
+            jax.block_until_ready(runner.run(step))  # compiles the decode bucket
+            t0 = time.perf_counter()
+            out = None
+            for _ in range(STEPS):
+                out = runner.run(step)
+            jax.block_until_ready(out)
+            decode = (time.perf_counter() - t0) / STEPS
+            kvb = batch * (PROMPT + 1) * kv_bytes_per_token(cfg, jnp.dtype(runner.kv_dtype).itemsize)
+            floor = (wbytes + kvb) / CHIPS[chip].hbm_bytes_per_s
+            log(**base, batch=batch, decode_ms=round(decode * 1e3, 3), floor_ms=round(floor * 1e3, 3),
+                ratio=round(decode / floor, 3), tokens_per_s=round(batch / decode, 1), kv_gb=round(kvb / 1e9, 3))
+        except Exception as e:  # noqa: BLE001
+            log(**base, batch=batch, error=f"{type(e).__name__}: {str(e)[:400]}")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--configs", default="W4A16,bf16")
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--bf16-layers", type=int, default=16, help="bf16 weights of 32 layers do not fit a v5e")
+    ap.add_argument("--moe-layers", type=int, default=24)
+    ap.add_argument("--batches", default="1,16,64,128")
+    ap.add_argument("--no-prefill", action="store_true", help="skip the 2048-token prefill step (its compile)")
+    ap.add_argument("--out", default="tpu_decode.jsonl")
+    a = ap.parse_args()
+    dev = jax.devices()[0]
+    chip = chip_of(dev.device_kind) if dev.platform == "tpu" else None
+    if chip is None:
+        sys.exit(f"error: needs a TPU with kernel facts (found {dev.device_kind})")
+    out = open(a.out, "a")
+
+    def log(**r):
+        print(json.dumps(r), flush=True)
+        out.write(json.dumps(r) + "\n")
+        out.flush()
+
+    log(chip=dev.device_kind, jax=jax.__version__, date=datetime.date.today().isoformat(), command=" ".join(sys.argv))
+    for name in a.configs.split(","):
+        layers = a.moe_layers if name == "moe" else a.bf16_layers if name == "bf16" else a.layers
+        run(name, layers, [int(b) for b in a.batches.split(",")], log, chip, not a.no_prefill)
+        jax.clear_caches()
+
+
+if __name__ == "__main__":
+    main()
