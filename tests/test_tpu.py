@@ -39,8 +39,9 @@ def attached_chip() -> str | None:
     return chip_of(jax.devices()[0].device_kind) if jax.default_backend() == "tpu" else None
 
 
-# what a module's tests hold differently on a TPU: its exp and log are approximations (test_sample_kernel)
-ON_CHIP = {test_sample_kernel: {"LOGPROB_TOL": 1e-4}}
+# what a module's tests hold differently on a TPU: its exp and log are approximations (test_sample_kernel), its
+# MXU multiplies float32 operands as bf16 (test_paged_attention)
+ON_CHIP = {test_sample_kernel: {"LOGPROB_TOL": 1e-4}, test_paged_attention: {"F32_TOL": 5e-3}}
 
 
 def on_chip(module, name: str):

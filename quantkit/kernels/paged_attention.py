@@ -279,9 +279,6 @@ def _kernel(layer_ref, kv_lens_ref, bt_ref, cu_ref, ns_ref, lo_ref, hi_ref, *res
         kv_ok = (krow >= sp["key_lo"]) & (krow <= sp["key_hi"])
         # fp8 pages: upcast to q's dtype here, so that both matmuls (and p) run in q's dtype.
         cd = qs_ref.dtype if kv_buf.dtype.itemsize == 1 else kv_buf.dtype
-        # float32 operands multiplied as float32 (the MXU's multi-pass products): at its default precision a
-        # TPU rounds them to bf16 (2-3e-3 relative error seen on a v5e); bf16 and fp8 caches are unaffected
-        prec = jax.lax.Precision.HIGHEST if cd == jnp.float32 else None
         for kg in range(kvh):
             if d >= 128:
                 kk = kv_buf[slot, :, 2 * kg * d:2 * kg * d + d].astype(cd)  # [C*ps, D]
@@ -289,7 +286,7 @@ def _kernel(layer_ref, kv_lens_ref, bt_ref, cu_ref, ns_ref, lo_ref, hi_ref, *res
             else:  # one slab [k | v]; q's zero upper half drops v from q . [k|v]
                 kk = vv = jnp.where(kv_ok, kv_buf[slot, :, 128 * kg:128 * kg + 128].astype(cd), 0)
             qg = qs_ref[kg]  # [G*bq, Dp]
-            sc = jax.lax.dot_general(qg, kk.astype(qg.dtype), (((1,), (1,)), ((), ())), precision=prec,
+            sc = jax.lax.dot_general(qg, kk.astype(qg.dtype), (((1,), (1,)), ((), ())),
                                      preferred_element_type=jnp.float32)  # [G*bq, C*ps]
             if soft_cap is not None:
                 sc = soft_cap * jnp.tanh(sc / soft_cap)
@@ -299,7 +296,7 @@ def _kernel(layer_ref, kv_lens_ref, bt_ref, cu_ref, ns_ref, lo_ref, hi_ref, *res
             p = jnp.where(vis, jnp.exp(sc - m_next), 0.0)
             alpha = jnp.exp(m_prev - m_next)
             l_next = alpha * jnp.max(l_ref[kg], axis=1, keepdims=True) + jnp.sum(p, axis=1, keepdims=True)
-            pv = jnp.dot(p.astype(vv.dtype), vv, precision=prec, preferred_element_type=jnp.float32)  # [G*bq, Dp]
+            pv = jnp.dot(p.astype(vv.dtype), vv, preferred_element_type=jnp.float32)  # [G*bq, Dp]
             acc_ref[kg] = alpha * acc_ref[kg] + pv
             m_ref[kg] = jnp.broadcast_to(m_next, (rows, 128))
             l_ref[kg] = jnp.broadcast_to(l_next, (rows, 128))
