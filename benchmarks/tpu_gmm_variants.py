@@ -16,12 +16,11 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -30,37 +29,10 @@ from jax.experimental import pallas as pl  # noqa: E402
 from jax.experimental.pallas import tpu as pltpu  # noqa: E402
 
 from quantkit.kernels.gmm_v2 import gmm_v2  # noqa: E402
+from tpu_gmm import per_call  # noqa: E402
 from quantkit.quant.qtensor import make_qtensor  # noqa: E402
 
 HBM = 819e9
-
-
-def per_call(fn, args, n=32, reps=5):
-    """Seconds per call of fn(x, *rest) -> [m, *], chained n times in one program, less one call."""
-    x, *rest = args
-
-    def chain(count):
-        @jax.jit
-        def run(x, *rest):
-            def body(i, c):
-                x, acc = c
-                out = fn(x, *rest)
-                t = out[0, 0].astype(jnp.float32)
-                return x + (t * 0).astype(x.dtype), acc + t
-            return jax.lax.fori_loop(0, count, body, (x, jnp.float32(0)))
-        return run
-
-    times = {}
-    for count in (1, n):
-        f = chain(count)
-        jax.block_until_ready(f(x, *rest))
-        ts = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            jax.block_until_ready(f(x, *rest))
-            ts.append(time.perf_counter() - t0)
-        times[count] = statistics.median(ts)
-    return (times[n] - times[1]) / (n - 1)
 
 
 def _kernel(x_ref, q_ref, s_ref, o_ref, acc_ref, *, mode, tk, nk, group):
@@ -71,17 +43,11 @@ def _kernel(x_ref, q_ref, s_ref, o_ref, acc_ref, *, mode, tk, nk, group):
         acc_ref[...] = jnp.zeros_like(acc_ref)
 
     x = x_ref[:, pl.ds(pl.multiple_of(ki * tk, 128), tk)]
-    if mode == "post":  # unscaled int4 -> bf16 per group, scales on the [m, tn] partial sums
-        acc = acc_ref[...]
+    if mode in ("post", "post_f32"):  # unscaled int4 -> bf16 per group (post_f32: through float32), scales on
+        acc = acc_ref[...]           # the [m, tn] partial sums
         for j in range(tk // group):
-            q = q_ref[j * group:(j + 1) * group, :].astype(jnp.bfloat16)
-            y = jnp.dot(x[:, j * group:(j + 1) * group], q, preferred_element_type=jnp.float32)
-            acc += y * s_ref[j:j + 1, :].astype(jnp.float32)
-        acc_ref[...] = acc
-    elif mode == "post_f32":
-        acc = acc_ref[...]
-        for j in range(tk // group):
-            q = q_ref[j * group:(j + 1) * group, :].astype(jnp.float32).astype(jnp.bfloat16)
+            q = q_ref[j * group:(j + 1) * group, :]
+            q = (q.astype(jnp.float32) if mode == "post_f32" else q).astype(jnp.bfloat16)
             y = jnp.dot(x[:, j * group:(j + 1) * group], q, preferred_element_type=jnp.float32)
             acc += y * s_ref[j:j + 1, :].astype(jnp.float32)
         acc_ref[...] = acc
@@ -95,15 +61,28 @@ def _kernel(x_ref, q_ref, s_ref, o_ref, acc_ref, *, mode, tk, nk, group):
         q = q_ref[...].astype(jnp.float32).reshape(tk // group, group, -1)
         w = (q * s_ref[...].astype(jnp.float32)[:, None, :]).reshape(tk, -1).astype(jnp.bfloat16)
         acc_ref[0:8, :] += w[0:8, :].astype(jnp.float32)
-    elif mode == "vpu":  # m = 1: no MXU
-        q = q_ref[...].astype(jnp.float32).reshape(tk // group, group, -1)
-        xc = x.astype(jnp.float32).reshape(tk // group, group, 1)
-        p = jnp.sum(q * xc, axis=1)  # [tk/group, tn]
-        acc_ref[0:1, :] += jnp.sum(p * s_ref[...].astype(jnp.float32), axis=0, keepdims=True)
 
     @pl.when(ki == nk - 1)
     def _():
         o_ref[...] = acc_ref[0:o_ref.shape[0], :].astype(o_ref.dtype)  # the scratch has at least 8 rows
+
+
+def _vpu_kernel(x_ref, q_ref, s_ref, o_ref, acc_ref, *, tk, nk, group):
+    """m = 1 without the MXU: x as a column, each group's products summed over its rows on the VPU."""
+    ki = pl.program_id(1)
+
+    @pl.when(ki == 0)
+    def _():
+        acc_ref[...] = jnp.zeros_like(acc_ref)
+
+    q = q_ref[...].astype(jnp.float32).reshape(tk // group, group, -1)
+    xc = x_ref[pl.ds(pl.multiple_of(ki * tk, 128), tk), :].reshape(tk // group, group, 1)
+    p = jnp.sum(q * xc, axis=1)  # [tk/group, tn]
+    acc_ref[0:1, :] += jnp.sum(p * s_ref[...].astype(jnp.float32), axis=0, keepdims=True)
+
+    @pl.when(ki == nk - 1)
+    def _():
+        o_ref[...] = acc_ref[0:1, :].astype(o_ref.dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("mode", "tk", "tn", "group", "const"))
@@ -118,22 +97,8 @@ def variant(x, q, s, *, mode, tk, tn, group=128, const=False):
     qmap = cmap if const else (lambda ni, ki: (ki, ni))
     smap = cmap if const else (lambda ni, ki: (ki, ni))
     x_spec = pl.BlockSpec((k, 1), lambda ni, ki: (0, 0)) if mode == "vpu" else pl.BlockSpec((m, k), lambda ni, ki: (0, 0))
-    kern = functools.partial(_kernel, mode=mode, tk=tk, nk=nk, group=group)
-    if mode == "vpu":
-        def kern(x_ref, q_ref, s_ref, o_ref, acc_ref):  # noqa: F811
-            ki = pl.program_id(1)
-
-            @pl.when(ki == 0)
-            def _():
-                acc_ref[...] = jnp.zeros_like(acc_ref)
-            qq = q_ref[...].astype(jnp.float32).reshape(tk // group, group, -1)
-            xc = x_ref[pl.ds(pl.multiple_of(ki * tk, 128), tk), :].reshape(tk // group, group, 1)
-            p = jnp.sum(qq * xc, axis=1)
-            acc_ref[0:1, :] += jnp.sum(p * s_ref[...].astype(jnp.float32), axis=0, keepdims=True)
-
-            @pl.when(ki == nk - 1)
-            def _():
-                o_ref[...] = acc_ref[0:1, :].astype(o_ref.dtype)
+    kern = functools.partial(_vpu_kernel if mode == "vpu" else functools.partial(_kernel, mode=mode),
+                             tk=tk, nk=nk, group=group)
     return pl.pallas_call(
         kern, out_shape=jax.ShapeDtypeStruct((m, n), jnp.bfloat16),
         grid=(n // tn, nk),
@@ -192,7 +157,7 @@ def main():
                     t0 = time.perf_counter()
                     res = np.asarray(fn(*args)).astype(np.float32)
                     err = float(np.linalg.norm(res - ref) / np.linalg.norm(ref))
-                    t = per_call(fn, args)
+                    t = per_call(fn, args, whole=label.startswith("xla"))
                     log(shape=name, m=m, variant=label, us=round(t * 1e6, 2), floor_us=round(floor * 1e6, 2),
                         ratio=round(t / floor, 3), err=err, wall=round(time.perf_counter() - t0, 1))
                 except Exception as e:  # noqa: BLE001
@@ -226,7 +191,7 @@ def main():
                 try:
                     t0 = time.perf_counter()
                     jax.block_until_ready(fn(*args))
-                    t = per_call(fn, args)
+                    t = per_call(fn, args, whole=not label.startswith("prod"))
                     log(shape=name, tokens=tokens, active=active, variant=label, us=round(t * 1e6, 2),
                         floor_us=round(floor * 1e6, 2), ratio=round(t / floor, 3), wall=round(time.perf_counter() - t0, 1))
                 except Exception as e:  # noqa: BLE001

@@ -54,7 +54,7 @@ def on_chip(module, name: str):
 
     def test(*args, **kwargs):
         chip, here = kwargs.get("chip"), attached_chip()
-        if chip and here and CHIPS[chip].mxu_8bit != CHIPS[here].mxu_8bit:
+        if chip and here and CHIPS[chip].mxu_8bit != CHIPS[here].mxu_8bit:  # e.g. fp8 x fp8 on a v5e: no such MXU
             pytest.skip(f"{chip}'s 8-bit MXU types {CHIPS[chip].mxu_8bit} are not this {here}'s")
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(module, "INTERPRET", False)
@@ -126,7 +126,7 @@ def test_family_forward_on_chip_matches_the_cpu_path(name):
     from quantkit.runtime.step import Runner
 
     path = MODELS / name
-    if not (path / "expected.npz").exists():
+    if not (path / "expected.npz").exists():  # the chip has no transformers to build them: they are carried there
         pytest.skip(f"no {path}/expected.npz: build the lane's models with scripts/tpu_models.py (transformers)")
     want = np.load(path / "expected.npz")
     ids, ref, p = [int(i) for i in want["ids"]], want["logits"], int(want["prompt"])
