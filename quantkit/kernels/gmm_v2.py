@@ -18,7 +18,7 @@ MXU in bf16 with float32 accumulation. Scales (and zero points z of asymmetric i
   bf16) and its [tm, tn] float32 product multiplied by the group's scale row; a zero point row z is taken off
   first as z * (the sum of those lhs columns), since x (q - z) = xq - (sum x) z. Per element of the weight
   this leaves one conversion to bf16: on a TPU v5e, W4A16 g128 at decode took 40-45% less time than
-  scaling every element before the dot (benchmarks/tpu_gmm.py), which left the vector unit, not HBM, the
+  scaling every element before the dot (benchmarks/tpu_gmm_variants.py), which left the vector unit, not HBM, the
   bound.
 nvfp4's global scale (one float32 per group) comes in SMEM with the group metadata; the tile's scales are
 divided by it in float32 before use, as compressed-tensors divides them (so the bf16 weights are the library's).
