@@ -65,7 +65,7 @@ def pytest_collection_modifyitems(config, items):
     `tpu` are skipped, with the reason, where no TPU is attached; tests marked `slow` run first, so that the
     xdist workers end on short tests, at about the same time."""
     tpu = [i for i in items if i.get_closest_marker("tpu") is not None]
-    if tpu and not tpu_attached():
+    if tpu and not tpu_attached():  # CI has no TPU: the lane runs where one is (scripts/test.sh --tpu)
         skip = pytest.mark.skip(reason="needs a TPU: scripts/test.sh --tpu runs the TPU lane on one (README)")
         for item in tpu:
             item.add_marker(skip)
