@@ -112,7 +112,9 @@ def test_sinks_on_chip_equal_the_cpu_path(window):
 MODELS = Path(os.environ.get("QUANTKIT_TPU_MODELS", ROOT / ".tpu-models"))
 FAMILIES = ["llama", "qwen3", "qwen3_moe", "gemma3", "gemma4", "gemma4_moe", "qwen3_5", "qwen3_5_moe", "gpt_oss",
             "tiny-llama"]
-TOL = 3e-2  # bf16 models through other kernels and another summation order: ~1e-2 seen; a wrong layer is O(1)
+# bf16 models through other kernels and another summation order: the CPU's own dense and packed paths differ by
+# 5-6e-3 (llama, qwen3_moe); every step one position late (RoPE off by one) gives 0.11 and wrong tokens
+TOL = 3e-2
 
 
 @pytest.mark.parametrize("name", FAMILIES)
