@@ -21,6 +21,7 @@ Configurations: W4A16 (g128), W8A16 (channel), W8A8 (int8 rows on the int8 MXU),
 from __future__ import annotations
 
 import argparse
+import collections
 import datetime
 import json
 import sys
@@ -34,6 +35,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from plan_table import LLAMA3_8B, QWEN3_30B_A3B  # noqa: E402
+from tpu_gmm import device_ops  # noqa: E402
 from quantkit.kernels.tiling import CHIPS  # noqa: E402
 from quantkit.plan import _quantization  # noqa: E402
 from quantkit.quant.qtensor import BITS, QTensor  # noqa: E402
@@ -65,7 +67,7 @@ def random_weights(shapes):
             x = jnp.ones(one, s.dtype)
         else:
             x = (jax.random.normal(next(key), one, jnp.float32) * 0.02).astype(s.dtype)
-        return jax.jit(lambda x: jnp.broadcast_to(x, s.shape))(x) if x.shape != s.shape else x
+        return jnp.broadcast_to(x, s.shape) if x.shape != s.shape else x  # (a jit a leaf compiled each anew)
 
     def leaf(path, s):
         if isinstance(s, QTensor):
@@ -93,7 +95,17 @@ def kv_bytes_per_token(cfg, itemsize: int) -> int:
     return cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * itemsize
 
 
-def run(name, layers, batches, log, chip, prefill=True):
+def top_ops(trace_dir: str, steps: int, top: int = 25) -> list[dict]:
+    """The device's time per step by XLA op, from a jax.profiler trace: the `top` ops by total time, µs per
+    step (the op's HLO text names the kernel or fusion)."""
+    total, count = collections.Counter(), collections.Counter()
+    for name, ns in device_ops(trace_dir):
+        total[name] += ns
+        count[name] += 1
+    return [dict(op=k[:300], us=round(v / 1e3 / steps, 2), calls=count[k] / steps) for k, v in total.most_common(top)]
+
+
+def run(name, layers, batches, log, chip, prefill=True, profile=""):
     raw, scheme, group, kv = CONFIGS[name]
     raw = dict(raw, num_hidden_layers=layers)
     cfg = from_hf(raw)
@@ -143,6 +155,13 @@ def run(name, layers, batches, log, chip, prefill=True):
             floor = (wbytes + kvb) / CHIPS[chip].hbm_bytes_per_s
             log(**base, batch=batch, decode_ms=round(decode * 1e3, 3), floor_ms=round(floor * 1e3, 3),
                 ratio=round(decode / floor, 3), tokens_per_s=round(batch / decode, 1), kv_gb=round(kvb / 1e9, 3))
+            if profile:  # where the step's time goes, op by op
+                trace = f"{profile}/{name}-{batch}"
+                with jax.profiler.trace(trace):
+                    for _ in range(4):
+                        out = runner.run(step)
+                    jax.block_until_ready(out)
+                log(**base, batch=batch, ops=top_ops(trace, 4))
         except Exception as e:  # noqa: BLE001
             log(**base, batch=batch, error=f"{type(e).__name__}: {str(e)[:400]}")
 
@@ -156,6 +175,8 @@ def main():
     ap.add_argument("--batches", default="1,16,64,128")
     ap.add_argument("--no-prefill", action="store_true", help="skip the 2048-token prefill step (its compile)")
     ap.add_argument("--out", default="tpu_decode.jsonl")
+    ap.add_argument("--profile", default="", help="also trace 4 decode steps a batch into this folder and log "
+                    "the device's time by XLA op")
     a = ap.parse_args()
     dev = jax.devices()[0]
     chip = chip_of(dev.device_kind) if dev.platform == "tpu" else None
@@ -171,7 +192,7 @@ def main():
     log(chip=dev.device_kind, jax=jax.__version__, date=datetime.date.today().isoformat(), command=" ".join(sys.argv))
     for name in a.configs.split(","):
         layers = a.moe_layers if name == "moe" else a.bf16_layers if name == "bf16" else a.layers
-        run(name, layers, [int(b) for b in a.batches.split(",")], log, chip, not a.no_prefill)
+        run(name, layers, [int(b) for b in a.batches.split(",")], log, chip, not a.no_prefill, a.profile)
         jax.clear_caches()
 
 

@@ -23,10 +23,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import glob
 import json
-import statistics
+import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -45,32 +47,38 @@ LLAMA = {"q/o": (4096, 4096), "k/v": (4096, 1024), "gate/up": (4096, 14336), "do
 MOE = {"experts gate/up": (2048, 768, True), "experts down": (768, 2048, False)}
 
 
-def per_call(fn, args, n: int = 32, reps: int = 5, whole: bool = False) -> float:
-    """Seconds per call of fn(x, *rest), chained n times in one program, less the one-call program. The next
-    input depends on one output element of a Pallas call, which XLA cannot see into; on the whole output of
-    an XLA op (`whole`: its sum, a pass over [m, n]), whose one element XLA would compute alone."""
-    def chain(count):
-        @jax.jit
-        def run(x, *rest):
-            def body(i, c):
-                x, acc = c
-                out = fn(x, *rest)
-                t = (jnp.sum(out, dtype=jnp.float32) if whole else out[0, 0]).astype(jnp.float32)
-                return x + (t * 0).astype(x.dtype), acc + t
-            return jax.lax.fori_loop(0, count, body, (x, jnp.float32(0)))
-        return run
+def device_ops(trace_dir: str) -> list[tuple[str, float]]:
+    """(op, ns) of every XLA op the TPU ran in a jax.profiler trace: its "XLA Ops" lines, without the
+    control-flow ops that enclose others (a while loop's event spans its body's)."""
+    from jax.profiler import ProfileData
+    path = max(glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True), key=os.path.getmtime)
+    return [(e.name, e.duration_ns) for plane in ProfileData.from_file(path).planes
+            if plane.name.startswith("/device:TPU") for line in plane.lines if line.name == "XLA Ops"
+            for e in line.events if not e.name.startswith(("%while", "%conditional", "%call"))]
 
-    times = []
-    for count in (1, n):
-        f = chain(count)
-        jax.block_until_ready(f(*args))
-        ts = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            jax.block_until_ready(f(*args))
-            ts.append(time.perf_counter() - t0)
-        times.append(statistics.median(ts))
-    return (times[1] - times[0]) / (n - 1)
+
+def per_call(fn, args, n: int = 32, whole: bool = False, match: str = "") -> float:
+    """Seconds of device time per call of fn(x, *rest), chained n times in one program (each call's input
+    depending on the last output, so that none is skipped or overlapped), from a profile of that program:
+    the ops whose name holds `match` (a Pallas kernel's name), else every op, over n. The next input depends
+    on one output element of a Pallas call, which XLA cannot see into; on the whole output of an XLA op
+    (`whole`: its sum, a pass over [m, n], counted), whose one element XLA would compute alone. (Timing the
+    chain on the host instead, less a one-call chain, gave per-call figures a few us apart from run to run.)"""
+    @jax.jit
+    def run(x, *rest):
+        def body(i, c):
+            x, acc = c
+            out = fn(x, *rest)
+            t = (jnp.sum(out, dtype=jnp.float32) if whole else out[0, 0]).astype(jnp.float32)
+            return x + (t * 0).astype(x.dtype), acc + t
+        return jax.lax.fori_loop(0, n, body, (x, jnp.float32(0)))
+
+    jax.block_until_ready(run(*args))
+    with tempfile.TemporaryDirectory() as d:
+        with jax.profiler.trace(d):
+            jax.block_until_ready(run(*args))
+        ops = device_ops(d)
+    return sum(ns for name, ns in ops if match in name) / n * 1e-9
 
 
 def weight(rng, qtype: str, g: int, k: int, n: int, group: int, zeros: bool = False, act: str = ""):
@@ -117,7 +125,7 @@ class Bench:
         try:
             t0 = time.perf_counter()
             jax.block_until_ready(fn(*args))
-            t = per_call(fn, args, whole=not label.startswith("gmm_v2"))
+            t = per_call(fn, args, whole=not label.startswith("gmm_v2"), match="gmm_v2" if label.startswith("gmm_v2") else "")
             r = dict(table=table, variant=label, us=round(t * 1e6, 2), floor_us=round(floor_bytes / self.hbm * 1e6, 2),
                      ratio=round(t / (floor_bytes / self.hbm), 3), **meta, wall_s=round(time.perf_counter() - t0, 1))
             if flops:

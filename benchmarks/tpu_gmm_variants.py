@@ -1,14 +1,15 @@
 """Where gmm_v2's decode time goes on a real TPU (exploration: variants of the dense W4A16 g128 kernel).
 
-Each variant is timed per call with the host's dispatch removed: N calls chained in one jitted program
-(lax.fori_loop, each input depending on the last output), minus the same program with one call, over N - 1.
-Variants: the production kernel; scales on each group's [m, tn] partial sums (no per-element scale multiply);
-int4 -> bf16 directly; an MXU-only control (a bf16 tile read once from HBM, multiplied at every step) and a
-dequantize-only control (the int4 tile read once, dequantized and stored at every step).
+Each variant is timed per call as tpu_gmm.per_call does: N calls chained in one jitted program, the device's
+time from a profile of it. Variants: the production kernel; scales on each group's [m, tn] partial sums (no
+per-element scale multiply); pre-dot with int4 -> bf16 directly; m = 1 on the vector unit alone.
+--controls (dense shapes): partial sums at several tiles beside three controls: the streamed int4 tile only
+converted to bf16 and stored (DMA + conversion), barely touched (DMA and the grid's steps), and a bf16 tile
+read once and multiplied as the kernel's K = 128 dots at every step (the MXU alone).
 
-Usage (on the chip): python3 benchmarks/tpu_gmm_variants.py --out $OUT/probe.jsonl
-Its figures in docs/benchmarks.md ("Measured on a TPU v5e") were taken with the kernel of c1ddedc as
-"prod" and before the fix of m < 8 rows in the variants' output write (those rows then failed).
+Usage (on the chip): python3 benchmarks/tpu_gmm_variants.py [--controls] --out $OUT/probe.jsonl
+Run 1's figures in docs/benchmarks.md ("Measured on a TPU v5e") were taken with the kernel of c1ddedc as
+"prod", timed on the host (the chain less a one-call chain); run 5's (--controls) likewise, at 62060d7.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from quantkit.quant.qtensor import make_qtensor  # noqa: E402
 HBM = 819e9
 
 
-def _kernel(x_ref, q_ref, s_ref, o_ref, acc_ref, *, mode, tk, nk, group):
+def _kernel(x_ref, q_ref, s_ref, o_ref, acc_ref, *scratch, mode, tk, nk, group):
     ki = pl.program_id(1)
 
     @pl.when(ki == 0)
@@ -43,11 +44,11 @@ def _kernel(x_ref, q_ref, s_ref, o_ref, acc_ref, *, mode, tk, nk, group):
         acc_ref[...] = jnp.zeros_like(acc_ref)
 
     x = x_ref[:, pl.ds(pl.multiple_of(ki * tk, 128), tk)]
-    if mode in ("post", "post_f32"):  # unscaled int4 -> bf16 per group (post_f32: through float32), scales on
-        acc = acc_ref[...]           # the [m, tn] partial sums
+    if mode in ("post", "post_f32", "mxu_k128"):  # unscaled int4 -> bf16 per group (post_f32: through float32;
+        acc = acc_ref[...]           # mxu_k128: q_ref holds a bf16 tile, read once), scales on the partial sums
         for j in range(tk // group):
             q = q_ref[j * group:(j + 1) * group, :]
-            q = (q.astype(jnp.float32) if mode == "post_f32" else q).astype(jnp.bfloat16)
+            q = q if mode == "mxu_k128" else (q.astype(jnp.float32) if mode == "post_f32" else q).astype(jnp.bfloat16)
             y = jnp.dot(x[:, j * group:(j + 1) * group], q, preferred_element_type=jnp.float32)
             acc += y * s_ref[j:j + 1, :].astype(jnp.float32)
         acc_ref[...] = acc
@@ -55,12 +56,10 @@ def _kernel(x_ref, q_ref, s_ref, o_ref, acc_ref, *, mode, tk, nk, group):
         q = q_ref[...].astype(jnp.bfloat16).reshape(tk // group, group, -1)
         w = (q * s_ref[...].astype(jnp.bfloat16)[:, None, :]).reshape(tk, -1)
         acc_ref[...] += jnp.dot(x, w, preferred_element_type=jnp.float32)
-    elif mode == "mxu_only":  # q_ref holds a bf16 tile, read once
-        acc_ref[...] += jnp.dot(x, q_ref[...], preferred_element_type=jnp.float32)
-    elif mode == "deq_only":  # dequantize, store, no dot
-        q = q_ref[...].astype(jnp.float32).reshape(tk // group, group, -1)
-        w = (q * s_ref[...].astype(jnp.float32)[:, None, :]).reshape(tk, -1).astype(jnp.bfloat16)
-        acc_ref[0:8, :] += w[0:8, :].astype(jnp.float32)
+    elif mode == "cvt_only":  # the streamed int4 tile converted to bf16 and stored whole (no dot): DMA + VPU
+        scratch[0][...] = q_ref[...].astype(jnp.bfloat16)
+    elif mode == "dma_only":  # the streamed tile barely touched: DMA and the grid's steps alone
+        acc_ref[0:1, :] += q_ref[0:1, :].astype(jnp.float32)
 
     @pl.when(ki == nk - 1)
     def _():
@@ -85,35 +84,42 @@ def _vpu_kernel(x_ref, q_ref, s_ref, o_ref, acc_ref, *, tk, nk, group):
         o_ref[...] = acc_ref[0:1, :].astype(o_ref.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("mode", "tk", "tn", "group", "const"))
-def variant(x, q, s, *, mode, tk, tn, group=128, const=False):
+@functools.partial(jax.jit, static_argnames=("mode", "tk", "tn", "group", "const", "n"))
+def variant(x, q, s, *, mode, tk, tn, group=128, const=False, n=0):
+    """One variant's call; `const`: q (and s) hold one tile, read once, used at every step of the n x k grid."""
     m, k = x.shape
-    n = q.shape[1]
+    n = n or q.shape[1]
     nk = k // tk
-    xk = x
-    if mode == "vpu":  # x as a column, one row per input feature
-        xk = x.reshape(k, 1).astype(jnp.float32)
     cmap = (lambda ni, ki: (0, 0))
     qmap = cmap if const else (lambda ni, ki: (ki, ni))
     smap = cmap if const else (lambda ni, ki: (ki, ni))
-    x_spec = pl.BlockSpec((k, 1), lambda ni, ki: (0, 0)) if mode == "vpu" else pl.BlockSpec((m, k), lambda ni, ki: (0, 0))
-    kern = functools.partial(_vpu_kernel if mode == "vpu" else functools.partial(_kernel, mode=mode),
-                             tk=tk, nk=nk, group=group)
+    params = pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary"), vmem_limit_bytes=100 << 20)
+    if mode == "vpu":  # x as a column, one row per input feature
+        return pl.pallas_call(
+            functools.partial(_vpu_kernel, tk=tk, nk=nk, group=group),
+            out_shape=jax.ShapeDtypeStruct((m, n), jnp.bfloat16), grid=(n // tn, nk),
+            in_specs=[pl.BlockSpec((k, 1), lambda ni, ki: (0, 0)), pl.BlockSpec((tk, tn), qmap),
+                      pl.BlockSpec((tk // group, tn), smap)],
+            out_specs=pl.BlockSpec((m, tn), lambda ni, ki: (0, ni)),
+            scratch_shapes=[pltpu.VMEM((max(m, 8), tn), jnp.float32)], compiler_params=params, name="variant",
+        )(x.reshape(k, 1).astype(jnp.float32), q, s)
+    extra = [pltpu.VMEM((tk, tn), jnp.bfloat16)] if mode == "cvt_only" else []
     return pl.pallas_call(
-        kern, out_shape=jax.ShapeDtypeStruct((m, n), jnp.bfloat16),
-        grid=(n // tn, nk),
-        in_specs=[x_spec, pl.BlockSpec((tk, tn), qmap), pl.BlockSpec((tk // group, tn), smap)],
+        functools.partial(_kernel, mode=mode, tk=tk, nk=nk, group=group),
+        out_shape=jax.ShapeDtypeStruct((m, n), jnp.bfloat16), grid=(n // tn, nk),
+        in_specs=[pl.BlockSpec((m, k), lambda ni, ki: (0, 0)), pl.BlockSpec((tk, tn), qmap),
+                  pl.BlockSpec((tk // group, tn), smap)],
         out_specs=pl.BlockSpec((m, tn), lambda ni, ki: (0, ni)),
-        scratch_shapes=[pltpu.VMEM((max(m, 8), tn), jnp.float32)],
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary"),
-                                             vmem_limit_bytes=100 << 20),
-    )(xk, q, s)
+        scratch_shapes=[pltpu.VMEM((max(m, 8), tn), jnp.float32)] + extra, compiler_params=params, name="variant",
+    )(x, q, s)
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="probe.jsonl")
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--controls", action="store_true", help="dense shapes only: where a call's time goes (DMA, "
+                    "int4 conversion, the MXU in either orientation)")
     a = ap.parse_args()
     print(jax.devices(), flush=True)
     rng = np.random.default_rng(0)
@@ -126,6 +132,8 @@ def main():
 
     shapes = {"q/o": (4096, 4096), "k/v": (4096, 1024), "gate/up": (4096, 14336), "down": (14336, 4096)}
     for name, (k, n) in shapes.items():
+        if a.controls and name == "gate/up":
+            continue
         vals = rng.integers(-8, 8, (1, k, n)).astype(np.int8)
         sc = (rng.uniform(0.5, 2, (1, k // 128, n)) / 64).astype(np.float32)
         rhs = make_qtensor(vals, jnp.asarray(sc, jnp.bfloat16), "int4", 128)
@@ -141,28 +149,33 @@ def main():
             sizes = jnp.array([m], jnp.int32)
             runs = [("prod", lambda x, rhs: gmm_v2(x, rhs, jnp.array([x.shape[0]], jnp.int32), chip="v5e"), (x, rhs)),
                     ("xla_bf16", lambda x, w: jnp.dot(x, w, preferred_element_type=jnp.float32).astype(jnp.bfloat16), (x, wbf))]
-            for tk, tn in ((1024, 4096), (2048, 2048), (512, 4096), (4096, 1024)):
-                if k % tk or n % tn or k // tk * (n // tn) < 2 and k * n > 4096 * 4096:
+            for tk, tn in ((1024, 4096), (2048, 2048), (4096, 1024), (1024, 1024)):
+                if k % tk or n % tn or k // tk * (n // tn) < 2 and k * n > 4096 * 4096 or (tk, tn) == (1024, 1024) \
+                        and n > 1024:
                     continue
-                for mode in ("post", "pre_bf16") + (("vpu",) if m == 1 else ()):
+                modes = ("post", "cvt_only", "dma_only") if a.controls else ("post", "pre_bf16")
+                for mode in modes + (("vpu",) if m == 1 and not a.controls else ()):
                     runs.append((f"{mode} {tk}x{tn}", functools.partial(variant, mode=mode, tk=tk, tn=tn), (x, q, s)))
-            tk, tn = (1024, 4096) if n >= 4096 else (4096, 1024)
-            if k % tk == 0 and n % tn == 0:
-                runs.append((f"mxu_only {tk}x{tn}", functools.partial(variant, mode="mxu_only", tk=tk, tn=tn, const=True),
-                             (x, wbf[:tk, :tn], s)))
-                runs.append((f"deq_only {tk}x{tn}", functools.partial(variant, mode="deq_only", tk=tk, tn=tn, const=True),
-                             (x, q, s)))
+                if a.controls:  # the MXU alone on a bf16 tile read once, as the kernel's K=128 dots (a K=tk dot and
+                    # the transposed orientation, the weights streaming against the stationary lhs, took 1.2-2x and
+                    # 2.5-3.5x as long: run 5)
+                    runs.append((f"mxu_k128 {tk}x{tn}", functools.partial(variant, mode="mxu_k128", tk=tk, tn=tn, n=n,
+                                                                          const=True), (x, wbf[:tk, :tn], s)))
             for label, fn, args in runs:
                 try:
                     t0 = time.perf_counter()
                     res = np.asarray(fn(*args)).astype(np.float32)
-                    err = float(np.linalg.norm(res - ref) / np.linalg.norm(ref))
-                    t = per_call(fn, args, whole=label.startswith("xla"))
+                    err = float(np.linalg.norm(res - ref) / np.linalg.norm(ref)) if label.split()[0] in \
+                        ("prod", "post", "pre_bf16", "vpu", "xla_bf16") else None  # controls compute nothing useful
+                    t = per_call(fn, args, whole=label.startswith("xla"), match="" if label.startswith("xla") else
+                                 "gmm_v2" if label == "prod" else "variant")
                     log(shape=name, m=m, variant=label, us=round(t * 1e6, 2), floor_us=round(floor * 1e6, 2),
                         ratio=round(t / floor, 3), err=err, wall=round(time.perf_counter() - t0, 1))
                 except Exception as e:  # noqa: BLE001
                     log(shape=name, m=m, variant=label, error=f"{type(e).__name__}: {str(e)[:300]}")
 
+    if a.controls:
+        return
     # Qwen3-30B-A3B experts: 128 experts, top 8, gated pair gate/up [2048, 768] x2, down [768, 2048]
     for name, (k, n, pair) in {"moe gate/up": (2048, 768, True), "moe down": (768, 2048, False)}.items():
         g = 128
@@ -191,7 +204,7 @@ def main():
                 try:
                     t0 = time.perf_counter()
                     jax.block_until_ready(fn(*args))
-                    t = per_call(fn, args, whole=not label.startswith("prod"))
+                    t = per_call(fn, args, whole=not label.startswith("prod"), match="gmm_v2" if label == "prod" else "")
                     log(shape=name, tokens=tokens, active=active, variant=label, us=round(t * 1e6, 2),
                         floor_us=round(floor * 1e6, 2), ratio=round(t / floor, 3), wall=round(time.perf_counter() - t0, 1))
                 except Exception as e:  # noqa: BLE001

@@ -77,15 +77,20 @@ def _reference(r: dict) -> tuple:
     return tok, lp, ids, lps
 
 
-@pytest.mark.parametrize("vocab,b,shared", [(384, 11, False), (1024, 8, False), (2048, 3, False), (256, 64, True)])
-def test_kernel_draws_what_numpy_draws_with_jax_noise(vocab, b, shared):
+@pytest.mark.parametrize("vocab,b,shared,greedy", [(384, 11, False, False), (1024, 8, False, False),
+                                                   (2048, 3, False, False), (256, 64, True, False),
+                                                   (384, 11, False, True)])
+def test_kernel_draws_what_numpy_draws_with_jax_noise(vocab, b, shared, greedy):
     """Every row kind, three chunkings (3 x 128, 1 x 1,024, 2 x 1,024 lanes), a partial row block, and 64
-    draws from one distribution's top 3 and top half (`_rows`). Tokens
+    draws from one distribution's top 3 and top half (`_rows`); greedy: every row at temperature 0 (the
+    kernel then skips the scores and the noise). Tokens
     and alternative ids exactly (the noise is jax.random's, bit for bit; logits with ties; the top-p cut by
     search lands between distinct probabilities); log-probabilities to 2e-6 (float32 log-sum-exp in another
     order over <= 2,048 terms: a few ulp of values ~1-10)."""
     rng = np.random.default_rng()
     r = _rows(rng, b, vocab, shared)
+    if greedy:
+        r["temperature"][:] = 0
     allow = np.stack([spread(m, device_words(vocab)) for m in r["raw"]])
     out = kernel.sample(jnp.asarray(r["logits"]), jnp.asarray(allow), jnp.asarray(r["keys"]), r["temperature"],
                         r["top_k"], r["top_p"], r["banned"], r["logprobs"], interpret=INTERPRET)
@@ -97,7 +102,7 @@ def test_kernel_draws_what_numpy_draws_with_jax_noise(vocab, b, shared):
     assert np.array_equal(ids[want], rids[want]) and np.abs(lps[want] - rlps[want]).max() < LOGPROB_TOL
     assert not ids[~want].any() and not lps[~want].any()  # rows without logprobs: zeros
     sampled = r["temperature"] > 0
-    assert (tok[sampled] != r["logits"][sampled].argmax(1)).any()  # (the noise does move draws)
+    assert greedy or (tok[sampled] != r["logits"][sampled].argmax(1)).any()  # (the noise does move draws)
 
 
 def test_compiles_for_a_v6e_reading_the_logits_once():
