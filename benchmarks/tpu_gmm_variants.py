@@ -66,6 +66,32 @@ def _kernel(x_ref, q_ref, s_ref, o_ref, acc_ref, *scratch, mode, tk, nk, group):
         o_ref[...] = acc_ref[0:o_ref.shape[0], :].astype(o_ref.dtype)  # the scratch has at least 8 rows
 
 
+def _kernel2(x_ref, qa_ref, qb_ref, s_ref, o_ref, acc_ref, *, mode, tk, nk, group):
+    """post / dma_only with the weight tile as two blocks (its upper and lower halves of k): two DMAs in
+    flight at once instead of one."""
+    ki = pl.program_id(1)
+
+    @pl.when(ki == 0)
+    def _():
+        acc_ref[...] = jnp.zeros_like(acc_ref)
+
+    x = x_ref[:, pl.ds(pl.multiple_of(ki * tk, 128), tk)]
+    if mode == "post2":
+        acc = acc_ref[...]
+        for j in range(tk // group):
+            q_ref, r = (qa_ref, j) if j < tk // group // 2 else (qb_ref, j - tk // group // 2)
+            q = q_ref[r * group:(r + 1) * group, :].astype(jnp.bfloat16)
+            y = jnp.dot(x[:, j * group:(j + 1) * group], q, preferred_element_type=jnp.float32)
+            acc += y * s_ref[j:j + 1, :].astype(jnp.float32)
+        acc_ref[...] = acc
+    else:
+        acc_ref[0:1, :] += qa_ref[0:1, :].astype(jnp.float32) + qb_ref[0:1, :].astype(jnp.float32)
+
+    @pl.when(ki == nk - 1)
+    def _():
+        o_ref[...] = acc_ref[0:o_ref.shape[0], :].astype(o_ref.dtype)
+
+
 def _vpu_kernel(x_ref, q_ref, s_ref, o_ref, acc_ref, *, tk, nk, group):
     """m = 1 without the MXU: x as a column, each group's products summed over its rows on the VPU."""
     ki = pl.program_id(1)
@@ -103,6 +129,17 @@ def variant(x, q, s, *, mode, tk, tn, group=128, const=False, n=0):
             out_specs=pl.BlockSpec((m, tn), lambda ni, ki: (0, ni)),
             scratch_shapes=[pltpu.VMEM((max(m, 8), tn), jnp.float32)], compiler_params=params, name="variant",
         )(x.reshape(k, 1).astype(jnp.float32), q, s)
+    if mode in ("post2", "dma2"):
+        return pl.pallas_call(
+            functools.partial(_kernel2, mode=mode, tk=tk, nk=nk, group=group),
+            out_shape=jax.ShapeDtypeStruct((m, n), jnp.bfloat16), grid=(n // tn, nk),
+            in_specs=[pl.BlockSpec((m, k), lambda ni, ki: (0, 0)),
+                      pl.BlockSpec((tk // 2, tn), lambda ni, ki: (2 * ki, ni)),
+                      pl.BlockSpec((tk // 2, tn), lambda ni, ki: (2 * ki + 1, ni)),
+                      pl.BlockSpec((tk // group, tn), smap)],
+            out_specs=pl.BlockSpec((m, tn), lambda ni, ki: (0, ni)),
+            scratch_shapes=[pltpu.VMEM((max(m, 8), tn), jnp.float32)], compiler_params=params, name="variant",
+        )(x, q, q, s)
     extra = [pltpu.VMEM((tk, tn), jnp.bfloat16)] if mode == "cvt_only" else []
     return pl.pallas_call(
         functools.partial(_kernel, mode=mode, tk=tk, nk=nk, group=group),
@@ -153,7 +190,7 @@ def main():
                 if k % tk or n % tn or k // tk * (n // tn) < 2 and k * n > 4096 * 4096 or (tk, tn) == (1024, 1024) \
                         and n > 1024:
                     continue
-                modes = ("post", "cvt_only", "dma_only") if a.controls else ("post", "pre_bf16")
+                modes = ("post", "post2", "dma_only", "dma2") if a.controls else ("post", "pre_bf16")
                 for mode in modes + (("vpu",) if m == 1 and not a.controls else ()):
                     runs.append((f"{mode} {tk}x{tn}", functools.partial(variant, mode=mode, tk=tk, tn=tn), (x, q, s)))
                 if a.controls:  # the MXU alone on a bf16 tile read once, as the kernel's K=128 dots (a K=tk dot and
@@ -166,7 +203,7 @@ def main():
                     t0 = time.perf_counter()
                     res = np.asarray(fn(*args)).astype(np.float32)
                     err = float(np.linalg.norm(res - ref) / np.linalg.norm(ref)) if label.split()[0] in \
-                        ("prod", "post", "pre_bf16", "vpu", "xla_bf16") else None  # controls compute nothing useful
+                        ("prod", "post", "post2", "pre_bf16", "vpu", "xla_bf16") else None  # controls compute nothing useful
                     t = per_call(fn, args, whole=label.startswith("xla"), match="" if label.startswith("xla") else
                                  "gmm_v2" if label == "prod" else "variant")
                     log(shape=name, m=m, variant=label, us=round(t * 1e6, 2), floor_us=round(floor * 1e6, 2),
