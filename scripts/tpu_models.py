@@ -29,21 +29,26 @@ import numpy as np  # noqa: E402
 FAMILIES = {"llama": 128, "qwen3": 32, "qwen3_moe": 32, "gemma3": 32, "gemma4": 32, "gemma4_moe": 32,
             "qwen3_5": 32, "qwen3_5_moe": 32, "gpt_oss": None}
 PROMPT, STEPS = 16, 24
+CHIP = "v5e"  # the lent chip: the interpreted kernels take its tiles
 
 
 def expected(path: Path, vocab: int) -> None:
-    """The CPU path's greedy run of a fixed prompt through `path`, saved as path/expected.npz."""
+    """The TPU program's greedy run of a fixed prompt through `path` on this CPU, its kernels in Pallas
+    interpret mode (tiled for a v5e), saved as path/expected.npz."""
     from quantkit.runtime.loader import load
+    from quantkit.runtime.ops import interpreted_tpu_kernels
     from quantkit.runtime.step import Runner
 
-    runner = Runner(load(path), max_model_len=128, page_size=8, weights="packed", scan=True)
-    ids = [int(x) for x in np.random.default_rng(0).integers(3, min(vocab, 256), PROMPT)]
-    logits = runner.forward([(0, ids, 0)])[0]
-    rows = [logits]
-    for i in range(STEPS):
-        ids.append(int(rows[-1][-1].argmax()))
-        rows.append(runner.forward([(0, [ids[-1]], PROMPT + i)])[0])
-    np.savez(path / "expected.npz", ids=np.array(ids, np.int32), logits=np.concatenate(rows), prompt=PROMPT)
+    with interpreted_tpu_kernels(CHIP):
+        runner = Runner(load(path), max_model_len=128, page_size=8, weights="packed", scan=True)
+        ids = [int(x) for x in np.random.default_rng(0).integers(3, min(vocab, 256), PROMPT)]
+        logits = runner.forward([(0, ids, 0)])[0]
+        rows = [logits]
+        for i in range(STEPS):
+            ids.append(int(rows[-1][-1].argmax()))
+            rows.append(runner.forward([(0, [ids[-1]], PROMPT + i)])[0])
+    np.savez(path / "expected.npz", ids=np.array(ids, np.int32), logits=np.concatenate(rows), prompt=PROMPT,
+             chip=CHIP)
 
 
 def main(out: Path) -> None:

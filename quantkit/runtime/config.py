@@ -3,10 +3,12 @@ rule 4); each family's module fills its own fields."""
 
 from __future__ import annotations
 
+import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Callable
 
-from quantkit.errors import Unsupported
+from quantkit.errors import InvalidInput, Unsupported
 
 # serve's defaults, which plan, the Runner and the cache layout share: the tokens a KV page holds, and the
 # most tokens one step runs (--max-num-batched-tokens: the largest token bucket)
@@ -115,10 +117,115 @@ class ModelConfig:
         return conv, self.linear_v_heads * self.linear_k_dim * self.linear_v_dim
 
 
+# ---- config.json fields: each one a family reads, with its type and range, checked before use ----------------
+
+@dataclass(frozen=True)
+class Field:
+    """What a config.json field must hold: `expected` says it in words, `ok` tests a value (not null: an absent
+    or null field takes its default, unless `required`)."""
+
+    expected: str
+    ok: Callable[[object], bool]
+    required: bool = False
+
+
+def _int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _finite(v) -> bool:
+    return (isinstance(v, float) or _int(v)) and math.isfinite(v)
+
+
+def count(most: int, least: int = 1) -> Field:
+    """An integer in [least, most], by default positive (sizes: a bound keeps what is built per layer or
+    expert finite)."""
+    what = "a positive integer" if least == 1 else f"an integer from {least:,}"
+    return Field(f"{what} up to {most:,}", lambda v: _int(v) and least <= v <= most)
+
+
+def number(low: float = 0.0, high: float = math.inf, open_low: bool = True) -> Field:
+    """A finite number in (low, high] (`open_low`) or [low, high]."""
+    word = "(" if open_low else "["
+    return Field(f"a number in {word}{low:g}, {high:g}]",
+                 lambda v: _finite(v) and (v > low if open_low else v >= low) and v <= high)
+
+
+def required(f: Field) -> Field:
+    return replace(f, required=True)
+
+
+LAYERS, WIDTH, HEADS, EXPERTS = 1024, 1 << 20, 4096, 2048  # the most any published model has, many times over
+SIZE = count(WIDTH)
+POSITIVE = number()
+FLAG = Field("true or false", lambda v: isinstance(v, bool))
+TEXT = Field("a string", lambda v: isinstance(v, str))
+OBJECT = Field("an object", lambda v: isinstance(v, dict))
+CAP = number(0.0, open_low=False)  # a soft cap: null or 0 for none
+INDEX = count(WIDTH, least=0)
+TOKEN_IDS = Field("a token id or a list of them", lambda v: _int(v) and v >= 0 or isinstance(v, list) and all(
+    _int(x) and x >= 0 for x in v))
+LAYER_TYPES = Field("a list of strings, one per layer", lambda v: isinstance(v, list) and all(
+    isinstance(x, str) for x in v))
+FRACTION = number(0.0, 1.0)
+
+# what every decoder's config.json is read for (runtime.models.from_hf)
+COMMON = {"architectures": Field("a list of architecture names", lambda v: isinstance(v, list) and all(
+              isinstance(x, str) for x in v)),
+          "vocab_size": required(count(1 << 24)), "hidden_size": required(SIZE),
+          "num_hidden_layers": required(count(LAYERS)), "num_attention_heads": required(count(HEADS)),
+          "num_key_value_heads": count(HEADS), "head_dim": count(1 << 16), "intermediate_size": SIZE,
+          "rms_norm_eps": number(high=1.0), "max_position_embeddings": count(1 << 30), "rope_theta": POSITIVE,
+          "rope_local_base_freq": POSITIVE, "rope_scaling": OBJECT, "rope_parameters": OBJECT,
+          "tie_word_embeddings": FLAG, "attention_bias": FLAG, "eos_token_id": TOKEN_IDS, "layer_types": LAYER_TYPES}
+# one rope description (rope_scaling, rope_parameters or one of its per-layer-type entries)
+ROPE = {"rope_type": TEXT, "type": TEXT, "rope_theta": POSITIVE, "factor": POSITIVE, "low_freq_factor": POSITIVE,
+        "high_freq_factor": POSITIVE, "original_max_position_embeddings": count(1 << 30),
+        "partial_rotary_factor": FRACTION, "beta_fast": POSITIVE, "beta_slow": POSITIVE, "attention_factor": POSITIVE,
+        "mscale": POSITIVE, "mscale_all_dim": POSITIVE, "truncate": FLAG}
+
+
+def check_fields(cfg: dict, fields: dict[str, Field], where: str = "config.json") -> None:
+    """Raises InvalidInput, one line naming the field, what it holds and what it should, for the first field
+    of `fields` whose value `cfg` holds wrongly: `config.json: num_hidden_layers is null; expected a positive
+    integer up to 1,024`."""
+    for name, f in fields.items():
+        v = cfg.get(name)
+        if v is None and not f.required:
+            continue
+        if v is None or not f.ok(v):
+            held = "missing" if name not in cfg else f"{_shown(v)}"
+            raise InvalidInput(f"{where}: {name} is {held}; expected {f.expected}")
+
+
+def check_top_k(hf: dict, experts: str, top_k: str) -> None:
+    """A MoE config's experts a token (field `top_k`) are at most its experts (field `experts`), both given."""
+    check_fields(hf, {experts: required(count(EXPERTS)), top_k: required(count(EXPERTS))})
+    if hf[top_k] > hf[experts]:
+        raise InvalidInput(f"config.json: {top_k} is {hf[top_k]}, more than the {hf[experts]} experts ({experts})")
+
+
+def check_layers(cfg: dict, where: str = "config.json") -> None:
+    """layer_types, when given, names every layer (num_hidden_layers, checked before) once."""
+    types, n = cfg.get("layer_types"), cfg["num_hidden_layers"]
+    if types is not None and len(types) != n:
+        raise InvalidInput(f"{where}: layer_types has {len(types)} entries for {n} layers (num_hidden_layers)")
+
+
+def _shown(v) -> str:
+    text = json.dumps(v)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
 def rope(d: dict, where: str) -> tuple[float, tuple | None]:
-    """(theta, scaling) from one rope description (rope_parameters or rope_theta + rope_scaling)."""
-    kind = d.get("rope_type", d.get("type", "default"))
-    theta = float(d.get("rope_theta", 10000.0))
+    """(theta, scaling) from one rope description (rope_parameters or rope_theta + rope_scaling), its fields
+    checked (`where` names it)."""
+    check_fields(d, ROPE, where)
+    kind = d.get("rope_type") or d.get("type") or "default"
+    for name in {"llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+                 "linear": ("factor",), "yarn": ("original_max_position_embeddings",)}.get(kind, ()):
+        check_fields(d, {name: required(ROPE[name])}, f"{where} ({kind})")
+    theta = float(d.get("rope_theta") or 10000.0)
     if kind == "default" or kind == "proportional" and d.get("factor", 1.0) == 1.0:  # partial: the family's configure
         return theta, None
     if kind == "llama3":

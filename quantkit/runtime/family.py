@@ -53,6 +53,8 @@ class Family:
     forward(params, cfg, tokens, kv, batch) -> (hidden [T, hidden], kv): the decoder over one ragged step's
         flattened tokens (runtime/step.py). Family modules import jax inside it, never at the top.
     defaults: config.json fields assumed when absent (transformers' defaults for the family).
+    fields: the config.json fields `configure` reads beyond config.COMMON, with their types and ranges
+        (config.Field): from_hf checks them first, so that a wrong one is refused by name.
     packed_experts: a bf16 checkpoint keeps each layer's experts in 3-D tensors (formats/hf.py PACKED_EXPERTS),
         which `convert` splits into per-expert Linears.
     """
@@ -64,6 +66,7 @@ class Family:
     forward: Callable
     defaults: dict = field(default_factory=dict)
     packed_experts: bool = False
+    fields: dict = field(default_factory=dict)
 
 
 # ---- slots the families share -------------------------------------------------------------------------

@@ -60,6 +60,23 @@ def slots(tree) -> list[Slot]:
     return [s for one in tree.module for s in slots(one)] if tree.kind == "stack" else [tree]
 
 
+def described_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
+    """Per checkpoint module of a linear or expert, the [out, in] config.json describes, unpadded: what the
+    checkpoint must store (validate.py refuses another shape, which the loader would pad or misread)."""
+    out = {}
+    for key, stack in ((k, s) for kind in skeleton(cfg)["layers"].values() for k, s in kind.items()):
+        for s in stack.module:
+            if s.kind == "linear":
+                out[s.module] = (s.shape[-1], s.shape[-2])
+            elif s.kind == "experts":  # the Slot's hidden side is served padded to 128 lanes (`experts`)
+                k, n = s.shape[-2:]
+                k, n = (k, cfg.hidden_size) if key == "experts_down" else (cfg.hidden_size, n)
+                out |= {m: (n, k) for m in s.module}
+    if not cfg.tie_word_embeddings:
+        out["lm_head"] = (cfg.vocab_size, cfg.hidden_size)
+    return out
+
+
 def served_shapes(cfg: ModelConfig, qc: QuantConfig | None) -> dict[str, tuple[int, int]]:
     """Per checkpoint module of a linear or expert, the [out, in] the runtime serves: its logical shape with
     the loader's lane padding (`lane_widths`). What `inspect` judges the kernel path on, what the loader

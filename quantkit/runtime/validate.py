@@ -20,6 +20,7 @@ from quantkit.formats.hf import Checkpoint, classify_module, group_modules
 from quantkit.kernels.dispatch import Verdict, kernel_path
 from quantkit.kernels.tiling import Chip
 from quantkit.runtime.config import ModelConfig
+from quantkit.runtime.layout import described_shapes
 from quantkit.runtime.models import from_hf
 
 
@@ -239,14 +240,13 @@ def _model_config(ckpt: Checkpoint) -> tuple[ModelConfig | None, list[dict]]:
     if ckpt.config is None:
         return None, [problem("warning", str(ckpt.root),
                               "no config.json: architecture and quantization scheme unknown")]
-    where = str(ckpt.root / "config.json")
+    where, eos = str(ckpt.root / "config.json"), ckpt.eos_token_ids  # (a bad generation_config.json: raised)
     try:
-        return from_hf(ckpt.config, ckpt.eos_token_ids), []
+        return from_hf(ckpt.config, eos), []
     except Unsupported as e:  # an architecture, or a variant of one, that the runtime refuses, with its reason
         return None, [problem("unsupported", where, str(e))]
-    except (KeyError, TypeError, ValueError) as e:
-        return None, [problem("error", where, f"config.json does not describe a {ckpt.architecture}: "
-                              f"{type(e).__name__} {e}")]
+    except InvalidInput as e:  # a field of the wrong type or range (config.Field), named
+        return None, [problem("error", where, str(e).removeprefix("config.json: "))]
 
 
 def _kv_scale_problems(ckpt: Checkpoint, cfg: ModelConfig) -> list[dict]:
@@ -348,4 +348,10 @@ def validate_checkpoint(ckpt: Checkpoint) -> Validation:
     globals_ = {m.name: ckpt.read(m.params["weight_global_scale"].name) for m in modules
                 if not m.errors and not m.reason and weight_qtype(m.scheme) == "nvfp4"}
     problems += [problem("error", where, message) for where, message in check_global_scales(globals_)]
+    if cfg is not None:
+        described = described_shapes(cfg)
+        problems += [problem("error", m.name, f"{m.name}: weight [out, in] = {list(m.shape[-2:])}, but config.json "
+                             f"describes {list(described[m.name])}") for m in modules
+                     if m.name in described and m.shape is not None and len(m.shape) >= 2
+                     and tuple(m.shape[-2:]) != described[m.name]]
     return Validation(ckpt, raw, qc, cfg, problems, modules)

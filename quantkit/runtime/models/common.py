@@ -292,6 +292,13 @@ def _data_parallel_experts(x, weights, experts, w: tuple, num_experts: int, act:
     return jax.lax.psum_scatter(out, axis, scatter_dimension=0, tiled=True)
 
 
+def router_logits(x: jax.Array, w: jax.Array) -> jax.Array:
+    """x [T, in] @ w [in, out] in float32 at full precision: a router's (and Qwen3.5's shared-expert gate's)
+    logits. A TPU multiplies float32 operands as one bf16 pass by default, which moves the logits by ~1e-3
+    and so picks another expert wherever two are that close (the tiny MoE families' on-chip runs did)."""
+    return jnp.dot(x.astype(jnp.float32), w.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
+
+
 def rms_norm(x: jax.Array, w: jax.Array | None, eps: float, offset: float = 0.0) -> jax.Array:
     """RMSNorm in float32; Gemma 3 scales by (1 + w), hence `offset`; w None: no scale (Gemma 4's v norm)."""
     xf = x.astype(jnp.float32)

@@ -5,16 +5,28 @@ scalar, and on MoE models a routed expert block beside each layer's dense MLP.""
 
 from __future__ import annotations
 
+import json
 import math
 
-from quantkit.errors import Unsupported
-from quantkit.runtime.config import ModelConfig
+from quantkit.errors import InvalidInput, Unsupported
+from quantkit.runtime.config import (CAP, EXPERTS, FLAG, HEADS, INDEX, LAYERS, OBJECT, POSITIVE, SIZE, TEXT, ModelConfig,
+                                     check_fields, check_top_k, count, required)
 from quantkit.runtime.family import QK_NORMS, Family, Slot, attention, experts, mlp, norms
 
 NORMS = {"attn_norm": "input_layernorm", "post_attn_norm": "post_attention_layernorm",
          "mlp_norm": "pre_feedforward_layernorm", "post_mlp_norm": "post_feedforward_layernorm", **QK_NORMS}
 MOE_NORMS = {"post_mlp_norm_1": "post_feedforward_layernorm_1", "pre_mlp_norm_2": "pre_feedforward_layernorm_2",
              "post_mlp_norm_2": "post_feedforward_layernorm_2"}  # Gemma 4's expert block
+
+
+FIELDS = {"sliding_window_pattern": count(LAYERS), "sliding_window": count(1 << 30), "attn_logit_softcapping": CAP,
+          "query_pre_attn_scalar": POSITIVE, "final_logit_softcapping": CAP}
+FIELDS4 = FIELDS | {"hidden_size_per_layer_input": INDEX, "num_kv_shared_layers": INDEX, "use_bidirectional_attention": TEXT,
+                    "hidden_activation": TEXT, "per_layer_config": OBJECT, "attention_k_eq_v": FLAG,
+                    "num_global_key_value_heads": count(HEADS), "global_head_dim": count(1 << 16),
+                    "enable_moe_block": FLAG, "num_experts": count(EXPERTS), "top_k_experts": count(EXPERTS),
+                    "moe_intermediate_size": SIZE, "expert_intermediate_size": SIZE}
+LAYER_GEOMETRY = {"head_dim": count(1 << 16), "num_key_value_heads": count(HEADS)}  # a per_layer_config entry
 
 
 def configure(hf: dict, common: dict, rope: dict) -> dict:
@@ -24,12 +36,12 @@ def configure(hf: dict, common: dict, rope: dict) -> dict:
     if types:
         sliding = tuple(t == "sliding_attention" for t in types)
     else:
-        pattern = hf.get("sliding_window_pattern", 6)
+        pattern = hf.get("sliding_window_pattern") or 6
         sliding = tuple((i + 1) % pattern != 0 for i in range(hf["num_hidden_layers"]))
     if hf.get("attn_logit_softcapping"):
         raise Unsupported("attention logit soft-capping (Gemma 2) is not supported")
     return dict(qk_norm=True, sliding_window=hf.get("sliding_window"), sliding_layers=sliding,
-                query_scale=hf.get("query_pre_attn_scalar", common["head_dim"]) ** -0.5,
+                query_scale=(hf.get("query_pre_attn_scalar") or common["head_dim"]) ** -0.5,
                 embed_scale=math.sqrt(common["hidden_size"]), final_logit_softcap=hf.get("final_logit_softcapping"),
                 norm_offset=1.0)
 
@@ -41,26 +53,36 @@ def configure_gemma4(hf: dict, common: dict, full_rope: dict) -> dict:
               (hf.get("num_kv_shared_layers"), "KV sharing across layers (Gemma 4 E2B/E4B)"),
               (hf.get("use_bidirectional_attention") == "all", "bidirectional attention"),
               (hf.get("attention_bias"), "attention biases"),
-              (hf.get("hidden_activation", "gelu_pytorch_tanh") != "gelu_pytorch_tanh",
+              ((hf.get("hidden_activation") or "gelu_pytorch_tanh") != "gelu_pytorch_tanh",
                f"hidden_activation {hf.get('hidden_activation')!r}")]
     for bad, what in refuse:
         if bad:
             raise Unsupported(f"Gemma 4 with {what} is not supported (the 31B dense and 26B-A4B MoE models are)")
     # full layers' geometry: the published config's global_* fields, or transformers' per_layer_config
-    override = [v for k, v in (hf.get("per_layer_config") or {}).items()
-                if isinstance(v, dict) and out["sliding_layers"] and not out["sliding_layers"][int(k)]]
+    per_layer = hf.get("per_layer_config") or {}
+    for k, v in per_layer.items():
+        if not (k.isdigit() and int(k) < len(out["sliding_layers"])) or not isinstance(v, dict):
+            raise InvalidInput(f"config.json: per_layer_config has an entry {k!r}: {json.dumps(v)[:40]}; expected "
+                               f"layer indices under {len(out['sliding_layers'])}, each an object")
+        check_fields(v, LAYER_GEOMETRY, f"config.json: per_layer_config.{k}")
+    override = [v for k, v in per_layer.items() if not out["sliding_layers"][int(k)]]
     if any(o != override[0] for o in override):
         raise Unsupported("Gemma 4 full-attention layers of different shapes are not supported")
     over = override[0] if override else {}
-    k_eq_v = bool(hf.get("attention_k_eq_v", False))
+    k_eq_v = bool(hf.get("attention_k_eq_v"))
     kv_heads = over.get("num_key_value_heads", hf.get("num_global_key_value_heads") if k_eq_v else None)
     out |= dict(query_scale=1.0, norm_offset=0.0, v_norm=True, k_eq_v=k_eq_v,
-                full_head_dim=over.get("head_dim", hf.get("global_head_dim", 512)), full_kv_heads=kv_heads or 0,
-                rope_partial=float(full_rope.get("partial_rotary_factor", 1.0))
+                full_head_dim=over.get("head_dim") or hf.get("global_head_dim") or 512, full_kv_heads=kv_heads or 0,
+                rope_partial=float(full_rope.get("partial_rotary_factor") or 1.0)
                 if full_rope.get("rope_type") == "proportional" else 1.0)
+    if common["num_heads"] % (out["full_kv_heads"] or common["num_kv_heads"]):
+        raise InvalidInput(f"config.json: num_attention_heads ({common['num_heads']}) is not a multiple of the full "
+                           f"layers' KV heads ({out['full_kv_heads']})")
     if hf.get("enable_moe_block"):
-        out |= dict(num_experts=hf["num_experts"], top_k=hf["top_k_experts"],
-                    moe_intermediate_size=hf.get("moe_intermediate_size") or hf["expert_intermediate_size"],
+        check_top_k(hf, "num_experts", "top_k_experts")
+        width = "moe_intermediate_size" if hf.get("moe_intermediate_size") else "expert_intermediate_size"
+        check_fields(hf, {width: required(SIZE)})
+        out |= dict(num_experts=hf["num_experts"], top_k=hf["top_k_experts"], moe_intermediate_size=hf[width],
                     moe_dense=True)
     return out
 
@@ -87,11 +109,11 @@ def moe(p: dict, x, cfg: ModelConfig, batch: dict):
     import jax
     import jax.numpy as jnp
 
-    from quantkit.runtime.models.common import rms_norm, routed_experts
+    from quantkit.runtime.models.common import rms_norm, routed_experts, router_logits
 
     eps = cfg.rms_norm_eps
     r = rms_norm(x, None, eps).astype(jnp.float32) * p["router_scale"] * (cfg.hidden_size ** -0.5)
-    probs = jax.nn.softmax(jnp.dot(r, p["router"]), axis=-1)  # [T, experts]
+    probs = jax.nn.softmax(router_logits(r, p["router"]), axis=-1)  # [T, experts]
     weights, chosen = jax.lax.top_k(probs, cfg.top_k)  # [T, k]
     weights = weights / weights.sum(-1, keepdims=True) * p["expert_scale"][chosen]
     h = rms_norm(x, p["pre_mlp_norm_2"], eps)
@@ -127,9 +149,10 @@ def forward(params: dict, cfg: ModelConfig, tokens, kv: dict, batch: dict):
     return rms_norm(x, params["final_norm"], eps, off), kv
 
 
-GEMMA3 = Family("gemma3", ("Gemma3ForCausalLM",), configure, layer, forward, defaults={"tie_word_embeddings": True})
+GEMMA3 = Family("gemma3", ("Gemma3ForCausalLM",), configure, layer, forward, defaults={"tie_word_embeddings": True},
+                fields=FIELDS)
 GEMMA4 = Family("gemma4", ("Gemma4ForCausalLM", "Gemma4ForConditionalGeneration"), configure_gemma4, layer, forward,
                 defaults={"rope_parameters": {  # transformers' defaults
                     "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                     "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1e6}}},
-                packed_experts=True)
+                packed_experts=True, fields=FIELDS4)

@@ -6,19 +6,25 @@ by formats/gpt_oss.py."""
 
 from __future__ import annotations
 
-from quantkit.runtime.config import ModelConfig
+from quantkit.runtime.config import EXPERTS, POSITIVE, SIZE, ModelConfig, check_fields, check_top_k, count, required
 from quantkit.runtime.family import PRE_POST_NORMS, Family, Slot, attention, experts, norms
 from quantkit.runtime.models import llama
 
 
+FIELDS = {"num_local_experts": count(EXPERTS), "num_experts_per_tok": count(EXPERTS), "sliding_window": count(1 << 30),
+          "swiglu_limit": POSITIVE, "swiglu_alpha": POSITIVE}
+
+
 def configure(hf: dict, common: dict, rope: dict) -> dict:
+    check_top_k(hf, "num_local_experts", "num_experts_per_tok")
+    check_fields(hf, {"intermediate_size": required(SIZE)})
     n = hf["num_hidden_layers"]
     types = hf.get("layer_types") or ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)]
     return dict(attention_bias=True, sliding_window=hf.get("sliding_window") or 128,
                 sliding_layers=tuple(t == "sliding_attention" for t in types), rope_local_scaled=True,
                 rope_local_theta=common["rope_theta"], num_experts=hf["num_local_experts"],
                 top_k=hf["num_experts_per_tok"], moe_intermediate_size=hf["intermediate_size"],
-                swiglu_limit=float(hf.get("swiglu_limit", 7.0)), swiglu_alpha=float(hf.get("swiglu_alpha", 1.702)))
+                swiglu_limit=float(hf.get("swiglu_limit") or 7.0), swiglu_alpha=float(hf.get("swiglu_alpha") or 1.702))
 
 
 def layer(cfg: ModelConfig, pre: str, kind: str, widths: tuple[int, int]) -> dict:
@@ -37,9 +43,9 @@ def moe(p: dict, x, cfg: ModelConfig, batch: dict):
     import jax
     import jax.numpy as jnp
 
-    from quantkit.runtime.models.common import routed_experts
+    from quantkit.runtime.models.common import routed_experts, router_logits
 
-    logits = jnp.dot(x.astype(jnp.float32), p["router"]) + p["router_bias"].astype(jnp.float32)  # [T, experts]
+    logits = router_logits(x, p["router"]) + p["router_bias"].astype(jnp.float32)  # [T, experts]
     top, chosen = jax.lax.top_k(logits, cfg.top_k)
     limit, alpha = cfg.swiglu_limit, cfg.swiglu_alpha
 
@@ -58,4 +64,4 @@ def forward(params, cfg, tokens, kv, batch):
     return llama.forward(params, cfg, tokens, kv, batch, ffn=moe)
 
 
-GPT_OSS = Family("gpt_oss", ("GptOssForCausalLM",), configure, layer, forward)
+GPT_OSS = Family("gpt_oss", ("GptOssForCausalLM",), configure, layer, forward, fields=FIELDS)

@@ -7,7 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from quantkit.errors import Unsupported
-from quantkit.runtime.config import ModelConfig
+from quantkit.runtime.config import (EXPERTS, FRACTION, HEADS, INDEX, LAYERS, SIZE, TEXT, ModelConfig, check_fields,
+                                     check_top_k, count, required)
 from quantkit.runtime.family import MLP, PRE_POST_NORMS, QK_NORMS, Family, Slot, attention, experts, mlp, norms
 
 GDN = {"in_qkv": "linear_attn.in_proj_qkv", "in_z": "linear_attn.in_proj_z", "in_b": "linear_attn.in_proj_b",
@@ -16,28 +17,37 @@ SHARED = {"shared_gate": "mlp.shared_expert.gate_proj", "shared_up": "mlp.shared
           "shared_down": "mlp.shared_expert.down_proj"}
 
 
+FIELDS = {"full_attention_interval": count(LAYERS), "hidden_act": TEXT, "partial_rotary_factor": FRACTION,
+          "linear_num_key_heads": count(HEADS), "linear_num_value_heads": count(HEADS),
+          "linear_key_head_dim": count(1 << 16), "linear_value_head_dim": count(1 << 16),
+          "linear_conv_kernel_dim": count(64), "num_experts": count(EXPERTS, least=0),
+          "num_experts_per_tok": count(EXPERTS), "moe_intermediate_size": SIZE, "shared_expert_intermediate_size": INDEX}
+
+
 def configure(hf: dict, common: dict, rope: dict) -> dict:
     """Qwen3.5 and Qwen3.5-MoE (transformers models/qwen3_5, qwen3_5_moe): layer_types name the Gated
     DeltaNet ("linear_attention") layers; zero-centred (1 + w) norms; the MTP layer is loaded only as a
     draft head (`Mtp`)."""
-    types = hf.get("layer_types") or ["full_attention" if (i + 1) % hf.get("full_attention_interval", 4) == 0
+    types = hf.get("layer_types") or ["full_attention" if (i + 1) % (hf.get("full_attention_interval") or 4) == 0
                                       else "linear_attention" for i in range(common["num_layers"])]
     if set(types) - {"full_attention", "linear_attention"}:
         raise Unsupported(f"Qwen3.5 layer types {sorted(set(types))} are not supported")
-    if hf.get("hidden_act", "silu") != "silu" or hf.get("attention_bias"):
+    if (hf.get("hidden_act") or "silu") != "silu" or hf.get("attention_bias"):
         raise Unsupported("Qwen3.5 with a hidden_act other than silu or attention biases is not supported")
-    partial = float(rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 0.25)))
+    partial = float(rope.get("partial_rotary_factor") or hf.get("partial_rotary_factor") or 0.25)
     out = dict(qk_norm=True, linear_layers=tuple(t == "linear_attention" for t in types), norm_offset=1.0,
                attn_gate=True, rope_dims=int(common["head_dim"] * partial),
-               linear_k_heads=hf.get("linear_num_key_heads", 16), linear_v_heads=hf.get("linear_num_value_heads", 32),
-               linear_k_dim=hf.get("linear_key_head_dim", 128), linear_v_dim=hf.get("linear_value_head_dim", 128),
-               conv_kernel=hf.get("linear_conv_kernel_dim", 4))
+               linear_k_heads=hf.get("linear_num_key_heads") or 16, linear_v_heads=hf.get("linear_num_value_heads") or 32,
+               linear_k_dim=hf.get("linear_key_head_dim") or 128, linear_v_dim=hf.get("linear_value_head_dim") or 128,
+               conv_kernel=hf.get("linear_conv_kernel_dim") or 4)
     if out["linear_v_heads"] % out["linear_k_heads"]:
         raise Unsupported("Qwen3.5 with value heads that are not a multiple of the key heads is not supported")
     if hf.get("num_experts"):
+        check_top_k(hf, "num_experts", "num_experts_per_tok")
+        check_fields(hf, {"moe_intermediate_size": required(SIZE)})
         out.update(num_experts=hf["num_experts"], top_k=hf["num_experts_per_tok"],
                    moe_intermediate_size=hf["moe_intermediate_size"], norm_topk_prob=True,
-                   shared_intermediate_size=hf.get("shared_expert_intermediate_size", 0))
+                   shared_intermediate_size=hf.get("shared_expert_intermediate_size") or 0)
     return out
 
 
@@ -73,15 +83,15 @@ def moe(p: dict, x, cfg: ModelConfig, batch: dict):
     import jax
     import jax.numpy as jnp
 
-    from quantkit.runtime.models.common import gated, linear, routed_experts
+    from quantkit.runtime.models.common import gated, linear, routed_experts, router_logits
 
-    probs = jax.nn.softmax(jnp.dot(x.astype(jnp.float32), p["router"]), axis=-1)  # [T, experts]
+    probs = jax.nn.softmax(router_logits(x, p["router"]), axis=-1)  # [T, experts]
     weights, chosen = jax.lax.top_k(probs, cfg.top_k)
     weights = weights / weights.sum(-1, keepdims=True)
     routed = routed_experts(x, weights, chosen, (p["experts_gate"], p["experts_up"], p["experts_down"]),
                             cfg.num_experts, "silu", batch.get("ep_mesh"))
     shared = linear(gated(x, p["shared_gate"], p["shared_up"], "silu"), p["shared_down"])
-    gate = jax.nn.sigmoid(jnp.dot(x.astype(jnp.float32), p["shared_expert_gate"]))  # [T, 1]
+    gate = jax.nn.sigmoid(router_logits(x, p["shared_expert_gate"]))  # [T, 1]
     return (routed.astype(jnp.float32) + gate * shared.astype(jnp.float32)).astype(x.dtype)
 
 
@@ -167,4 +177,5 @@ def forward(params: dict, cfg: ModelConfig, tokens, kv: dict, batch: dict):
 
 
 QWEN3_5 = Family("qwen3_5", ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForCausalLM",
-                             "Qwen3_5MoeForConditionalGeneration"), configure, layer, forward, packed_experts=True)
+                             "Qwen3_5MoeForConditionalGeneration"), configure, layer, forward, packed_experts=True,
+                 fields=FIELDS)
