@@ -174,19 +174,24 @@ def test_a_mutated_header_or_index_gets_only_quantkits_errors(seeds, tmp_path_fa
 
 
 def test_a_wrong_config_field_is_named_in_one_line(seeds, tmp_path):
-    """The issue's own two: `"num_hidden_layers": null` and `"hidden_size": "4096"`, through the CLI: exit 1,
-    one stderr line naming the field, what it holds and what it should."""
+    """The issue's own two, `"num_hidden_layers": null` and `"hidden_size": "4096"`, through the CLI's inspect,
+    convert, generate and serve: exit 1, one stderr line naming the field, what it holds and what it should."""
     import subprocess
     import sys
+
+    from helpers import with_tokenizer
 
     for field_, value, expect in [("num_hidden_layers", None, "num_hidden_layers is null; expected a positive integer"),
                                   ("hidden_size", "4096", 'hidden_size is "4096"; expected a positive integer')]:
         path = _copy(seeds["qwen3_moe"], tmp_path / field_)
+        with_tokenizer(path)
         cfg = json.loads((path / "config.json").read_text())
         cfg[field_] = value
         (path / "config.json").write_text(json.dumps(cfg))
-        for args in (["inspect", str(path)], ["convert", str(path), str(tmp_path / "out"), "--force"]):
-            done = subprocess.run([sys.executable, "-m", "quantkit.cli", *args], capture_output=True, text=True)
+        for args in (["inspect", str(path)], ["convert", str(path), str(tmp_path / "out"), "--force"],
+                     ["generate", str(path), "--prompt", "hello"], ["serve", str(path), "--port", "0"]):
+            done = subprocess.run([sys.executable, "-m", "quantkit.cli", *args], capture_output=True, text=True,
+                                  timeout=120, env={**os.environ, "JAX_PLATFORMS": "cpu"})
             lines = done.stderr.strip().splitlines()
             assert done.returncode == 1 and len(lines) == 1 and expect in lines[0], (args, done.stderr)
             assert "internal error" not in done.stderr

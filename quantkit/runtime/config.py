@@ -146,9 +146,9 @@ def count(most: int, least: int = 1) -> Field:
 
 def number(low: float = 0.0, high: float = math.inf, open_low: bool = True) -> Field:
     """A finite number in (low, high] (`open_low`) or [low, high]."""
-    word = "(" if open_low else "["
-    return Field(f"a number in {word}{low:g}, {high:g}]",
-                 lambda v: _finite(v) and (v > low if open_low else v >= low) and v <= high)
+    what = ("a positive number" if open_low else "a number >= 0") if low == 0 and high == math.inf else \
+        f"a number in {'(' if open_low else '['}{low:g}, {high:g}]"
+    return Field(what, lambda v: _finite(v) and (v > low if open_low else v >= low) and v <= high)
 
 
 def required(f: Field) -> Field:
@@ -194,8 +194,7 @@ def check_fields(cfg: dict, fields: dict[str, Field], where: str = "config.json"
         if v is None and not f.required:
             continue
         if v is None or not f.ok(v):
-            held = "missing" if name not in cfg else f"{_shown(v)}"
-            raise InvalidInput(f"{where}: {name} is {held}; expected {f.expected}")
+            raise InvalidInput(f"{where}: {name} is {'missing' if name not in cfg else _shown(v)}; expected {f.expected}")
 
 
 def check_top_k(hf: dict, experts: str, top_k: str) -> None:
@@ -226,7 +225,7 @@ def rope(d: dict, where: str) -> tuple[float, tuple | None]:
                  "linear": ("factor",), "yarn": ("original_max_position_embeddings",)}.get(kind, ()):
         check_fields(d, {name: required(ROPE[name])}, f"{where} ({kind})")
     theta = float(d.get("rope_theta") or 10000.0)
-    if kind == "default" or kind == "proportional" and d.get("factor", 1.0) == 1.0:  # partial: the family's configure
+    if kind == "default" or kind == "proportional" and (d.get("factor") or 1.0) == 1.0:  # partial: the family's configure
         return theta, None
     if kind == "llama3":
         return theta, (d["factor"], d["low_freq_factor"], d["high_freq_factor"], d["original_max_position_embeddings"])

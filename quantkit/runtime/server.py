@@ -808,12 +808,16 @@ def serve(path: Path, host: str = "127.0.0.1", port: int = 8000, **options) -> i
 
     import jax
 
+    from quantkit.formats.hf import Checkpoint
     from quantkit.runtime.sharding import start
+    from quantkit.runtime.validate import validate_checkpoint
 
     grace = options.pop("grace", 30)
     path = Path(path)
     if not (path / "config.json").is_file():
         raise InvalidInput(f"{path}: not a model directory (no config.json)")
+    # what the loader would refuse, refused from the headers before the address is announced: one line
+    validate_checkpoint(Checkpoint.open(path)).raise_first(path)
     dp = options.pop("dp", 1)
     mesh = start(options.pop("tp", 1), *options.pop("distributed", (None, None, None)), dp=dp)
     server = Server(path, mesh=mesh, dp=dp > 1, **options)

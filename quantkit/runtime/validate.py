@@ -223,7 +223,8 @@ class Validation:
             probs = [p for p in problems if p["severity"] == severity]
             if probs:
                 more = f" (and {len(probs) - 1} more; see `quantkit inspect`)" if len(probs) > 1 else ""
-                raise exc(f"{path}: {probs[0]['where']}: {probs[0]['message']}{more}")
+                where, message = probs[0]["where"], probs[0]["message"]
+                raise exc(f"{path}: {message if where in message else f'{where}: {message}'}{more}")
 
     def all_problems(self) -> list[dict]:
         """Every finding: checkpoint-wide first, then per module its errors and why it cannot be served."""
@@ -246,7 +247,7 @@ def _model_config(ckpt: Checkpoint) -> tuple[ModelConfig | None, list[dict]]:
     except Unsupported as e:  # an architecture, or a variant of one, that the runtime refuses, with its reason
         return None, [problem("unsupported", where, str(e))]
     except InvalidInput as e:  # a field of the wrong type or range (config.Field), named
-        return None, [problem("error", where, str(e).removeprefix("config.json: "))]
+        return None, [problem("error", where, str(e).replace("config.json", where, 1))]
 
 
 def _kv_scale_problems(ckpt: Checkpoint, cfg: ModelConfig) -> list[dict]:
