@@ -7,9 +7,9 @@ length prefix; the shard index's map. `inspect`, `inspect --deep`, `convert` and
 succeed or raise a QuantkitError (exit 1 or 3, one line), each within 5 s.
 
 The seeds: a Llama quantized W4A16 by the compressed-tensors library, a Qwen3-MoE and a Gemma 3 (layer types,
-sliding window) converted by quantkit, sharded, and gpt-oss in OpenAI's MXFP4 layout. CI runs a fixed
-derandomized sample (FUZZ_EXAMPLES each); `QUANTKIT_FUZZ_EXAMPLES=6000` runs as many, randomly, with what
-they found reported by hypothesis (docs/benchmarks.md records a 6,000-checkpoint run).
+sliding window) converted by quantkit, sharded, Gemma 3 in bf16, and gpt-oss in OpenAI's MXFP4 layout. CI
+runs a fixed derandomized sample (EXAMPLES, 40 a test); `QUANTKIT_FUZZ_EXAMPLES=3000` runs that many a test,
+drawn at random (docs/benchmarks.md records a 6,000-checkpoint run).
 """
 
 from __future__ import annotations
