@@ -53,29 +53,34 @@ CONFIGS = {"W4A16": (LLAMA3_8B, "W4A16", 128, "auto"), "W8A16": (LLAMA3_8B, "W8A
 
 def random_weights(shapes):
     """Device arrays for the weight tree `shapes` (ShapeDtypeStructs; QTensors of them): integer values over
-    their type's range, scales 1/400, norms 1, the rest N(0, 0.02); a stacked array repeats its first slice."""
-    key = iter(jax.random.split(jax.random.key(0), 4096))
+    their type's range, scales 1/400, norms 1, the rest N(0, 0.02); a stacked array repeats its first slice.
+    One jitted program makes the whole tree (made leaf by leaf, every eager op compiled anew: ~150 s)."""
 
-    def fill(s, kind):
+    def fill(s, kind, key):
         one = s.shape[1:] if len(s.shape) == 3 else s.shape
         if kind == "values" and jnp.issubdtype(s.dtype, jnp.integer):
             lo, hi = (-8, 8) if s.dtype == jnp.int4 else (-128, 128)
-            x = jax.random.randint(next(key), one, lo, hi, jnp.int32).astype(s.dtype)
+            x = jax.random.randint(key, one, lo, hi, jnp.int32).astype(s.dtype)
         elif kind == "scales":
             x = jnp.full(one, 1 / 400, s.dtype)
         elif kind == "norm":
             x = jnp.ones(one, s.dtype)
         else:
-            x = (jax.random.normal(next(key), one, jnp.float32) * 0.02).astype(s.dtype)
-        return jnp.broadcast_to(x, s.shape) if x.shape != s.shape else x  # (a jit a leaf compiled each anew)
+            x = (jax.random.normal(key, one, jnp.float32) * 0.02).astype(s.dtype)
+        return jnp.broadcast_to(x, s.shape)
 
-    def leaf(path, s):
-        if isinstance(s, QTensor):
-            arrays = {f: fill(a, f) if f in ("values", "scales") else fill(a, "other") for f, a in s.arrays.items()}
-            return s.with_arrays(arrays)
-        return fill(s, "norm" if "norm" in jax.tree_util.keystr(path) else "other")
+    def make():
+        key = iter(jax.random.split(jax.random.key(0), 4096))
 
-    return jax.tree_util.tree_map_with_path(leaf, shapes, is_leaf=lambda x: isinstance(x, QTensor))
+        def leaf(path, s):
+            if isinstance(s, QTensor):
+                return s.with_arrays({f: fill(a, f if f in ("values", "scales") else "other", next(key))
+                                      for f, a in s.arrays.items()})
+            return fill(s, "norm" if "norm" in jax.tree_util.keystr(path) else "other", next(key))
+
+        return jax.tree_util.tree_map_with_path(leaf, shapes, is_leaf=lambda x: isinstance(x, QTensor))
+
+    return jax.jit(make)()
 
 
 def weight_bytes(params) -> int:
@@ -95,7 +100,7 @@ def kv_bytes_per_token(cfg, itemsize: int) -> int:
     return cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * itemsize
 
 
-def top_ops(trace_dir: str, steps: int, top: int = 25) -> list[dict]:
+def top_ops(trace_dir: str, steps: int, top: int = 40) -> list[dict]:
     """The device's time per step by XLA op, from a jax.profiler trace: the `top` ops by total time, µs per
     step (the op's HLO text names the kernel or fusion)."""
     total, count = collections.Counter(), collections.Counter()
@@ -134,6 +139,11 @@ def run(name, layers, batches, log, chip, prefill=True, profile=""):
             jax.block_until_ready(runner.run(b))
             took = time.perf_counter() - t0
             base |= dict(prefill_2048_ms=round(took * 1e3, 2), prefill_tokens_per_s=round(2048 / took))
+            if profile:
+                trace = f"{profile}/{name}-prefill"
+                with jax.profiler.trace(trace):
+                    jax.block_until_ready(runner.run(b))
+                log(**base, prefill_ops=top_ops(trace, 1, 20))
         for s in range(most):
             if s >= 16 or not prefill:
                 jax.block_until_ready(runner.run(runner.batch([Row(s, 0, PROMPT, prompt)])))
@@ -175,8 +185,8 @@ def main():
     ap.add_argument("--batches", default="1,16,64,128")
     ap.add_argument("--no-prefill", action="store_true", help="skip the 2048-token prefill step (its compile)")
     ap.add_argument("--out", default="tpu_decode.jsonl")
-    ap.add_argument("--profile", default="", help="also trace 4 decode steps a batch into this folder and log "
-                    "the device's time by XLA op")
+    ap.add_argument("--profile", default="", help="also trace 4 decode steps a batch (and the prefill step) into "
+                    "this folder and log the device's time by XLA op")
     a = ap.parse_args()
     dev = jax.devices()[0]
     chip = chip_of(dev.device_kind) if dev.platform == "tpu" else None

@@ -112,8 +112,8 @@ def weight_bytes(w, groups: int = 1) -> float:
 
 
 class Bench:
-    def __init__(self, out, chip):
-        self.out, self.chip = out, chip
+    def __init__(self, out, chip, shapes=""):
+        self.out, self.chip, self.shapes = out, chip, shapes  # shapes: only those whose name holds it
         self.hbm, self.peak = CHIPS[chip].hbm_bytes_per_s, CHIPS[chip].bf16_flops
 
     def log(self, **r):
@@ -138,6 +138,8 @@ class Bench:
 
 def llama(b: Bench, rng, ms=(1, 8, 16, 64, 128, 256, 2048), peers=True):
     for name, (k, n) in LLAMA.items():
+        if b.shapes and b.shapes not in name:
+            continue
         pair = name == "gate/up"
         w = weight(rng, "int4", 1, k, n, 128)
         up = weight(rng, "int4", 1, k, n, 128) if pair else None
@@ -186,6 +188,8 @@ def moe(b: Bench, rng, token_counts=(1, 8, 64, 512), peers=True):
 
     g, top = 128, 8
     for name, (k, n, pair) in MOE.items():
+        if b.shapes and b.shapes not in name:
+            continue
         w = weight(rng, "int4", g, k, n, 128)
         up = weight(rng, "int4", g, k, n, 128) if pair else None
         dense = jnp.asarray(rng.standard_normal((g, k, n), np.float32), jnp.bfloat16)
@@ -245,6 +249,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--what", default="llama,qtypes,moe,sweep")
     ap.add_argument("--out", default="tpu_gmm.jsonl")
+    ap.add_argument("--shapes", default="", help="only the shapes whose name holds this text (e.g. down)")
     a = ap.parse_args()
     dev = jax.devices()[0]
     chip = chip_of(dev.device_kind)
@@ -254,7 +259,7 @@ def main():
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     except OSError:  # no git there: the checkout's HEAD as the device tool copies it
         commit = ""
-    b = Bench(open(a.out, "a"), chip)
+    b = Bench(open(a.out, "a"), chip, a.shapes)
     b.log(table="run", chip=dev.device_kind, jax=jax.__version__, commit=commit or "?",
           date=datetime.date.today().isoformat(), command=" ".join(sys.argv))
     rng = np.random.default_rng(0)

@@ -8,7 +8,8 @@ compressed-tensors W4A16 where quantkit converts it (gpt-oss: OpenAI's MXFP4 lay
 Runner (quantized weights kept packed, layers scanned: the TPU program's structure), saved as
 `expected.npz` (ids, float32 logits of every position, the prompt's length) beside the checkpoint.
 
-Usage: .venv/bin/python scripts/tpu_models.py [OUT]   (default .tpu-models, git-ignored; carry it to the chip)
+Usage: .venv/bin/python scripts/tpu_models.py [OUT [FAMILY ...]]   (default .tpu-models, git-ignored; carry it to
+the chip; FAMILY: only those, tiny-llama among them)
 """
 
 from __future__ import annotations
@@ -30,6 +31,11 @@ FAMILIES = {"llama": 128, "qwen3": 32, "qwen3_moe": 32, "gemma3": 32, "gemma4": 
             "qwen3_5": 32, "qwen3_5_moe": 32, "gpt_oss": None}
 PROMPT, STEPS = 16, 24
 CHIP = "v5e"  # the lent chip: the interpreted kernels take its tiles
+# A tiny random model's router gives every expert nearly the same score (weights N(0, 0.02)): which of two
+# experts a token takes then hangs on ~1e-3, the difference between summation orders and the gated pair's
+# rounding, and the chip's forward parts from the CPU's at every later position (gemma4_moe did by 0.13).
+# The lane's MoE checkpoints have their routers scaled up so that each choice is clear.
+ROUTERS, ROUTER_GAIN = ("router.proj.weight", "mlp.gate.weight", "mlp.router.weight"), 30.0
 
 
 def expected(path: Path, vocab: int) -> None:
@@ -51,7 +57,7 @@ def expected(path: Path, vocab: int) -> None:
              chip=CHIP)
 
 
-def main(out: Path) -> None:
+def main(out: Path, only: list[str]) -> None:
     import torch
 
     from helpers import family, pack_native
@@ -59,8 +65,14 @@ def main(out: Path) -> None:
     quantkit = [sys.executable, "-m", "quantkit.cli"]
     out.mkdir(parents=True, exist_ok=True)
     for name, group in FAMILIES.items():
+        if only and name not in only:
+            continue
         torch.manual_seed(0)
         model = family(name)
+        with torch.no_grad():
+            for key, param in model.named_parameters():
+                if key.endswith(ROUTERS):
+                    param.mul_(ROUTER_GAIN)
         src, dst = out / f"{name}-src", out / name
         shutil.rmtree(dst, ignore_errors=True)
         if name == "gpt_oss":
@@ -75,6 +87,8 @@ def main(out: Path) -> None:
             shutil.rmtree(src)
         expected(dst, model.config.get_text_config().vocab_size)
         print(f"{name}: {dst}")
+    if only and "tiny-llama" not in only:
+        return
     dst = out / "tiny-llama"
     subprocess.run([*quantkit, "convert", str(ROOT / "assets/tiny-llama"), str(dst), "--scheme", "W4A16",
                     "--group-size", "32", "--force"], check=True, capture_output=True)
@@ -85,4 +99,4 @@ def main(out: Path) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]) if len(sys.argv) > 1 else ROOT / ".tpu-models")
+    main(Path(sys.argv[1]) if len(sys.argv) > 1 else ROOT / ".tpu-models", sys.argv[2:])

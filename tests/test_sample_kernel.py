@@ -77,13 +77,15 @@ def _reference(r: dict) -> tuple:
     return tok, lp, ids, lps
 
 
-@pytest.mark.parametrize("vocab,b,shared,greedy", [(384, 11, False, False), (1024, 8, False, False),
-                                                   (2048, 3, False, False), (256, 64, True, False),
-                                                   (384, 11, False, True)])
-def test_kernel_draws_what_numpy_draws_with_jax_noise(vocab, b, shared, greedy):
+@pytest.mark.parametrize("vocab,b,shared,greedy,drop", [
+    (384, 11, False, False, ""), (1024, 8, False, False, ""), (2048, 3, False, False, ""),
+    (256, 64, True, False, ""), (384, 11, False, True, ""), (384, 11, False, True, "masks bans"),
+    (1024, 8, False, False, "masks"), (384, 11, False, True, "bans")])
+def test_kernel_draws_what_numpy_draws_with_jax_noise(vocab, b, shared, greedy, drop):
     """Every row kind, three chunkings (3 x 128, 1 x 1,024, 2 x 1,024 lanes), a partial row block, and 64
     draws from one distribution's top 3 and top half (`_rows`); greedy: every row at temperature 0 (the
-    kernel then skips the scores and the noise). Tokens
+    kernel then skips the scores and the noise); drop: no row with a mask (the kernel given none) or banned
+    ids (each block then skips that work: the four kinds of first pass). Tokens
     and alternative ids exactly (the noise is jax.random's, bit for bit; logits with ties; the top-p cut by
     search lands between distinct probabilities); log-probabilities to 2e-6 (float32 log-sum-exp in another
     order over <= 2,048 terms: a few ulp of values ~1-10)."""
@@ -91,8 +93,12 @@ def test_kernel_draws_what_numpy_draws_with_jax_noise(vocab, b, shared, greedy):
     r = _rows(rng, b, vocab, shared)
     if greedy:
         r["temperature"][:] = 0
-    allow = np.stack([spread(m, device_words(vocab)) for m in r["raw"]])
-    out = kernel.sample(jnp.asarray(r["logits"]), jnp.asarray(allow), jnp.asarray(r["keys"]), r["temperature"],
+    if "masks" in drop:
+        r["raw"][:] = -1
+    if "bans" in drop:
+        r["banned"][:] = 2**31 - 1
+    allow = None if "masks" in drop else jnp.asarray(np.stack([spread(m, device_words(vocab)) for m in r["raw"]]))
+    out = kernel.sample(jnp.asarray(r["logits"]), allow, jnp.asarray(r["keys"]), r["temperature"],
                         r["top_k"], r["top_p"], r["banned"], r["logprobs"], interpret=INTERPRET)
     tok, lp, ids, lps = (np.asarray(x) for x in out)
     rtok, rlp, rids, rlps = _reference(r)
@@ -120,4 +126,4 @@ def test_compiles_for_a_v6e_reading_the_logits_once():
         cost = compiled.cost_analysis()
         cost = cost[0] if isinstance(cost, list) else cost
         logits = b * vocab * 4
-        assert logits < cost["bytes accessed"] < 1.1 * logits + b * device_words(vocab) * 4 + (1 << 20)
+        assert logits < cost["bytes accessed"] < 1.1 * logits + 4 * b * device_words(vocab) * 4 + (1 << 20)

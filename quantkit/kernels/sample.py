@@ -15,8 +15,9 @@ VMEM once; every pass below (the maximum, the log-sum-exp, the cut-off searches,
 alternatives) runs over the VMEM copy in chunks of lanes, so that no [b, V] array reaches HBM. The mask
 comes in the device layout runtime/structured.py `spread` writes: token t is bit t // W of word t % W (W a
 multiple of 1,024), so a chunk's bits are one aligned slice of words shifted by one amount. Whether a block filters
-(top-k / top-p), reports alternatives or samples at all is scalar-prefetched, so that a block without them
-skips their passes (an all-greedy block: the scores and the noise).
+(top-k / top-p), reports alternatives, samples at all, has a mask or banned ids is scalar-prefetched, so that a
+block without them skips their work (an all-greedy block: the scores and the noise, its draw the first pass's
+argmax).
 
 File order (docs/architecture.md, rule 5): validation -> cost estimate -> pallas_call -> one jitted public entry.
 """
@@ -121,20 +122,32 @@ def _kernel(flags_ref, x_ref, allow_ref, ints_ref, floats_ref, tok_ref, lp_ref, 
     def lanes_sum(a):
         return jnp.sum(a, axis=-1, keepdims=True)
 
-    def mask(col, start, at, m):  # the masked logits into scratch, and their maximum
-        word = allow_ref[:, pl.ds(pl.multiple_of(start % width, c), c)]
-        v = jnp.where(((word >> (start // width)) & 1) != 0, x_ref[:, at], -jnp.inf)
-        l_ref[:, at] = v
-        return jnp.maximum(m, v)
-
-    top = lanes_max(sweep(mask, ninf))
-    lse = top + jnp.log(lanes_sum(sweep(lambda col, start, at, s: s + jnp.exp(l_ref[:, at] - top), zeros)))
-
     def unbanned(col, v):
         hit = col == banned[0]
         for b in banned[1:]:
             hit = hit | (col == b)
         return jnp.where(hit, -jnp.inf, v)
+
+    # the first pass: the masked logits L into scratch, their maximum, and the argmax of the unbanned ones (a
+    # greedy row's draw), the mask and the bans applied only in blocks that have them
+    def first(masked: bool, bans: bool):
+        def body(col, start, at, carry):
+            m, best, where_ = carry
+            v = x_ref[:, at]
+            if masked:
+                word = allow_ref[:, pl.ds(pl.multiple_of(start % width, c), c)]
+                v = jnp.where(((word >> (start // width)) & 1) != 0, v, -jnp.inf)
+            l_ref[:, at] = v
+            u = unbanned(col, v) if bans else v
+            up = u > best
+            return jnp.maximum(m, v), jnp.where(up, u, best), jnp.where(up, col, where_)
+        return lambda: sweep(body, (ninf, ninf, lane))
+
+    masked, bans = flags_ref[i, 3] != 0, flags_ref[i, 4] != 0
+    m, best, where_ = jax.lax.cond(masked, lambda: jax.lax.cond(bans, first(True, True), first(True, False)),
+                                   lambda: jax.lax.cond(bans, first(False, True), first(False, False)))
+    top = lanes_max(m)
+    lse = top + jnp.log(lanes_sum(sweep(lambda col, start, at, s: s + jnp.exp(l_ref[:, at] - top), zeros)))
 
     def scores(col, start, at, carry):  # what a sampled row draws from: the unbanned logits over the temperature
         s_ref[:, at] = unbanned(col, l_ref[:, at]) / jnp.maximum(temp, 1e-6)
@@ -188,20 +201,20 @@ def _kernel(flags_ref, x_ref, allow_ref, ints_ref, floats_ref, tok_ref, lp_ref, 
 
         sweep(topp, 0)
 
-    # the draw: one argmax over the row (a greedy row's unbanned logits, a sampled row's scores + noise),
-    # carried per lane (the first of equal values), with the masked logit at the best place
-    def draw(noise: bool):
+    # a sampled block's draw: one argmax over each row (a greedy row's unbanned logits, a sampled row's scores +
+    # noise), carried per lane (the first of equal values), with the masked logit at the best place; an
+    # all-greedy block's is the first pass's (its logit the best value), without the noise's ~120 integer
+    # operations an element (on a v5e a greedy block of 8 rows of a 128k vocabulary took 196 us with it)
+    def draw():
         def body(col, start, at, carry):
             best, where_, logit = carry
             l = l_ref[:, at]
-            v = jnp.where(greedy, unbanned(col, l), s_ref[:, at] + _gumbel(k0, k1, col)) if noise else unbanned(col, l)
+            v = jnp.where(greedy, unbanned(col, l), s_ref[:, at] + _gumbel(k0, k1, col))
             up = v > best
             return jnp.where(up, v, best), jnp.where(up, col, where_), jnp.where(up, l, logit)
-        return lambda: sweep(body, (ninf, lane, ninf))
+        return sweep(body, (ninf, lane, ninf))
 
-    # the noise (Threefry: ~120 integer operations an element) only where a row samples: on a v5e a greedy
-    # block of 8 rows of a 128k vocabulary took 196 us with it
-    best, where_, logit = jax.lax.cond(sampled, draw(True), draw(False))
+    best, where_, logit = jax.lax.cond(sampled, draw, lambda: (best, where_, best))
     mx = lanes_max(best)
     tok = jnp.min(jnp.where(best == mx, where_, vocab), axis=-1, keepdims=True)
     tok_ref[...] = tok
@@ -262,7 +275,8 @@ def sample(logits, allow, keys, temperature, top_k, top_p, banned, logprobs, *, 
     Args:
         logits: [b, V] float32, V a multiple of 128 (`servable`).
         allow: [b, W] int32, each row's mask in the device layout (runtime/structured.py `spread`: token t is
-            bit t // W of word t % W, W a multiple of 1,024; -1: all tokens).
+            bit t // W of word t % W, W a multiple of 1,024; -1: all tokens), or None: no masks (a block
+            whose words are all -1 skips the masking; a step's masks are read twice, once for that).
         keys: [b, 2] uint32, each row's jax.random key data; temperature, top_p [b] float32; top_k [b] int32;
             banned [b, n] int32 ids never drawn (out of range: none); logprobs [b] bool.
     Returns:
@@ -270,12 +284,16 @@ def sample(logits, allow, keys, temperature, top_k, top_p, banned, logprobs, *, 
         for rows without logprobs).
     """
     b = logits.shape[0]
+    if allow is None:  # no masks: a block of all-allowing words the kernel never reads (the flag below)
+        allow = jnp.full((b, 1024), -1, jnp.int32)
     rows = min(b, ROWS)
     blocks = pl.cdiv(b, rows)
     pad = blocks * rows - b
     per_block = lambda f: jnp.any(jnp.pad(f, (0, pad)).reshape(blocks, rows), axis=1)  # noqa: E731
+    vocab = logits.shape[1]
     flags = jnp.stack([per_block(((top_k > 0) | (top_p < 1)) & (temperature > 0)),
-                       per_block(logprobs), per_block(temperature > 0)], axis=1).astype(jnp.int32)
+                       per_block(logprobs), per_block(temperature > 0), per_block(jnp.any(allow != -1, axis=1)),
+                       per_block(jnp.any((banned >= 0) & (banned < vocab), axis=1))], axis=1).astype(jnp.int32)
     ints = jnp.concatenate([jax.lax.bitcast_convert_type(keys, jnp.int32), top_k[:, None].astype(jnp.int32),
                             logprobs[:, None].astype(jnp.int32), banned.astype(jnp.int32)], axis=1)
     floats = jnp.stack([temperature, top_p], axis=1).astype(jnp.float32)

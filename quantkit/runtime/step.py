@@ -161,8 +161,7 @@ def pick(logits: jax.Array, s: dict, next_pos: jax.Array, draft: jax.Array | Non
     keys = jax.vmap(lambda seed, p: jax.random.fold_in(jax.random.PRNGKey(seed), p))(s["seed"], next_pos)
     banned = s["banned"]
     if tpu_chip() is not None and not split and sample_kernel.servable(logits.shape[-1]):
-        allow = s["allow"] if "allow" in s else jnp.full((logits.shape[0], device_words(logits.shape[-1])), -1)
-        out = sample_kernel.sample(logits, allow, keys, s["temperature"], s["top_k"], s["top_p"], banned,
+        out = sample_kernel.sample(logits, s.get("allow"), keys, s["temperature"], s["top_k"], s["top_p"], banned,
                                    s["logprobs"], interpret=interpret())
         return out if draft is None else (*out, out[0] == draft)
     if "allow" in s:

@@ -370,15 +370,18 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array, factor: 
     when its q and k were rotated so, before the split, docs/benchmarks.md)."""
     n, half = x.shape[-1], inv_freq.shape[0]
     d = head_dim or n
+    rotated = jnp.arange(d) < 2 * half
+    angles = positions.reshape(-1, *[1] * (x.ndim - 1)).astype(jnp.float32) * jnp.concatenate(
+        [inv_freq, inv_freq, jnp.zeros(d - 2 * half, inv_freq.dtype)])
+    # one head's cos and sin [T, d], materialized (the barrier keeps XLA from fusing them into the rotation,
+    # where they were computed per lane of every head: on a v5e 8.7 us a layer for q at 64 rows, 32 heads'
+    # worth of transcendentals), then tiled over the heads by lane: tiling, not indexing (an index is a gather,
+    # which a TPU runs element by element: 40 us a layer of a Llama-3-8B decode step)
+    cos, sin = jax.lax.optimization_barrier((jnp.where(rotated, jnp.cos(angles) * factor, 1.0),
+                                            jnp.where(rotated, jnp.sin(angles) * factor, 0.0)))
+    reps = [1] * (x.ndim - 1) + [n // d]
+    cos, sin = jnp.tile(cos, reps), jnp.tile(sin, reps)
     lane = jnp.arange(n) % d
-    rotated = lane < 2 * half
-    # each lane's frequency by tiling one head's, not by indexing: XLA makes an index a gather, which a TPU
-    # runs element by element (on a v5e, 40 us a layer of a Llama-3-8B decode step for q's and k's lanes, more
-    # than its q projection)
-    per_head = jnp.concatenate([inv_freq, inv_freq, jnp.zeros(d - 2 * half, inv_freq.dtype)])
-    angles = positions.reshape(-1, *[1] * (x.ndim - 1)).astype(jnp.float32) * jnp.tile(per_head, n // d)
-    cos = jnp.where(rotated, jnp.cos(angles) * factor, 1.0)
-    sin = jnp.where(rotated, jnp.sin(angles) * factor, 0.0)
     partner = jnp.where(lane < half, -jnp.roll(x, -half, axis=-1), jnp.roll(x, half, axis=-1))  # -x2 | x1
     return (x.astype(jnp.float32) * cos + partner.astype(jnp.float32) * sin).astype(x.dtype)
 

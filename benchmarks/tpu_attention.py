@@ -1,0 +1,84 @@
+"""The ragged paged-attention kernel on a TPU, per call, against its KV bytes, side by side in one run.
+
+Llama-3-8B's attention (32 query heads, 8 KV heads of 128, 16-token pages, bf16 cache): decode batches of
+B sequences with C keys each (one query row a sequence), and a prefill chunk; for each, the kernel's tilings
+(block_q: query rows a grid step; pages_per_chunk: pages a DMA chunk) around its default, timed on the device
+(tpu_gmm.per_call: 32 calls chained in one jitted program, the kernel's own time from a profile of it). Floor:
+the pages the call must read (every sequence's keys, its last page whole) / the chip's HBM bandwidth.
+
+Usage (on the chip): python3 benchmarks/tpu_attention.py [--out F]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+from pathlib import Path
+
+sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from tpu_gmm import per_call  # noqa: E402
+from quantkit.kernels.paged_attention import choose_blocks, paged_attention  # noqa: E402
+from quantkit.kernels.tiling import CHIPS  # noqa: E402
+from quantkit.runtime.ops import chip_of  # noqa: E402
+
+H, KVH, D, PS = 32, 8, 128, 16
+
+
+def case(rng, seqs: int, keys: int, rows: int):
+    """seqs sequences of `keys` keys, the last `rows` of each the step's queries."""
+    pps = -(-keys // PS)
+    pages = seqs * pps + 1
+    kv = jnp.asarray(rng.standard_normal((1, pages, PS, KVH * 2 * D), np.float32), jnp.bfloat16)
+    tables = jnp.asarray(1 + np.arange(seqs * pps).reshape(seqs, pps), jnp.int32)
+    q = jnp.asarray(rng.standard_normal((seqs * rows, H, D), np.float32), jnp.bfloat16)
+    lens = jnp.full((seqs,), keys, jnp.int32)
+    cu = jnp.asarray(np.arange(seqs + 1) * rows, jnp.int32)
+    return q, kv, lens, tables, cu, seqs * pps * PS * KVH * 2 * D * 2
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default="tpu_attention.jsonl")
+    a = ap.parse_args()
+    dev = jax.devices()[0]
+    chip = chip_of(dev.device_kind) if dev.platform == "tpu" else None
+    if chip is None:
+        sys.exit(f"error: needs a TPU with kernel facts (found {dev.device_kind})")
+    out = open(a.out, "a")
+
+    def log(**r):
+        print(json.dumps(r), flush=True)
+        out.write(json.dumps(r) + "\n")
+
+    log(chip=dev.device_kind, jax=jax.__version__, date=datetime.date.today().isoformat(), command=" ".join(sys.argv))
+    rng = np.random.default_rng(0)
+    hbm = CHIPS[chip].hbm_bytes_per_s
+    for seqs, keys, rows in ((64, 145, 1), (16, 145, 1), (1, 145, 1), (64, 1024, 1), (16, 512, 128)):
+        q, kv, lens, tables, cu, nbytes = case(rng, seqs, keys, rows)
+        t = q.shape[0]
+        default = choose_blocks(t, H, D, KVH, PS, tables.shape[1], 2, 2, CHIPS[chip])
+        for bq in sorted({8, 16, 32, default.block_q} & {b for b in (8, 16, 32, 64) if t % b == 0}):
+            for ppc in sorted({4, 8, 16, default.pages_per_chunk} & set(range(1, tables.shape[1] + 1))):
+                fn = lambda q, kv, l, bt, cu: paged_attention(  # noqa: E731
+                    q, kv, jnp.zeros((1,), jnp.int32), l, bt, cu, jnp.array([seqs], jnp.int32), scale=D ** -0.5,
+                    chip=chip, block_q=bq, pages_per_chunk=ppc).reshape(t, H * D)
+                try:
+                    us = per_call(fn, (q, kv, lens, tables, cu), match="paged_attention") * 1e6
+                except Exception as e:  # noqa: BLE001 -- a tiling that does not fit is reported, the rest run
+                    log(seqs=seqs, keys=keys, rows=rows, block_q=bq, pages_per_chunk=ppc, error=str(e)[:200])
+                    continue
+                floor = nbytes / hbm * 1e6
+                log(seqs=seqs, keys=keys, rows=rows, block_q=bq, pages_per_chunk=ppc,
+                    default=(bq, ppc) == (default.block_q, default.pages_per_chunk), us=round(us, 2),
+                    floor_us=round(floor, 2), ratio=round(us / floor, 2))
+
+
+if __name__ == "__main__":
+    main()
