@@ -2,7 +2,8 @@
 the expected side of tests/test_tpu.py's on-chip forward (run here, on the CPU, where transformers and torch
 are; the TPU machine has neither and no network).
 
-For each family: a tiny random transformers model (tests/helpers.py `family`, seed 0), converted to
+For each family: a tiny random transformers model (tests/helpers.py `family`, seed 0; a MoE's tokens routed to
+every expert: TOP_K below), converted to
 compressed-tensors W4A16 where quantkit converts it (gpt-oss: OpenAI's MXFP4 layout), and the default model
 (assets/tiny-llama) at W4A16 g32. Then a fixed 16-token prompt and 24 greedy tokens through the CPU path's
 Runner (quantized weights kept packed, layers scanned: the TPU program's structure), saved as
@@ -34,8 +35,11 @@ CHIP = "v5e"  # the lent chip: the interpreted kernels take its tiles
 # A tiny random model's router gives every expert nearly the same score (weights N(0, 0.02)): which of two
 # experts a token takes then hangs on ~1e-3, the difference between summation orders and the gated pair's
 # rounding, and the chip's forward parts from the CPU's at every later position (gemma4_moe did by 0.13).
-# The lane's MoE checkpoints have their routers scaled up so that each choice is clear.
-ROUTERS, ROUTER_GAIN = ("router.proj.weight", "mlp.gate.weight", "mlp.router.weight"), 30.0
+# Scaling the router does not help (the logits' error scales with them): the lane's MoE checkpoints route
+# every token to every expert (top-k = the experts), so that the forward is continuous in its inputs; the
+# kernels' tests on the chip cover empty and uneven expert groups.
+TOP_K = ("num_experts_per_tok", "top_k_experts", "experts_per_token")
+EXPERTS = ("num_experts", "num_local_experts")
 
 
 def expected(path: Path, vocab: int) -> None:
@@ -69,10 +73,11 @@ def main(out: Path, only: list[str]) -> None:
             continue
         torch.manual_seed(0)
         model = family(name)
-        with torch.no_grad():
-            for key, param in model.named_parameters():
-                if key.endswith(ROUTERS):
-                    param.mul_(ROUTER_GAIN)
+        for cfg in {id(c): c for c in (model.config, model.config.get_text_config())}.values():
+            experts = next((getattr(cfg, e) for e in EXPERTS if getattr(cfg, e, None)), None)
+            for key in TOP_K:
+                if experts and getattr(cfg, key, None):
+                    setattr(cfg, key, experts)
         src, dst = out / f"{name}-src", out / name
         shutil.rmtree(dst, ignore_errors=True)
         if name == "gpt_oss":

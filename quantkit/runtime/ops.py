@@ -120,11 +120,13 @@ def quantize_rows(x: jax.Array, act: str = "int8") -> tuple[jax.Array, jax.Array
     in x.dtype, [m, 1] per token); codes times their scale is the library's fake-quantized x."""
     m, k = x.shape
     half, lo, hi = (127.5, -128, 127) if act == "int8" else (FP8_MAX, -FP8_MAX, FP8_MAX)
-    g = x.reshape(m, -1, activation_group(act) or k)
-    scale = _divide(jnp.max(jnp.abs(g), axis=2, keepdims=True), jnp.asarray(half, x.dtype))
+    # per token on [m, k] itself: a [m, 1, k] view had XLA on a TPU materialize the scales broadcast over it
+    # (2048 x 14336 of the down projection's input: 173 us a layer of a W8A8 prefill on a v5e)
+    g = x.reshape(m, -1, activation_group(act)) if activation_group(act) else x
+    scale = _divide(jnp.max(jnp.abs(g), axis=-1, keepdims=True), jnp.asarray(half, x.dtype))
     scale = jnp.where(scale == 0, jnp.asarray(jnp.finfo(x.dtype).eps, x.dtype), scale)
     y = jnp.clip(_divide(g, scale), lo, hi).reshape(m, k)
-    return (jnp.round(y).astype(jnp.int8) if act == "int8" else y.astype(jnp.float8_e4m3fn)), scale[..., 0]
+    return (jnp.round(y).astype(jnp.int8) if act == "int8" else y.astype(jnp.float8_e4m3fn)), scale.reshape(m, -1)
 
 
 def fake_quantize_groups(x: jax.Array, act: str, gscale: jax.Array | None = None) -> jax.Array:
