@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 from enum import Enum
@@ -415,6 +416,8 @@ def plan(
     max_num_batched_tokens: Annotated[int, typer.Option(min=8, help="As serve's: the most tokens one step "
                                                                     "runs (its largest program).")]
     = MAX_NUM_BATCHED_TOKENS,
+    timings: Annotated[bool, typer.Option("--timings", help="Also each compile's trace, lower and compile "
+                                                            "seconds (--json: always, compile_timings).")] = False,
     json_out: Annotated[bool, typer.Option("--json", help="One JSON document on stdout.")] = False,
 ) -> None:
     """Compile the serving steps for a TPU without one (libtpu, deviceless) and report HBM for weights, KV
@@ -445,7 +448,7 @@ def plan(
                      enable_expert_parallel, cost, speculative=speculative,
                      prefix_caching=enable_prefix_caching, dp=data_parallel_size,
                      max_num_batched_tokens=max_num_batched_tokens)
-        _emit(report, json_out, print_plan)
+        _emit(report, json_out, functools.partial(print_plan, timings=timings))
     except (QuantkitError, Exception) as e:  # noqa: BLE001 - one line, never a traceback
         raise _fail(e) from None
     raise typer.Exit(0 if report["fits"] else 4)

@@ -60,12 +60,28 @@ def _nbytes(leaf, layout, chip) -> int:
     return -(-math.prod(shape) * bits // 8)
 
 
-def plan(path: str | Path, target: str = "v6e", max_model_len: int = 2048, max_num_seqs: int = 16, tp: int = 1,
-         scheme: str | None = None, group_size: int = 128, search: bool = True, progress=None,
-         kv_cache_dtype: str = "auto", ep: bool = False, cost: bool = True, prefill_cost: bool = True,
-         speculative=None, prefix_caching: bool = True, dp: int = 1, max_num_batched_tokens: int = BUDGET) -> dict:
+def plan(path: str | Path, *args, **kwargs) -> dict:
     """Compiles the serving steps for `tp` chips of `target` and reports HBM (per chip), VMEM, compile time and
-    fit (docs/cli.md keys).
+    fit (docs/cli.md keys; `_plan` documents the arguments). What it reads of each compiled program is kept
+    by the program's fingerprint (runtime/aot.py Facts, in ~/.cache/quantkit/jax/plan-facts or under
+    $QUANTKIT_JAX_CACHE), so that a program a plan compiled before is not compiled again; `compile_timings`
+    lists each program's trace, lowering and compile seconds (aot.compile_log)."""
+    import importlib.util
+
+    if importlib.util.find_spec("libtpu") is None:
+        raise Unsupported("plan compiles for TPU with libtpu, which is not installed: pip install 'quantkit[tpu]'")
+    from quantkit.runtime.aot import compile_log
+
+    with compile_log() as log:
+        report = _plan(path, *args, **kwargs)
+    return report | {"compile_timings": log}
+
+
+def _plan(path: str | Path, target: str = "v6e", max_model_len: int = 2048, max_num_seqs: int = 16, tp: int = 1,
+          scheme: str | None = None, group_size: int = 128, search: bool = True, progress=None,
+          kv_cache_dtype: str = "auto", ep: bool = False, cost: bool = True, prefill_cost: bool = True,
+          speculative=None, prefix_caching: bool = True, dp: int = 1, max_num_batched_tokens: int = BUDGET) -> dict:
+    """The plan (see `plan`).
 
     Args:
         path: checkpoint directory or bare config.json (then `scheme` says how weights would be stored).
@@ -91,10 +107,6 @@ def plan(path: str | Path, target: str = "v6e", max_model_len: int = 2048, max_n
         max_num_batched_tokens: serve's: the most tokens a step runs (the largest token bucket, compiled for
             the fit and costed as the prefill step).
     """
-    import importlib.util
-
-    if importlib.util.find_spec("libtpu") is None:
-        raise Unsupported("plan compiles for TPU with libtpu, which is not installed: pip install 'quantkit[tpu]'")
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -201,11 +213,14 @@ def plan(path: str | Path, target: str = "v6e", max_model_len: int = 2048, max_n
             batch = {**jax.tree_util.tree_map(lambda a: np.stack([a] * dp), batch),
                      "row_order": np.zeros(dp * s, np.int32), "token_order": np.zeros(dp * t, np.int32)}
         batch = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), batch)
+        kind = "verifying" if spec else "decode" if t < budget else "budget"
         return compile_for(target, step_function(c, PAGE_SIZE, mesh=mesh, unroll=unroll, kv_fp8=fp8,
                                                  ep=ep and mesh is not None, spec=spec,
                                                  drafter=head if spec or isinstance(head, Lookup) else None,
                                                  decode=not spec and t < budget, dp=dp > 1), weights, cache(n, c),
-                           last, batch, donate=(1, 2), pinned=(0,), tp=devices)
+                           last, batch, donate=(1, 2), pinned=(0,), tp=devices, facts=True,
+                           label=f"{kind} step, {t} tokens, {n} sequences, {c.num_layers} layers"
+                                 f"{' unrolled' if unroll else ''}")
 
     def compile_step(t: int, n: int, spec: int = 0):
         """Compiles the step at t tokens for n sequences (spec: the verifying step): (temporary bytes,
@@ -219,7 +234,7 @@ def plan(path: str | Path, target: str = "v6e", max_model_len: int = 2048, max_n
             if "HBM" in msg or "RESOURCE_EXHAUSTED" in msg or "memory" in msg.lower():
                 return None, time.perf_counter() - t0, msg[:300], []
             raise
-        if layouts["cache"] is None:  # the argument layouts XLA chose, in args' order
+        if layouts["cache"] is None and t == decode_bucket(n):  # the argument layouts XLA chose, in args' order
             formats = [f.layout for f in jax.tree_util.tree_leaves(compiled.input_formats)]
             w = len(param_leaves)
             layouts["params"], layouts["cache"] = formats[:w], formats[w:w + len(jax.tree_util.tree_leaves(cache(n)))]
@@ -228,11 +243,13 @@ def plan(path: str | Path, target: str = "v6e", max_model_len: int = 2048, max_n
     def fits_at(n: int, decode: bool = True) -> tuple[bool, int, float, str, list]:
         """Compiles the decode bucket (unless not `decode`) and the full budget for n sequences, and with
         speculative decoding the verifying program of the full budget too (serve runs one in every bucket;
-        the largest holds the most): (fits, temporary bytes, seconds, message, dequantized buffers found)."""
+        the largest holds the most), two at a time (`_parallel`): (fits, temporary bytes, seconds, message,
+        dequantized buffers found)."""
         seconds, temps, found = 0.0, [], []
         sizes = [(t, 0) for t in dict.fromkeys((decode_bucket(n), budget) if decode else (budget,))]
-        for t, spec in sizes + ([(budget, speculative)] if speculative else []):
-            temp, s, message, more = compile_step(t, n, spec)
+        sizes += [(budget, speculative)] if speculative else []
+        for temp, s, message, more in _parallel([lambda t=t, spec=spec: compile_step(t, n, spec)
+                                                 for t, spec in sizes]):
             seconds, found = seconds + s, found + more
             if temp is None:
                 return False, 0, seconds, message, found
@@ -412,8 +429,7 @@ def _layer_costs(cfg, compile_layers, later: bool = True) -> tuple[tuple, dict, 
     def measure(k: tuple[str, ...]) -> dict:
         c = dataclasses.replace(cfg, num_layers=len(k), sliding_layers=tuple(x == "sliding" for x in k),
                                 linear_layers=tuple(x == "linear" for x in k) if cfg.linear_layers else ())
-        with balanced_expert_passes():
-            compiled = compile_layers(c)
+        compiled = compile_layers(c)
         ca = compiled.cost_analysis()
         ca = (ca[0] if isinstance(ca, (list, tuple)) else ca) or {}
         hlo = compiled.as_text()
@@ -421,8 +437,23 @@ def _layer_costs(cfg, compile_layers, later: bool = True) -> tuple[tuple, dict, 
                 **{f"mxu:{t}": f for t, f in _mxu_flops(hlo).items()},
                 **{f"collective:{op}": b for op, b in _collectives(hlo).items()}}
 
-    base = measure(kinds)
-    return kinds, base, {k: {m: v - base.get(m, 0) for m, v in measure((*kinds, k)).items()} for k in cfg.kinds}
+    with balanced_expert_passes():  # (a flag of the process: around all the threads' tracing)
+        base, *more = _parallel([lambda k=k: measure(k) for k in (kinds, *((*kinds, k) for k in cfg.kinds))])
+    return kinds, base, {k: {m: v - base.get(m, 0) for m, v in x.items()} for k, x in zip(cfg.kinds, more)}
+
+
+def _parallel(calls: list) -> list:
+    """Each call's result, in order, two calls at a time (each in a copy of this context: aot.compile_log's
+    list, the kernels' settings). A deviceless compile is libtpu's, one thread that lets go of Python's lock
+    (a small plan: 21 s of CPU in 27.5 s), so a second core compiles a second program meanwhile."""
+    import concurrent.futures
+    import contextvars
+    import os
+
+    if len(calls) < 2 or (os.cpu_count() or 1) < 2:
+        return [c() for c in calls]
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        return [f.result() for f in [pool.submit(contextvars.copy_context().run, c) for c in calls]]
 
 
 def _quantized_shapes(params: dict) -> set:
@@ -681,7 +712,8 @@ def _named(params: dict):
             yield key, value, 1
 
 
-def print_plan(r: dict, out=sys.stdout) -> None:
+def print_plan(r: dict, out=None, timings: bool = False) -> None:
+    out = out or sys.stdout  # (the one at call time: a test's runner swaps it)
     gib = 1 << 30
     h = r["hbm_bytes"]
     unit = "TensorCore" if r["target"] == "v7x" else "chip"  # a v7x chip is two devices (runtime/aot.py)
@@ -738,5 +770,11 @@ def print_plan(r: dict, out=sys.stdout) -> None:
         n = f", largest max_num_seqs {d['max_num_seqs_that_fit']}" if d["max_num_seqs_that_fit"] is not None else ""
         print(f"  KV cache {name:<5}{d['kv_cache'] / gib:9.2f} GiB{n}" + ("" if d["compiled"] else
               " (estimate: scaled from the compiled cache; plan with --kv-cache-dtype to compile it)"), file=out)
+    if timings:
+        total = sum(x["trace_s"] + x["lower_s"] + x["compile_s"] for x in r["compile_timings"])
+        print(f"  compiles ({len(r['compile_timings'])}, {total:.1f} s: trace + lower + compile, s):", file=out)
+        for x in r["compile_timings"]:
+            print(f"    {x['trace_s']:6.1f} {x['lower_s']:6.1f} {x['compile_s']:7.1f}  {x['label']}"
+                  f"{' (read back: compiled before)' if x['cached'] else ''}", file=out)
     verdict = "fits" if r["fits"] else "does NOT fit"
     print(f"verdict: {verdict}" + (f" ({r['compiler_message']})" if r["compiler_message"] else ""), file=out)

@@ -614,3 +614,29 @@ def test_mxu_flops_of_xla_dots(tmp_path):
     compiled, _ = compile_for("v6e", f, *args)
     assert _mxu_flops(compiled.as_text()) == {"bf16": 2 * 256 * 1024 * 512 + 2 * 4 * 64 * 64 * 1024,
                                               "int8": 2 * 128 * 512 * 256, "fp8": 0}
+
+
+def test_a_second_plan_reads_its_programs_back_with_the_same_report(tmp_path, monkeypatch):
+    """A plan's programs are kept by fingerprint (runtime/aot.py Facts): the same plan again compiles
+    nothing (every program of `compile_timings` read back) and reports the same, byte for byte, temporaries,
+    argument layouts (the weights' and cache's HBM), cost analysis and HLO-derived figures included; another
+    --max-model-len is other programs (its cache and block tables), compiled (without the cost variants:
+    two programs); `plan --timings` lists them."""
+    from typer.testing import CliRunner
+
+    from quantkit.cli import app
+
+    monkeypatch.setenv("QUANTKIT_JAX_CACHE", str(tmp_path / "cache"))
+    (tmp_path / "config.json").write_text(json.dumps(SMALL))
+    args = ["plan", str(tmp_path / "config.json"), "--scheme", "W4A16", "--max-model-len", "512", "--max-num-seqs",
+            "4", "--max-num-batched-tokens", "16", "--no-search", "--json"]
+    runs = [CliRunner().invoke(app, a) for a in (args, args, args[:5] + ["256"] + args[6:] + ["--no-cost"])]
+    first, again, other = (json.loads(r.stdout) for r in runs)
+    assert not any(x["cached"] for x in first["compile_timings"]) and len(first["compile_timings"]) >= 4
+    assert all(x["cached"] for x in again["compile_timings"]) and len(again["compile_timings"]) == len(
+        first["compile_timings"])
+    drop = ("compile_timings", "compile_seconds")
+    assert {k: v for k, v in again.items() if k not in drop} == {k: v for k, v in first.items() if k not in drop}
+    assert not any(x["cached"] for x in other["compile_timings"]) and other["hbm_bytes"] != first["hbm_bytes"]
+    text = CliRunner().invoke(app, args[:-1] + ["--timings"]).stdout
+    assert "read back: compiled before" in text and "decode step, 8 tokens, 4 sequences, 2 layers" in text

@@ -5,9 +5,15 @@ libtpu compiles against a described topology; nothing runs. Used by `plan` and b
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import gzip
+import hashlib
+import json
 import os
 import time
 from functools import cache
+from types import SimpleNamespace
 
 TOPOLOGIES = {  # chip -> (topology name prefix, accelerator type of one chip)
     "v5e": ("v5e", "v5litepod-1"),
@@ -65,14 +71,90 @@ def target_mesh(chip: str, tp: int):
     return make_mesh(tp, list(tpu_devices(chip, tp)))
 
 
-def compile_for(chip: str, fn, *args, donate: tuple[int, ...] = (), pinned: tuple[int, ...] = (), tp: int = 1):
+_LOG: contextvars.ContextVar[list | None] = contextvars.ContextVar("compile_log", default=None)
+
+
+@contextlib.contextmanager
+def compile_log():
+    """Within it, each compile_for call appends {label, trace_s, lower_s, compile_s, cached} to the list it
+    yields: where a plan's time goes (`plan --timings`); `cached`: the program's Facts were read back, not
+    compiled."""
+    log: list = []
+    token = _LOG.set(log)
+    try:
+        yield log
+    finally:
+        _LOG.reset(token)
+
+
+class Facts:
+    """What `plan` reads of a compiled program (its temporaries, argument layouts, cost analysis and HLO text),
+    kept where JAX's own persistent cache cannot help: a deviceless executable is written there but cannot be
+    read back ("PjRtCompiler must be constructed with a Client"). The same methods as a compiled program's."""
+
+    def __init__(self, temp: int, layouts: list, cost: dict, hlo: str):
+        self.temp, self.layouts, self.cost, self.hlo = temp, layouts, cost, hlo
+
+    @classmethod
+    def of(cls, compiled) -> "Facts":
+        import jax
+
+        cost = compiled.cost_analysis()
+        cost = (cost[0] if isinstance(cost, (list, tuple)) else cost) or {}
+        layouts = [None if (lay := getattr(f, "layout", None)) is None else
+                   [list(lay.major_to_minor), [list(t) for t in lay.tiling]]
+                   for f in jax.tree_util.tree_leaves(compiled.input_formats)]
+        return cls(compiled.memory_analysis().temp_size_in_bytes, layouts,
+                   {k: float(v) for k, v in cost.items() if isinstance(v, (int, float))}, compiled.as_text())
+
+    def memory_analysis(self):
+        return SimpleNamespace(temp_size_in_bytes=self.temp)
+
+    def cost_analysis(self) -> dict:
+        return self.cost
+
+    def as_text(self) -> str:
+        return self.hlo
+
+    @property
+    def input_formats(self) -> list:
+        return [SimpleNamespace(layout=None if x is None else SimpleNamespace(
+            major_to_minor=tuple(x[0]), tiling=tuple(tuple(t) for t in x[1]))) for x in self.layouts]
+
+    def save(self, path: str) -> None:
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with gzip.open(tmp, "wt") as f:
+            json.dump({"temp": self.temp, "layouts": self.layouts, "cost": self.cost, "hlo": self.hlo}, f)
+        os.replace(tmp, path)  # whole or absent: a reader never sees half a file
+
+    @classmethod
+    def load(cls, path: str) -> "Facts | None":
+        try:
+            with gzip.open(path, "rt") as f:
+                d = json.load(f)
+            return cls(d["temp"], d["layouts"], d["cost"], d["hlo"])
+        except (OSError, ValueError, KeyError, EOFError):
+            return None
+
+
+def facts_dir() -> str:
+    """Where compiled programs' Facts are kept: beside JAX's persistent cache (runtime/engine.py)."""
+    base = os.environ.get("QUANTKIT_JAX_CACHE") or os.path.expanduser("~/.cache/quantkit/jax")
+    return os.path.join(base, "plan-facts")
+
+
+def compile_for(chip: str, fn, *args, donate: tuple[int, ...] = (), pinned: tuple[int, ...] = (), tp: int = 1,
+                label: str = "", facts: bool = False):
     """Compiles `fn` for `tp` devices of `chip` on abstract args (pytrees of jax.ShapeDtypeStruct; those
     without a sharding go on the one device, or are replicated over the mesh); `donate`: argument positions
     whose buffers the outputs may reuse (the KV cache); `pinned`: argument positions laid out row-major, as
     the Runner places weights (runtime/sharding.py row_major); the others in layouts XLA chooses.
 
     Returns (compiled, seconds). Lowering runs under the target device so that Pallas rules that
-    consult the chip see the target, not the host CPU.
+    consult the chip see the target, not the host CPU. `label` names the program in `compile_log`. `facts`:
+    return the program's Facts instead, read from `facts_dir()` when a program of the same lowered text was
+    compiled for the same target before (its fingerprint: the text, the target and the jax and libtpu
+    versions), else compiled and written there.
     """
     import jax
     from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
@@ -88,7 +170,39 @@ def compile_for(chip: str, fn, *args, donate: tuple[int, ...] = (), pinned: tupl
         return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding)
 
     placed = [jax.tree_util.tree_map(lambda a, pin=i in pinned: place(a, pin), x) for i, x in enumerate(args)]
-    t = time.perf_counter()
+    t, cached = [time.perf_counter()], False
     with jax.default_device(devices[0]):
-        compiled = jax.jit(fn, donate_argnums=donate).trace(*placed).lower(lowering_platforms=("tpu",)).compile()
-    return compiled, time.perf_counter() - t
+        traced = jax.jit(fn, donate_argnums=donate).trace(*placed)
+        t.append(time.perf_counter())
+        lowered = traced.lower(lowering_platforms=("tpu",))
+        t.append(time.perf_counter())
+        path = compiled = None
+        if facts:
+            path = os.path.join(facts_dir(), _fingerprint(lowered.as_text(), chip, tp, donate) + ".json.gz")
+            compiled = Facts.load(path)
+        if compiled is None:
+            compiled = lowered.compile()
+            if facts:
+                compiled = Facts.of(compiled)
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                compiled.save(path)
+        else:
+            cached = True
+        t.append(time.perf_counter())
+    if (log := _LOG.get()) is not None:
+        log.append({"label": label, "trace_s": round(t[1] - t[0], 2), "lower_s": round(t[2] - t[1], 2),
+                    "compile_s": round(t[3] - t[2], 2), "cached": cached})
+    return compiled, t[3] - t[0]
+
+
+def _fingerprint(text: str, chip: str, tp: int, donate) -> str:
+    import importlib.metadata
+
+    import jax
+
+    try:
+        libtpu = importlib.metadata.version("libtpu")
+    except importlib.metadata.PackageNotFoundError:
+        libtpu = "?"
+    key = f"{chip}|{tp}|{tuple(donate)}|jax {jax.__version__}|libtpu {libtpu}\n{text}"
+    return hashlib.sha256(key.encode()).hexdigest()
