@@ -234,7 +234,7 @@ def _plan(path: str | Path, target: str = "v6e", max_model_len: int = 2048, max_
             if "HBM" in msg or "RESOURCE_EXHAUSTED" in msg or "memory" in msg.lower():
                 return None, time.perf_counter() - t0, msg[:300], []
             raise
-        if layouts["cache"] is None and t == decode_bucket(n):  # the argument layouts XLA chose, in args' order
+        if layouts["cache"] is None:  # the argument layouts XLA chose, in args' order
             formats = [f.layout for f in jax.tree_util.tree_leaves(compiled.input_formats)]
             w = len(param_leaves)
             layouts["params"], layouts["cache"] = formats[:w], formats[w:w + len(jax.tree_util.tree_leaves(cache(n)))]
@@ -243,13 +243,11 @@ def _plan(path: str | Path, target: str = "v6e", max_model_len: int = 2048, max_
     def fits_at(n: int, decode: bool = True) -> tuple[bool, int, float, str, list]:
         """Compiles the decode bucket (unless not `decode`) and the full budget for n sequences, and with
         speculative decoding the verifying program of the full budget too (serve runs one in every bucket;
-        the largest holds the most), two at a time (`_parallel`): (fits, temporary bytes, seconds, message,
-        dequantized buffers found)."""
+        the largest holds the most): (fits, temporary bytes, seconds, message, dequantized buffers found)."""
         seconds, temps, found = 0.0, [], []
         sizes = [(t, 0) for t in dict.fromkeys((decode_bucket(n), budget) if decode else (budget,))]
-        sizes += [(budget, speculative)] if speculative else []
-        for temp, s, message, more in _parallel([lambda t=t, spec=spec: compile_step(t, n, spec)
-                                                 for t, spec in sizes]):
+        for t, spec in sizes + ([(budget, speculative)] if speculative else []):
+            temp, s, message, more = compile_step(t, n, spec)
             seconds, found = seconds + s, found + more
             if temp is None:
                 return False, 0, seconds, message, found
@@ -429,7 +427,8 @@ def _layer_costs(cfg, compile_layers, later: bool = True) -> tuple[tuple, dict, 
     def measure(k: tuple[str, ...]) -> dict:
         c = dataclasses.replace(cfg, num_layers=len(k), sliding_layers=tuple(x == "sliding" for x in k),
                                 linear_layers=tuple(x == "linear" for x in k) if cfg.linear_layers else ())
-        compiled = compile_layers(c)
+        with balanced_expert_passes():
+            compiled = compile_layers(c)
         ca = compiled.cost_analysis()
         ca = (ca[0] if isinstance(ca, (list, tuple)) else ca) or {}
         hlo = compiled.as_text()
@@ -437,23 +436,8 @@ def _layer_costs(cfg, compile_layers, later: bool = True) -> tuple[tuple, dict, 
                 **{f"mxu:{t}": f for t, f in _mxu_flops(hlo).items()},
                 **{f"collective:{op}": b for op, b in _collectives(hlo).items()}}
 
-    with balanced_expert_passes():  # (a flag of the process: around all the threads' tracing)
-        base, *more = _parallel([lambda k=k: measure(k) for k in (kinds, *((*kinds, k) for k in cfg.kinds))])
-    return kinds, base, {k: {m: v - base.get(m, 0) for m, v in x.items()} for k, x in zip(cfg.kinds, more)}
-
-
-def _parallel(calls: list) -> list:
-    """Each call's result, in order, two calls at a time (each in a copy of this context: aot.compile_log's
-    list, the kernels' settings). A deviceless compile is libtpu's, one thread that lets go of Python's lock
-    (a small plan: 21 s of CPU in 27.5 s), so a second core compiles a second program meanwhile."""
-    import concurrent.futures
-    import contextvars
-    import os
-
-    if len(calls) < 2 or (os.cpu_count() or 1) < 2:
-        return [c() for c in calls]
-    with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        return [f.result() for f in [pool.submit(contextvars.copy_context().run, c) for c in calls]]
+    base = measure(kinds)
+    return kinds, base, {k: {m: v - base.get(m, 0) for m, v in measure((*kinds, k)).items()} for k in cfg.kinds}
 
 
 def _quantized_shapes(params: dict) -> set:
