@@ -12,21 +12,17 @@ Usage (on the chip): python3 benchmarks/tpu_attention.py [--out F]
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import sys
 from pathlib import Path
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
 
-import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from tpu_gmm import per_call  # noqa: E402
+from tpu_gmm import open_run, per_call  # noqa: E402
 from quantkit.kernels.paged_attention import choose_blocks, paged_attention  # noqa: E402
 from quantkit.kernels.tiling import CHIPS  # noqa: E402
-from quantkit.runtime.ops import chip_of  # noqa: E402
 
 H, KVH, D, PS = 32, 8, 128, 16
 
@@ -47,18 +43,7 @@ def case(rng, seqs: int, keys: int, rows: int):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="tpu_attention.jsonl")
-    a = ap.parse_args()
-    dev = jax.devices()[0]
-    chip = chip_of(dev.device_kind) if dev.platform == "tpu" else None
-    if chip is None:
-        sys.exit(f"error: needs a TPU with kernel facts (found {dev.device_kind})")
-    out = open(a.out, "a")
-
-    def log(**r):
-        print(json.dumps(r), flush=True)
-        out.write(json.dumps(r) + "\n")
-
-    log(chip=dev.device_kind, jax=jax.__version__, date=datetime.date.today().isoformat(), command=" ".join(sys.argv))
+    chip, log = open_run(ap.parse_args().out)
     rng = np.random.default_rng(0)
     hbm = CHIPS[chip].hbm_bytes_per_s
     for seqs, keys, rows in ((64, 145, 1), (16, 145, 1), (1, 145, 1), (64, 1024, 1), (16, 512, 128)):

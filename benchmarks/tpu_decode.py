@@ -22,8 +22,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import datetime
-import json
 import sys
 import time
 from pathlib import Path
@@ -35,13 +33,12 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from plan_table import LLAMA3_8B, QWEN3_30B_A3B  # noqa: E402
-from tpu_gmm import device_ops  # noqa: E402
+from tpu_gmm import device_ops, open_run  # noqa: E402
 from quantkit.kernels.tiling import CHIPS  # noqa: E402
 from quantkit.plan import _quantization  # noqa: E402
 from quantkit.quant.qtensor import BITS, QTensor  # noqa: E402
 from quantkit.runtime.loader import LoadedModel, abstract  # noqa: E402
 from quantkit.runtime.models import from_hf  # noqa: E402
-from quantkit.runtime.ops import chip_of  # noqa: E402
 from quantkit.runtime.step import Row, Runner  # noqa: E402
 
 PROMPT, STEPS = 128, 16
@@ -188,18 +185,7 @@ def main():
     ap.add_argument("--profile", default="", help="also trace 4 decode steps a batch (and the prefill step) into "
                     "this folder and log the device's time by XLA op")
     a = ap.parse_args()
-    dev = jax.devices()[0]
-    chip = chip_of(dev.device_kind) if dev.platform == "tpu" else None
-    if chip is None:
-        sys.exit(f"error: needs a TPU with kernel facts (found {dev.device_kind})")
-    out = open(a.out, "a")
-
-    def log(**r):
-        print(json.dumps(r), flush=True)
-        out.write(json.dumps(r) + "\n")
-        out.flush()
-
-    log(chip=dev.device_kind, jax=jax.__version__, date=datetime.date.today().isoformat(), command=" ".join(sys.argv))
+    chip, log = open_run(a.out)
     for name in a.configs.split(","):
         layers = a.moe_layers if name == "moe" else a.bf16_layers if name == "bf16" else a.layers
         run(name, layers, [int(b) for b in a.batches.split(",")], log, chip, not a.no_prefill, a.profile)

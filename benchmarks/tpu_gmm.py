@@ -57,6 +57,25 @@ def device_ops(trace_dir: str) -> list[tuple[str, float]]:
             for e in line.events if not e.name.startswith(("%while", "%conditional", "%call"))]
 
 
+def open_run(out_path: str):
+    """(the attached TPU's chip, log): log(**fields) prints a record and appends it to out_path (JSON lines);
+    its first record says the chip, jax, the date and the command. Exits with one line without a TPU that
+    kernels/tiling.py has facts for."""
+    dev = jax.devices()[0]
+    chip = chip_of(dev.device_kind) if dev.platform == "tpu" else None
+    if chip is None:
+        sys.exit(f"error: needs a TPU with kernel facts (found {dev.device_kind})")
+    out = open(out_path, "a")
+
+    def log(**r):
+        print(json.dumps(r), flush=True)
+        out.write(json.dumps(r) + "\n")
+        out.flush()
+
+    log(chip=dev.device_kind, jax=jax.__version__, date=datetime.date.today().isoformat(), command=" ".join(sys.argv))
+    return chip, log
+
+
 def per_call(fn, args, n: int = 32, whole: bool = False, match: str = "") -> float:
     """Seconds of device time per call of fn(x, *rest), chained n times in one program (each call's input
     depending on the last output, so that none is skipped or overlapped), from a profile of that program:
