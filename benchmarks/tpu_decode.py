@@ -9,7 +9,8 @@ what a step costs does not depend on the values. The Runner is the one `generate
 - decode: one Runner per configuration, the largest batch's sequences of 128-token prompts, then for each
   batch the decode step (one token a sequence, sampled on the
   device) dispatched 16 times back to back, wall time over 16 (the host's dispatch overlaps the device);
-  the floor: every weight byte once (int4 at 4 bits; the embedding table only its rows) plus the KV pages the
+  the floor: every weight byte once (int4 at 4 bits; the embedding table only its rows; a MoE's routed experts
+  only the share its batch's tokens hit, expected under uniform routing: `experts_hit`) plus the KV pages the
   step reads (every sequence's 128-160 tokens, all layers) / the chip's HBM bandwidth;
 - prefill: one step of 2048 prompt tokens (16 sequences x 128), tokens/s.
 
@@ -80,17 +81,27 @@ def random_weights(shapes):
     return jax.jit(make)()
 
 
-def weight_bytes(params) -> int:
-    """Bytes a decode step must read of the weights: all of them at their stored width, but the embedding."""
+def weight_bytes(params, experts: float = 1.0) -> int:
+    """Bytes a decode step must read of the weights: all of them at their stored width, but the embedding;
+    routed experts' only the share `experts` of them (those the step's tokens hit)."""
     total = 0
     for path, w in jax.tree_util.tree_flatten_with_path(params, is_leaf=lambda x: isinstance(x, QTensor))[0]:
-        if "embed" in jax.tree_util.keystr(path):
+        key = jax.tree_util.keystr(path)
+        if "embed" in key:
             continue
         if isinstance(w, QTensor):
-            total += w.values.size * BITS[w.qtype] // 8 + sum(a.nbytes for f, a in w.arrays.items() if f != "values")
+            b = w.values.size * BITS[w.qtype] // 8 + sum(a.size * a.dtype.itemsize for f, a in w.arrays.items()
+                                                          if f != "values")
         else:
-            total += w.nbytes
-    return total
+            b = w.size * w.dtype.itemsize
+        total += b * experts if "experts_" in key else b
+    return int(total)
+
+
+def experts_hit(cfg, tokens: int) -> float:
+    """The expected share of a MoE layer's experts that `tokens` tokens hit, routed uniformly at random
+    (top_k distinct experts each): 1 - (1 - k / E)^tokens; 1 for a dense model."""
+    return 1 - (1 - cfg.top_k / cfg.num_experts) ** tokens if cfg.num_experts else 1.0
 
 
 def kv_bytes_per_token(cfg, itemsize: int) -> int:
@@ -123,14 +134,15 @@ def run(name, layers, batches, log, chip, prefill=True, profile=""):
         most = max(batches)
         runner = Runner(model, max_model_len=256, max_num_seqs=max(most, 16), page_size=16,
                         max_num_batched_tokens=2048 if prefill else 128, kv_cache_dtype=kv)
-        prompt = [int(i) for i in np.random.default_rng(0).integers(3, 1000, PROMPT)]
+        # a prompt of its own a sequence: a MoE's tokens then route apart, as a served batch's do
+        prompts = [[int(i) for i in np.random.default_rng(s).integers(3, 1000, PROMPT)] for s in range(max(most, 16))]
         runner.pool.reserve(0, 0, PROMPT - 1)
-        jax.block_until_ready(runner.run(runner.batch([Row(0, 0, PROMPT, prompt)])))
+        jax.block_until_ready(runner.run(runner.batch([Row(0, 0, PROMPT, prompts[0])])))
         base["first_token_s"] = round(time.perf_counter() - t0, 1)
         for s in range(max(most, 16)):
             runner.pool.reserve(s, 0, PROMPT - 1)
         if prefill:  # 16 sequences x 128 tokens in one step (twice: the first compiles), the rest likewise
-            b = runner.batch([Row(s, 0, PROMPT, prompt) for s in range(16)])
+            b = runner.batch([Row(s, 0, PROMPT, prompts[s]) for s in range(16)])
             jax.block_until_ready(runner.run(b))
             t0 = time.perf_counter()
             jax.block_until_ready(runner.run(b))
@@ -143,7 +155,7 @@ def run(name, layers, batches, log, chip, prefill=True, profile=""):
                 log(**base, prefill_ops=top_ops(trace, 1, 20))
         for s in range(most):
             if s >= 16 or not prefill:
-                jax.block_until_ready(runner.run(runner.batch([Row(s, 0, PROMPT, prompt)])))
+                jax.block_until_ready(runner.run(runner.batch([Row(s, 0, PROMPT, prompts[s])])))
             runner.pool.reserve(s, PROMPT, PROMPT + STEPS)
     except Exception as e:  # noqa: BLE001 -- one configuration failing is reported, the rest still run
         log(**base, error=f"{type(e).__name__}: {str(e)[:400]}")
@@ -159,7 +171,7 @@ def run(name, layers, batches, log, chip, prefill=True, profile=""):
             jax.block_until_ready(out)
             decode = (time.perf_counter() - t0) / STEPS
             kvb = batch * (PROMPT + 1) * kv_bytes_per_token(cfg, jnp.dtype(runner.kv_dtype).itemsize)
-            floor = (wbytes + kvb) / CHIPS[chip].hbm_bytes_per_s
+            floor = (weight_bytes(params, experts_hit(cfg, batch)) + kvb) / CHIPS[chip].hbm_bytes_per_s
             log(**base, batch=batch, decode_ms=round(decode * 1e3, 3), floor_ms=round(floor * 1e3, 3),
                 ratio=round(decode / floor, 3), tokens_per_s=round(batch / decode, 1), kv_gb=round(kvb / 1e9, 3))
             if profile:  # where the step's time goes, op by op

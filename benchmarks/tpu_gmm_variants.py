@@ -155,6 +155,9 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="probe.jsonl")
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--shapes", default="", help="dense shapes whose name holds one of these, e.g. q/o,k/v")
+    ap.add_argument("--tiles", default="", help="tk x tn tiles to try instead of the defaults, e.g. 512x4096,1024x1024; "
+                    "with --controls: post and dma_only only")
     ap.add_argument("--controls", action="store_true", help="dense shapes only: where a call's time goes (DMA, "
                     "int4 conversion, the MXU in either orientation)")
     a = ap.parse_args()
@@ -177,6 +180,8 @@ def main():
         q, s = rhs.values[0], rhs.scales[0]
         wbf = jnp.asarray(rng.standard_normal((k, n)), jnp.bfloat16)
         floor_w = (k * n / 2 + k // 128 * n * 2) / HBM
+        if a.shapes and not any(w in name for w in a.shapes.split(",")):
+            continue
         for m in (1, 8, 64) if not a.quick else (8,):
             x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
             ref = np.asarray(jnp.dot(x.astype(jnp.float32), (q.astype(jnp.float32).reshape(k // 128, 128, n)
@@ -186,14 +191,17 @@ def main():
             sizes = jnp.array([m], jnp.int32)
             runs = [("prod", lambda x, rhs: gmm_v2(x, rhs, jnp.array([x.shape[0]], jnp.int32), chip="v5e"), (x, rhs)),
                     ("xla_bf16", lambda x, w: jnp.dot(x, w, preferred_element_type=jnp.float32).astype(jnp.bfloat16), (x, wbf))]
-            for tk, tn in ((1024, 4096), (2048, 2048), (4096, 1024), (1024, 1024)):
-                if k % tk or n % tn or k // tk * (n // tn) < 2 and k * n > 4096 * 4096 or (tk, tn) == (1024, 1024) \
-                        and n > 1024:
+            tiles = [tuple(map(int, t.split("x"))) for t in a.tiles.split(",")] if a.tiles else \
+                ((1024, 4096), (2048, 2048), (4096, 1024), (1024, 1024))
+            for tk, tn in tiles:
+                if k % tk or n % tn or not a.tiles and (k // tk * (n // tn) < 2 and k * n > 4096 * 4096
+                                                         or (tk, tn) == (1024, 1024) and n > 1024):
                     continue
-                modes = ("post", "post2", "dma_only", "dma2") if a.controls else ("post", "pre_bf16")
+                modes = (("post", "dma_only") if a.controls else ("post",)) if a.tiles else \
+                    ("post", "post2", "dma_only", "dma2") if a.controls else ("post", "pre_bf16")
                 for mode in modes + (("vpu",) if m == 1 and not a.controls else ()):
                     runs.append((f"{mode} {tk}x{tn}", functools.partial(variant, mode=mode, tk=tk, tn=tn), (x, q, s)))
-                if a.controls:  # the MXU alone on a bf16 tile read once, as the kernel's K=128 dots (a K=tk dot and
+                if a.controls and not a.tiles:  # the MXU alone on a bf16 tile read once, as the kernel's K=128 dots (a K=tk dot and
                     # the transposed orientation, the weights streaming against the stationary lhs, took 1.2-2x and
                     # 2.5-3.5x as long: run 5)
                     runs.append((f"mxu_k128 {tk}x{tn}", functools.partial(variant, mode="mxu_k128", tk=tk, tn=tn, n=n,
@@ -211,7 +219,7 @@ def main():
                 except Exception as e:  # noqa: BLE001
                     log(shape=name, m=m, variant=label, error=f"{type(e).__name__}: {str(e)[:300]}")
 
-    if a.controls:
+    if a.controls or a.tiles or a.shapes:
         return
     # Qwen3-30B-A3B experts: 128 experts, top 8, gated pair gate/up [2048, 768] x2, down [768, 2048]
     for name, (k, n, pair) in {"moe gate/up": (2048, 768, True), "moe down": (768, 2048, False)}.items():
