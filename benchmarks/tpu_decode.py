@@ -10,8 +10,10 @@ what a step costs does not depend on the values. The Runner is the one `generate
   batch the decode step (one token a sequence, sampled on the
   device) dispatched 16 times back to back, wall time over 16 (the host's dispatch overlaps the device);
   the floor: every weight byte once (int4 at 4 bits; the embedding table only its rows; a MoE's routed experts
-  only the share its batch's tokens hit, expected under uniform routing: `experts_hit`) plus the KV pages the
-  step reads (every sequence's 128-160 tokens, all layers) / the chip's HBM bandwidth;
+  only those its token hits at batch 1, and no floor at larger batches: `experts_hit`) plus the KV pages the
+  step reads (every sequence's 128-160 tokens, all layers) / the chip's HBM bandwidth; beside it the MXU's
+  floor (`step_flops` at the chip's peak for the scheme's operands: from ~60 rows on, a v5e's int4 decode is
+  bound by its 197 TFLOP/s, not its bytes) and the ratio to the larger of the two;
 - prefill: one step of 2048 prompt tokens (16 sequences x 128), tokens/s.
 
 Usage (on the chip): python3 benchmarks/tpu_decode.py [--configs W4A16,bf16] [--layers 32] [--batches 1,64] [--out F]
@@ -98,10 +100,24 @@ def weight_bytes(params, experts: float = 1.0) -> int:
     return int(total)
 
 
-def experts_hit(cfg, tokens: int) -> float:
-    """The expected share of a MoE layer's experts that `tokens` tokens hit, routed uniformly at random
-    (top_k distinct experts each): 1 - (1 - k / E)^tokens; 1 for a dense model."""
-    return 1 - (1 - cfg.top_k / cfg.num_experts) ** tokens if cfg.num_experts else 1.0
+def experts_hit(cfg, tokens: int) -> float | None:
+    """The share of a MoE layer's experts that `tokens` tokens hit: top_k of them for one token; None for
+    more (random routers do not spread tokens uniformly: run 14's batch of 8 took less time than the bytes
+    of the experts a uniform router would hit); 1 for a dense model."""
+    return 1.0 if not cfg.num_experts else cfg.top_k / cfg.num_experts if tokens == 1 else None
+
+
+def step_flops(params, cfg, tokens: int, keys: int) -> float:
+    """The MXU work of a decode step of `tokens` tokens with `keys` keys each: 2 a weight a token for every
+    matrix (the embedding table a lookup; a MoE's routed experts top_k of num_experts of them a token) and
+    4 a key a query head's lane for attention (QK and PV)."""
+    macs = 0
+    for path, w in jax.tree_util.tree_flatten_with_path(params, is_leaf=lambda x: isinstance(x, QTensor))[0]:
+        key = jax.tree_util.keystr(path)
+        n = w.values.size if isinstance(w, QTensor) else w.size if (w.ndim == 3 or "lm_head" in key) else 0
+        macs += n * (cfg.top_k / cfg.num_experts if "experts_" in key else 1) if "embed" not in key else 0
+    heads = cfg.num_layers * cfg.num_heads * cfg.head_dim
+    return 2 * tokens * macs + 4 * tokens * keys * heads
 
 
 def kv_bytes_per_token(cfg, itemsize: int) -> int:
@@ -171,9 +187,15 @@ def run(name, layers, batches, log, chip, prefill=True, profile=""):
             jax.block_until_ready(out)
             decode = (time.perf_counter() - t0) / STEPS
             kvb = batch * (PROMPT + 1) * kv_bytes_per_token(cfg, jnp.dtype(runner.kv_dtype).itemsize)
-            floor = (weight_bytes(params, experts_hit(cfg, batch)) + kvb) / CHIPS[chip].hbm_bytes_per_s
-            log(**base, batch=batch, decode_ms=round(decode * 1e3, 3), floor_ms=round(floor * 1e3, 3),
-                ratio=round(decode / floor, 3), tokens_per_s=round(batch / decode, 1), kv_gb=round(kvb / 1e9, 3))
+            hit = experts_hit(cfg, batch)
+            floor = None if hit is None else (weight_bytes(params, hit) + kvb) / CHIPS[chip].hbm_bytes_per_s
+            mxu = CHIPS[chip].peak_flops("int8" if scheme == "W8A8" else "bf16")
+            flops = step_flops(params, cfg, batch, PROMPT + 1) / mxu
+            floors = {} if floor is None else dict(
+                floor_ms=round(floor * 1e3, 3), ratio=round(decode / floor, 3), mxu_floor_ms=round(flops * 1e3, 3),
+                ratio_roofline=round(decode / max(floor, flops), 3))
+            log(**base, batch=batch, decode_ms=round(decode * 1e3, 3), **floors, tokens_per_s=round(batch / decode, 1),
+                kv_gb=round(kvb / 1e9, 3))
             if profile:  # where the step's time goes, op by op
                 trace = f"{profile}/{name}-{batch}"
                 with jax.profiler.trace(trace):

@@ -351,6 +351,30 @@ def test_tensor_parallel_on_four_devices_matches_one(scheme, tmp_path):
     assert "'model'" in line  # the row-parallel weight really is split
 
 
+def test_padding_tokens_reach_no_expert(tmp_path, monkeypatch):
+    """A step's token bucket pads its tokens (a decode of one sequence runs 8 tokens): the padding tokens'
+    rows go to no expert (models/common.py `live_tokens`), so the grouped matmuls are given top_k rows a
+    live token, and on a TPU no expert is read for padding (a one-sequence Qwen3-30B-A3B decode step read
+    up to 64 experts a layer for its 8). The live tokens' logits against transformers: the parity tests."""
+    from quantkit.runtime.models import common
+
+    torch.manual_seed(0)  # one layer: a configuration (and jitted step) of this test's own, traced with the spy
+    T.Qwen3MoeForCausalLM(T.Qwen3MoeConfig(**{**COMMON, "num_hidden_layers": 1}, moe_intermediate_size=64,
+                                           num_experts=8, num_experts_per_tok=2)).save_pretrained(tmp_path)
+    rows, real = [], common.gated
+
+    def spy(x, gate, up, act, sizes=None):
+        if sizes is not None:
+            jax.debug.callback(lambda s: rows.append(int(np.sum(s))), sizes)
+        return real(x, gate, up, act, sizes)
+
+    monkeypatch.setattr(common, "gated", spy)
+    runner = Runner(load(tmp_path), max_model_len=64, page_size=8, weights="packed", scan=True)
+    runner.forward([(0, [5, 6, 7, 8, 9], 0)])  # 5 tokens in an 8-token bucket
+    runner.forward([(0, [10], 5)])  # 1 in 8
+    assert rows == [5 * 2, 1 * 2]
+
+
 @pytest.mark.parametrize("scheme", ["W4A16", "W8A16", "W4A16_ASYM", "NVFP4A16"])
 def test_quantized_moe_experts_match_transformers(scheme, tmp_path):
     """Qwen3-MoE converted by quantkit to int4 / int8 g32, int4 with zero points, nvfp4 (one global scale per

@@ -41,6 +41,7 @@ from quantkit.runtime.config import MAX_NUM_BATCHED_TOKENS, PAGE_SIZE
 from quantkit.runtime.models import forward_for
 from quantkit.runtime.models.common import argmax as _argmax
 from quantkit.runtime.models.common import logits as project
+from quantkit.runtime.models.common import live_tokens
 from quantkit.runtime.models.gdn import keep_checkpoints
 from quantkit.runtime.sharding import (AXIS, cache_sharding, local_view, make_mesh, place_row_major, row_major,
                                        shard_params)
@@ -194,7 +195,7 @@ def _token_rows(batch: dict):
     """Each token's row [T] and whether it is a sequence's (not padding)."""
     cu = batch["cu_q_lens"]
     tok = jnp.arange(batch["positions"].shape[0])
-    return jnp.minimum(jnp.searchsorted(cu[1:], tok, side="right"), cu.shape[0] - 2), tok < cu[batch["num_seqs"][0]]
+    return jnp.minimum(jnp.searchsorted(cu[1:], tok, side="right"), cu.shape[0] - 2), live_tokens(batch, tok.shape[0])
 
 
 def _followed(batch: dict, last: jax.Array, k: int) -> dict:

@@ -134,8 +134,17 @@ def gated(x: jax.Array, gate, up, act: str, sizes: jax.Array | None = None) -> j
     return GATES[act](grouped(x, gate, sizes)) * grouped(x, up, sizes)
 
 
+def live_tokens(batch: dict, t: int) -> jax.Array | None:
+    """[t] bool: which of a step's t tokens belong to a sequence (the rest pad the token bucket), or None
+    where `batch` does not say (a head run on its own tokens)."""
+    if "cu_q_lens" not in batch or "num_seqs" not in batch:
+        return None
+    return jnp.arange(t) < batch["cu_q_lens"][batch["num_seqs"][0]]
+
+
 def routed_experts(x: jax.Array, weights: jax.Array, experts: jax.Array, w: tuple, num_experts: int,
-                   act: Callable | str, mesh=None, bias: tuple | None = None) -> jax.Array:
+                   act: Callable | str, mesh=None, bias: tuple | None = None,
+                   live: jax.Array | None = None) -> jax.Array:
     """Sum over each token's chosen experts of weight * down(act(gate(x), up(x))); act a GATES key: the
     gated pair GATES[act](gate(x)) * up(x) (`gated`).
 
@@ -145,7 +154,11 @@ def routed_experts(x: jax.Array, weights: jax.Array, experts: jax.Array, w: tupl
     (another device's, under expert parallelism) add nothing.
     mesh: the expert-parallel mesh (runtime/sharding.py "e"), if any: see `_expert_parallel`; or the mesh
     axis's name (a str) inside the data-parallel step, whose devices each run their own tokens: see
-    `_data_parallel_experts`."""
+    `_data_parallel_experts`.
+    live: [T] bool (`live_tokens`): a padding token's rows go to no expert, so that no expert's weights are
+    read for it (a decode step of one sequence in an 8-token bucket: 8 experts' instead of up to 64)."""
+    if live is not None:
+        experts = jnp.where(live[:, None], experts, num_experts)
     if isinstance(mesh, str):
         return _data_parallel_experts(x, weights, experts, w, num_experts, act, mesh, bias)
     if mesh is not None:

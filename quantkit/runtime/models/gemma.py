@@ -109,7 +109,7 @@ def moe(p: dict, x, cfg: ModelConfig, batch: dict):
     import jax
     import jax.numpy as jnp
 
-    from quantkit.runtime.models.common import rms_norm, routed_experts, router_logits
+    from quantkit.runtime.models.common import live_tokens, rms_norm, routed_experts, router_logits
 
     eps = cfg.rms_norm_eps
     r = rms_norm(x, None, eps).astype(jnp.float32) * p["router_scale"] * (cfg.hidden_size ** -0.5)
@@ -118,7 +118,7 @@ def moe(p: dict, x, cfg: ModelConfig, batch: dict):
     weights = weights / weights.sum(-1, keepdims=True) * p["expert_scale"][chosen]
     h = rms_norm(x, p["pre_mlp_norm_2"], eps)
     return routed_experts(h, weights, chosen, (p["experts_gate"], p["experts_up"], p["experts_down"]),
-                          cfg.num_experts, "gelu_tanh", batch.get("ep_mesh"))
+                          cfg.num_experts, "gelu_tanh", batch.get("ep_mesh"), live=live_tokens(batch, h.shape[0]))
 
 
 def forward(params: dict, cfg: ModelConfig, tokens, kv: dict, batch: dict):

@@ -43,7 +43,7 @@ def moe(p: dict, x, cfg: ModelConfig, batch: dict):
     import jax
     import jax.numpy as jnp
 
-    from quantkit.runtime.models.common import routed_experts, router_logits
+    from quantkit.runtime.models.common import live_tokens, routed_experts, router_logits
 
     logits = router_logits(x, p["router"]) + p["router_bias"].astype(jnp.float32)  # [T, experts]
     top, chosen = jax.lax.top_k(logits, cfg.top_k)
@@ -56,7 +56,8 @@ def moe(p: dict, x, cfg: ModelConfig, batch: dict):
 
     keys = ("experts_gate", "experts_up", "experts_down")
     return routed_experts(x, jax.nn.softmax(top, axis=-1), chosen, tuple(p[k] for k in keys), cfg.num_experts,
-                          act, batch.get("ep_mesh"), bias=tuple(p[k + "_bias"] for k in keys))
+                          act, batch.get("ep_mesh"), bias=tuple(p[k + "_bias"] for k in keys),
+                          live=live_tokens(batch, x.shape[0]))
 
 
 def forward(params, cfg, tokens, kv, batch):

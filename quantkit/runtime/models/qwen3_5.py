@@ -83,13 +83,13 @@ def moe(p: dict, x, cfg: ModelConfig, batch: dict):
     import jax
     import jax.numpy as jnp
 
-    from quantkit.runtime.models.common import gated, linear, routed_experts, router_logits
+    from quantkit.runtime.models.common import gated, linear, live_tokens, routed_experts, router_logits
 
     probs = jax.nn.softmax(router_logits(x, p["router"]), axis=-1)  # [T, experts]
     weights, chosen = jax.lax.top_k(probs, cfg.top_k)
     weights = weights / weights.sum(-1, keepdims=True)
     routed = routed_experts(x, weights, chosen, (p["experts_gate"], p["experts_up"], p["experts_down"]),
-                            cfg.num_experts, "silu", batch.get("ep_mesh"))
+                            cfg.num_experts, "silu", batch.get("ep_mesh"), live=live_tokens(batch, x.shape[0]))
     shared = linear(gated(x, p["shared_gate"], p["shared_up"], "silu"), p["shared_down"])
     gate = jax.nn.sigmoid(router_logits(x, p["shared_expert_gate"]))  # [T, 1]
     return (routed.astype(jnp.float32) + gate * shared.astype(jnp.float32)).astype(x.dtype)

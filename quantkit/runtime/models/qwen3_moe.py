@@ -36,14 +36,14 @@ def moe(p: dict, x, cfg: ModelConfig, batch: dict):
     says so: batch["ep_mesh"])."""
     import jax
 
-    from quantkit.runtime.models.common import routed_experts, router_logits
+    from quantkit.runtime.models.common import live_tokens, routed_experts, router_logits
 
     probs = jax.nn.softmax(router_logits(x, p["router"]), axis=-1)  # [T, experts]
     weights, chosen = jax.lax.top_k(probs, cfg.top_k)  # [T, k]
     if cfg.norm_topk_prob:
         weights = weights / weights.sum(-1, keepdims=True)
     return routed_experts(x, weights, chosen, (p["experts_gate"], p["experts_up"], p["experts_down"]),
-                          cfg.num_experts, "silu", batch.get("ep_mesh"))
+                          cfg.num_experts, "silu", batch.get("ep_mesh"), live=live_tokens(batch, x.shape[0]))
 
 
 def forward(params, cfg, tokens, kv, batch):
