@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import sys
 import time
 from pathlib import Path
@@ -30,7 +29,7 @@ from jax.experimental import pallas as pl  # noqa: E402
 from jax.experimental.pallas import tpu as pltpu  # noqa: E402
 
 from quantkit.kernels.gmm_v2 import gmm_v2  # noqa: E402
-from tpu_gmm import per_call  # noqa: E402
+from tpu_gmm import open_run, per_call  # noqa: E402
 from quantkit.quant.qtensor import make_qtensor  # noqa: E402
 
 HBM = 819e9
@@ -161,14 +160,8 @@ def main():
     ap.add_argument("--controls", action="store_true", help="dense shapes only: where a call's time goes (DMA, "
                     "int4 conversion, the MXU in either orientation)")
     a = ap.parse_args()
-    print(jax.devices(), flush=True)
+    _, log = open_run(a.out)
     rng = np.random.default_rng(0)
-    out = open(a.out, "a")
-
-    def log(**r):
-        print(json.dumps(r), flush=True)
-        out.write(json.dumps(r) + "\n")
-        out.flush()
 
     shapes = {"q/o": (4096, 4096), "k/v": (4096, 1024), "gate/up": (4096, 14336), "down": (14336, 4096)}
     for name, (k, n) in shapes.items():
