@@ -6,17 +6,19 @@ QTensors, stacked layers and layouts as a converted checkpoint), one layer's val
 what a step costs does not depend on the values. The Runner is the one `generate` and `serve` use
 (runtime/step.py). Per configuration:
 - the time from Runner creation to the first token of a 128-token prompt (its compiles included);
-- decode: one Runner per configuration, the largest batch's sequences of 128-token prompts, then for each
-  batch the decode step (one token a sequence, sampled on the
+- decode: one Runner per configuration, the largest batch's sequences of 128-token prompts (with --context N,
+  each sequence's pages reserved to N tokens, the ones past its prompt not prefilled: what a step costs does
+  not depend on the values its keys hold), then for each batch the decode step (one token a sequence, sampled on the
   device) dispatched 16 times back to back, wall time over 16 (the host's dispatch overlaps the device);
   the floor: every weight byte once (int4 at 4 bits; the embedding table only its rows; a MoE's routed experts
   only those its token hits at batch 1, and no floor at larger batches: `experts_hit`) plus the KV pages the
-  step reads (every sequence's 128-160 tokens, all layers) / the chip's HBM bandwidth; beside it the MXU's
+  step reads (every sequence's context, all layers) / the chip's HBM bandwidth; beside it the MXU's
   floor (`step_flops` at the chip's peak for the scheme's operands: from ~60 rows on, a v5e's int4 decode is
   bound by its 197 TFLOP/s, not its bytes) and the ratio to the larger of the two;
 - prefill: one step of 2048 prompt tokens (16 sequences x 128), tokens/s.
 
-Usage (on the chip): python3 benchmarks/tpu_decode.py [--configs W4A16,bf16] [--layers 32] [--batches 1,64] [--out F]
+Usage (on the chip): python3 benchmarks/tpu_decode.py [--configs W4A16,bf16] [--layers 32] [--batches 1,64]
+[--context 1024] [--out F]
 Configurations: W4A16 (g128), W8A16 (channel), W8A8 (int8 rows on the int8 MXU), bf16, W4A16-fp8kv, moe
 (Qwen3-30B-A3B W4A16 g128, --moe-layers layers).
 """
@@ -134,7 +136,7 @@ def top_ops(trace_dir: str, steps: int, top: int = 40) -> list[dict]:
     return [dict(op=k[:300], us=round(v / 1e3 / steps, 2), calls=count[k] / steps) for k, v in total.most_common(top)]
 
 
-def run(name, layers, batches, log, chip, prefill=True, profile=""):
+def run(name, layers, batches, log, chip, prefill=True, profile="", context=PROMPT):
     raw, scheme, group, kv = CONFIGS[name]
     raw = dict(raw, num_hidden_layers=layers)
     cfg = from_hf(raw)
@@ -144,12 +146,13 @@ def run(name, layers, batches, log, chip, prefill=True, profile=""):
     made = time.perf_counter() - t0
     model = LoadedModel(Path("."), cfg, params, jnp.bfloat16)
     wbytes = weight_bytes(params)
-    base = dict(config=name, layers=layers, weight_gb=round(wbytes / 1e9, 3), weights_made_s=round(made, 1))
+    base = dict(config=name, layers=layers, context=context, weight_gb=round(wbytes / 1e9, 3),
+                weights_made_s=round(made, 1))
     try:
         t0 = time.perf_counter()
         most = max(batches)
-        runner = Runner(model, max_model_len=256, max_num_seqs=max(most, 16), page_size=16,
-                        max_num_batched_tokens=2048 if prefill else 128, kv_cache_dtype=kv)
+        runner = Runner(model, max_model_len=max(256, context + 2 * STEPS), max_num_seqs=max(most, 16),
+                        page_size=16, max_num_batched_tokens=2048 if prefill else 128, kv_cache_dtype=kv)
         # a prompt of its own a sequence: a MoE's tokens then route apart, as a served batch's do
         prompts = [[int(i) for i in np.random.default_rng(s).integers(3, 1000, PROMPT)] for s in range(max(most, 16))]
         runner.pool.reserve(0, 0, PROMPT - 1)
@@ -172,13 +175,13 @@ def run(name, layers, batches, log, chip, prefill=True, profile=""):
         for s in range(most):
             if s >= 16 or not prefill:
                 jax.block_until_ready(runner.run(runner.batch([Row(s, 0, PROMPT, prompts[s])])))
-            runner.pool.reserve(s, PROMPT, PROMPT + STEPS)
+            runner.pool.reserve(s, PROMPT, context + STEPS)
     except Exception as e:  # noqa: BLE001 -- one configuration failing is reported, the rest still run
         log(**base, error=f"{type(e).__name__}: {str(e)[:400]}")
         return
     for batch in batches:
         try:
-            step = runner.batch([Row(s, PROMPT, 1) for s in range(batch)])
+            step = runner.batch([Row(s, context, 1) for s in range(batch)])
             jax.block_until_ready(runner.run(step))  # compiles the decode bucket
             t0 = time.perf_counter()
             out = None
@@ -186,11 +189,11 @@ def run(name, layers, batches, log, chip, prefill=True, profile=""):
                 out = runner.run(step)
             jax.block_until_ready(out)
             decode = (time.perf_counter() - t0) / STEPS
-            kvb = batch * (PROMPT + 1) * kv_bytes_per_token(cfg, jnp.dtype(runner.kv_dtype).itemsize)
+            kvb = batch * (context + 1) * kv_bytes_per_token(cfg, jnp.dtype(runner.kv_dtype).itemsize)
             hit = experts_hit(cfg, batch)
             floor = None if hit is None else (weight_bytes(params, hit) + kvb) / CHIPS[chip].hbm_bytes_per_s
             mxu = CHIPS[chip].peak_flops("int8" if scheme == "W8A8" else "bf16")
-            flops = step_flops(params, cfg, batch, PROMPT + 1) / mxu
+            flops = step_flops(params, cfg, batch, context + 1) / mxu
             floors = {} if floor is None else dict(
                 floor_ms=round(floor * 1e3, 3), ratio=round(decode / floor, 3), mxu_floor_ms=round(flops * 1e3, 3),
                 ratio_roofline=round(decode / max(floor, flops), 3))
@@ -215,6 +218,8 @@ def main():
     ap.add_argument("--moe-layers", type=int, default=24)
     ap.add_argument("--batches", default="1,16,64,128")
     ap.add_argument("--no-prefill", action="store_true", help="skip the 2048-token prefill step (its compile)")
+    ap.add_argument("--context", type=int, default=PROMPT, help="decode at this many tokens a sequence "
+                    "(pages past the 128-token prompt reserved, not prefilled)")
     ap.add_argument("--out", default="tpu_decode.jsonl")
     ap.add_argument("--profile", default="", help="also trace 4 decode steps a batch (and the prefill step) into "
                     "this folder and log the device's time by XLA op")
@@ -222,7 +227,8 @@ def main():
     chip, log = open_run(a.out)
     for name in a.configs.split(","):
         layers = a.moe_layers if name == "moe" else a.bf16_layers if name == "bf16" else a.layers
-        run(name, layers, [int(b) for b in a.batches.split(",")], log, chip, not a.no_prefill, a.profile)
+        run(name, layers, [int(b) for b in a.batches.split(",")], log, chip, not a.no_prefill, a.profile,
+            max(a.context, PROMPT))
         jax.clear_caches()
 
 

@@ -679,7 +679,7 @@ def _grid_walk(sizes, m, k, n, tiles, qtype, group, act=""):
               (s_map, (tk // group if group < tk else k // group) * tn * 2)]
     copied, last, out_last, written = [0] * len(blocks), {}, None, 0
     for ni in range(n // tn):
-        for v in range(meta[0].shape[0]):
+        for v in range(int(meta[2][0])):  # the grid's visit dimension: the real visits
             for ki in range(nk):
                 for j, (index, size) in enumerate(blocks):
                     if last.get(j) != (i := tuple(int(x) for x in index(ni, v, ki, *meta))):

@@ -87,10 +87,11 @@ def visits(group_sizes: jax.Array, m: int, tm: int) -> tuple[jax.Array, jax.Arra
     Returns int32 arrays: group id per visit [V], m tile per visit [V], the number of real visits [1],
     and group row bounds [g + 1, 2] (the extra group g, empty, stands for rows past all groups). V is the
     static bound tiles_m + min(g, m) - 1: at most min(g, m) groups hold rows, and the real visits number at most
-    tiles_m + (groups holding rows) - 1 (at least one: with every group empty, the sentinel's tiles_m). Padding
-    visits repeat the last real one (index_maps: same blocks, no new DMA) and are skipped by the kernel, but
-    each is a grid step: the former bound tiles_m + g gave a dense layer twice its steps and Qwen3-30B-A3B's
-    experts at one token 129 steps for 8 visits (on a v5e, 45.9 us for the gate/up pair: 6.6x its floor).
+    tiles_m + (groups holding rows) - 1 (at least one: with every group empty, the sentinel's tiles_m). The
+    tables' entries past the real visits repeat the last one; the grid's visit dimension is the number of real
+    visits (a dynamic bound), so they never run: a step costs ~0.2-0.35 us on a v5e even when it moves nothing,
+    and the static bound gave Qwen3-30B-A3B's experts at 8 tokens 64 steps for ~53 visits (at one token, the
+    former bound tiles_m + g: 129 for 8, 45.9 us for the gate/up pair, 6.6x its floor).
     """
     g = group_sizes.shape[0]
     tiles_m = _cdiv(m, tm)
@@ -134,7 +135,7 @@ def _kernel(vg_ref, vt_ref, nv_ref, bounds_ref, off_ref, *refs, qtype: str, grou
     v, ki = pl.program_id(1), pl.program_id(2)
     tm, tk, tn = tiles.tm, tiles.tk, tiles.tn
     g = vg_ref[v]
-    real = (v < nv_ref[0]) & (g < num_groups)
+    real = g < num_groups
 
     def scales(s_ref, j, rows=slice(None)):  # scale rows as float32, over the group's global scale (weight j's)
         s = decode_scales(s_ref[rows, :], qtype)
@@ -199,7 +200,7 @@ def _kernel(vg_ref, vt_ref, nv_ref, bounds_ref, off_ref, *refs, qtype: str, grou
         for j, (refs_j, acc_ref) in enumerate(zip(weights, accs)):
             acc_ref[...] += part(x, *refs_j, j)
 
-    @pl.when((ki == nk - 1) & (v < nv_ref[0]))
+    @pl.when(ki == nk - 1)
     def _():
         t = vt_ref[v]
         first = (v == 0) | (vt_ref[jnp.maximum(v - 1, 0)] != t)
@@ -249,30 +250,30 @@ def index_maps(tiles: Tiles, g: int, nk: int, group: int) -> tuple:
     """The block index of each operand at grid step (n tile, visit, k tile) — (lhs, row scales, weight values,
     scales and zero points, output) — from the scalar prefetch refs (visit groups and m tiles, the number of
     real visits, group bounds, the group offset; nvfp4's global scales after them, unused). A visit that
-    reads no weights — a padding visit (past the real ones), or one of the sentinel group's (m tiles past
-    every group's rows: under expert parallelism, rows of other devices' experts), which the kernel only
-    zeroes — repeats the blocks the last grouped visit ended on (its last k tile, its m tile): an unchanged
-    index copies nothing, so those visits move no bytes but their output's (the CostEstimate counts every
-    visit up to the bound as a grouped one)."""
+    reads no weights — one of the sentinel group's (m tiles past every group's rows: under expert
+    parallelism, rows of other devices' experts), which the kernel only zeroes — repeats the blocks the last
+    grouped visit ended on (its last k tile, its m tile): an unchanged index copies nothing, so those visits
+    move no bytes but their output's (the CostEstimate counts every visit up to the static bound as a
+    grouped one)."""
 
-    def idle(v, vg, nv):
-        return (v >= nv[0]) | (vg[v] >= g)
+    def idle(v, vg):
+        return vg[v] >= g
 
-    def at(v, ki, vg, nv):  # the k tile a visit reads: the last one throughout an idle visit
-        return jnp.where(idle(v, vg, nv), nk - 1, ki)
+    def at(v, ki, vg):  # the k tile a visit reads: the last one throughout an idle visit
+        return jnp.where(idle(v, vg), nk - 1, ki)
 
     def lhs_map(ni, v, ki, vg, vt, nv, bounds, off, *_):  # resident: one block per m tile, kept across n tiles
         last = jnp.maximum(bounds[g - 1, 1] - 1, 0) // tiles.tm  # the last grouped row's m tile
-        return jnp.where(idle(v, vg, nv), last, vt[v]), 0 if tiles.lhs_resident else at(v, ki, vg, nv)
+        return jnp.where(idle(v, vg), last, vt[v]), 0 if tiles.lhs_resident else at(v, ki, vg)
 
     def rows_map(ni, v, ki, vg, vt, *_):  # 8-bit rows' scales: a block per m tile, like the output's
         return vt[v], 0
 
     def q_map(ni, v, ki, vg, vt, nv, bounds, off, *_):
-        return off[0] + jnp.minimum(vg[v], g - 1), at(v, ki, vg, nv), ni
+        return off[0] + jnp.minimum(vg[v], g - 1), at(v, ki, vg), ni
 
     def s_map(ni, v, ki, vg, vt, nv, bounds, off, *_):  # group < tk: the k tile's rows; else all rows (few)
-        return off[0] + jnp.minimum(vg[v], g - 1), at(v, ki, vg, nv) if group < tiles.tk else 0, ni
+        return off[0] + jnp.minimum(vg[v], g - 1), at(v, ki, vg) if group < tiles.tk else 0, ni
 
     def out_map(ni, v, ki, vg, vt, nv, bounds, off, *_):
         return vt[v], ni
@@ -289,7 +290,7 @@ def _call(lhs: jax.Array, rhs: QTensor, group_sizes: jax.Array, group_offset: ja
     nk = k // tk
     vg, vt, nv, bounds = visits(group_sizes, m, tm)
     srows = rhs.scales.shape[1]
-    grid = (n // tn, vg.shape[0], nk)
+    grid = (n // tn, nv[0], nk)  # the real visits only: a dynamic bound
     kernel = functools.partial(_kernel, qtype=rhs.qtype, group=rhs.group, tiles=tiles, num_groups=g, nk=nk,
                                zeros=rhs.zeros is not None, gscale=rhs.gscale is not None,
                                int8_lhs=row_scales is not None, mxu=mxu,
