@@ -509,6 +509,9 @@ def serve(
     host: Annotated[str, typer.Option(help="Interface to bind; 0.0.0.0 exposes the server to the network.")]
     = "127.0.0.1",
     port: Annotated[int, typer.Option(min=0, max=65535, help="TCP port (0 = any free port, printed).")] = 8000,
+    uds: Annotated[str | None, typer.Option(help="Listen on this Unix socket path instead of --host/--port "
+                                                 "(mode 0600; a stale socket file is replaced, removed at exit).",
+                                            show_default=False)] = None,
     max_model_len: Annotated[int | None, typer.Option(min=2, help="Prompt + output tokens per request "
                                                               "\\[default: the model's, at most 2048].")] = None,
     max_num_seqs: Annotated[int, typer.Option(min=1, help="Requests decoded together (KV cache slots).")] = 16,
@@ -544,15 +547,17 @@ def serve(
               quantkit serve assets/tiny-llama --speculative-config '{"method": "ngram", "num_speculative_tokens": 4}'
               quantkit serve assets/tiny-llama --speculative-config
                   '{"method": "eagle3", "model": "assets/tiny-llama-eagle3", "num_speculative_tokens": 3}'
+              quantkit serve models/tiny-llama-W4A16 --uds /tmp/quantkit.sock   (no TCP: a TPU VM, a sandbox)
               curl localhost:8000/v1/completions -H 'Content-Type: application/json'
                    -d '{"model": "tiny-llama-W4A16", "prompt": "Hello", "max_tokens": 16}'
+              curl --unix-socket /tmp/quantkit.sock http://localhost/v1/models
     """
     speculative = _speculative(speculative_config)
     try:
         _choose_backend()
         from quantkit.runtime.server import serve as run
 
-        code = run(path, host, port, served_model_name=served_model_name, max_model_len=max_model_len,
+        code = run(path, host, port, uds=uds, served_model_name=served_model_name, max_model_len=max_model_len,
                    max_num_seqs=max_num_seqs, api_key=api_key, max_num_batched_tokens=max_num_batched_tokens, max_waiting=max_waiting,
                    grace=grace, enable_prefix_caching=enable_prefix_caching,
                    kv_cache_dtype=kv_cache_dtype.value, tp=tp, ep=enable_expert_parallel, dp=data_parallel_size,

@@ -236,43 +236,67 @@ def activation_order_moe(model, seed: int = 7) -> dict:
 
 
 class ServerProc:
-    """`quantkit serve PATH *flags` as a process on a free loopback port, waited for until /ready; `early`: what
-    /health, /ready and /v1/models answered while it was still loading."""
+    """`quantkit serve PATH *flags` as a process on a free loopback port (or on the Unix socket `uds`), waited
+    for until /ready; `early`: what /health, /ready and /v1/models answered while it was still loading. `http`:
+    an httpx client of the server (relative URLs), `openai()`: the official client, both on its socket."""
 
-    def __init__(self, path, log, cache, *flags: str, name: str = "tiny", key: str = "none"):
+    def __init__(self, path, log, cache, *flags: str, name: str = "tiny", key: str = "none", uds=None):
         import httpx
-        self.log, self.launched = log, time.time()
+        self.log, self.launched, self.uds = log, time.time(), None if uds is None else str(uds)
         env = {**os.environ, "JAX_PLATFORMS": "cpu", "QUANTKIT_JAX_CACHE": str(cache)}
-        self.p = subprocess.Popen([sys.executable, "-m", "quantkit.cli", "serve", str(path), "--port", "0",
+        where = ["--port", "0"] if uds is None else ["--uds", self.uds]
+        self.p = subprocess.Popen([sys.executable, "-m", "quantkit.cli", "serve", str(path), *where,
                                    "--served-model-name", name, *flags], env=env, stdout=subprocess.DEVNULL,
                                   stderr=open(log, "w"))
-        deadline = time.monotonic() + 60
-        while not (m := re.search(r"http://127\.0\.0\.1:(\d+)", log.read_text())):
-            assert self.p.poll() is None and time.monotonic() < deadline, log.read_text()
-            time.sleep(0.1)
-        self.url = f"http://127.0.0.1:{m.group(1)}"
-        # /health answers while the model is still loading and compiling; /ready does not
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                health = httpx.get(self.url + "/health")
-                break
-            except httpx.ConnectError:
-                assert time.monotonic() < deadline
+        try:
+            deadline = time.monotonic() + 60
+            address = r"http://127\.0\.0\.1:(\d+)" if uds is None else r"unix:(\S+) \("
+            while not (m := re.search(address, log.read_text())):
+                assert self.p.poll() is None and time.monotonic() < deadline, log.read_text()
                 time.sleep(0.1)
-        self.early = (health.status_code, httpx.get(self.url + "/ready").status_code,
-                      httpx.get(self.url + "/v1/models", headers={"Authorization": f"Bearer {key}"}))
-        deadline = time.monotonic() + 600
-        while httpx.get(self.url + "/ready").status_code != 200:
-            assert self.p.poll() is None and time.monotonic() < deadline, log.read_text()
-            time.sleep(0.2)
+            self.url = f"http://127.0.0.1:{m.group(1)}" if uds is None else "http://localhost"
+            # a connection a request (as httpx.get): a kept-alive one that the server closes as it is reused fails
+            self.http = httpx.Client(base_url=self.url, timeout=60, transport=self._transport(httpx.HTTPTransport),
+                                     limits=httpx.Limits(max_keepalive_connections=0))
+            # /health answers while the model is still loading and compiling; /ready does not
+            deadline = time.monotonic() + 30
+            while True:
+                try:
+                    health = self.http.get("/health")
+                    break
+                except httpx.ConnectError:
+                    assert time.monotonic() < deadline
+                    time.sleep(0.1)
+            self.early = (health.status_code, self.http.get("/ready").status_code,
+                          self.http.get("/v1/models", headers={"Authorization": f"Bearer {key}"}))
+            deadline = time.monotonic() + 600
+            while self.http.get("/ready").status_code != 200:
+                assert self.p.poll() is None and time.monotonic() < deadline, log.read_text()
+                time.sleep(0.2)
+        except BaseException:
+            self.p.kill()  # no fixture will stop it
+            raise
+
+    def _transport(self, kind):
+        return None if self.uds is None else kind(uds=self.uds)
+
+    def openai(self, key: str = "none", aio: bool = False):
+        """The official openai client (AsyncOpenAI with `aio`) of this server, on its TCP port or Unix socket
+        (a transport of the httpx the client is built on: openai 3 ships its own fork, httpx2)."""
+        import openai
+
+        httpx = sys.modules[openai.DefaultHttpxClient.__mro__[1].__module__.split(".")[0]]
+        if aio:
+            http = openai.DefaultAsyncHttpxClient(transport=self._transport(httpx.AsyncHTTPTransport))
+            return openai.AsyncOpenAI(base_url=self.url + "/v1", api_key=key, max_retries=0, http_client=http)
+        http = openai.DefaultHttpxClient(transport=self._transport(httpx.HTTPTransport))
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=key, max_retries=0, http_client=http)
 
     def metrics(self) -> dict:
-        import httpx
         from prometheus_client.parser import text_string_to_metric_families
 
         """Every sample of /metrics, parsed by prometheus_client, as 'name{label="value",...}' (labels sorted)."""
-        text = httpx.get(self.url + "/metrics").text
+        text = self.http.get("/metrics").text
         return {s.name + ("{" + ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items())) + "}" if s.labels else ""):
                 s.value for family in text_string_to_metric_families(text) for s in family.samples}
 

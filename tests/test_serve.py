@@ -53,16 +53,19 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(model_dir, tmp_path_factory):
+    """The module's server listens on a Unix socket (`--uds`): every test of this module but the drain test
+    (TCP, its own server) talks to it through the official openai client or httpx on that socket, the way a
+    TPU VM without TCP, or a local proxy, reaches it. Removed when the server exits."""
     tmp = tmp_path_factory.mktemp("server")
     s = ServerProc(model_dir, tmp / "server.log", tmp / "cache", "--max-model-len", "128", "--max-num-seqs", "8",
-                   "--api-key", KEY, name=NAME, key=KEY)
+                   "--api-key", KEY, name=NAME, key=KEY, uds=tmp / "quantkit.sock")
     yield s
-    assert s.stop() == 0
+    assert s.stop() == 0 and not os.path.exists(s.uds)
 
 
 @pytest.fixture
 def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0)
+    return server.openai(KEY)
 
 
 def test_health_before_ready_then_models(server, client):
@@ -270,6 +273,48 @@ def test_metrics_count_sequences_in_prometheus_format(server, client):
     assert m["vllm:prefix_cache_queries_total" + label] == m["quantkit_prefix_cache_queries_total"] > 0
 
 
+def test_unix_socket_owner_only_and_a_second_server_refused(server, model_dir):
+    """The socket is 0600; a second `serve` on the same path while the first answers there exits 1 with one
+    line (before loading anything), and the first server goes on answering."""
+    import stat
+
+    assert stat.S_IMODE(os.stat(server.uds).st_mode) == 0o600 and stat.S_ISSOCK(os.stat(server.uds).st_mode)
+    r = subprocess.run([sys.executable, "-m", "quantkit.cli", "serve", str(model_dir), "--uds", server.uds],
+                       capture_output=True, text=True, timeout=120, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert r.returncode == 1 and r.stderr.strip().count("\n") == 0, r.stderr
+    assert "another server is listening there" in r.stderr and "Traceback" not in r.stderr
+    assert server.http.get("/ready").status_code == 200 and os.path.exists(server.uds)
+
+
+def test_unix_socket_replaces_a_stale_one_and_refuses_other_files(tmp_path):
+    """What a killed server leaves (a socket file nothing accepts on) is replaced; a live socket and a file
+    that is not a socket are refused with what to do; a path too long for a socket says so."""
+    import socket
+    import stat
+
+    from quantkit.errors import InvalidInput
+    from quantkit.runtime.server import unix_socket
+
+    path = str(tmp_path / "s.sock")
+    dead = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    dead.bind(path)
+    dead.close()  # the file stays, as after SIGKILL
+    live = unix_socket(path)
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    probe.connect(path)  # the new socket accepts
+    probe.close()
+    with pytest.raises(InvalidInput, match="another server is listening there; stop it or pick another --uds"):
+        unix_socket(path)
+    live.close()
+    (tmp_path / "file").write_text("keep me")
+    with pytest.raises(InvalidInput, match="not a socket"):
+        unix_socket(str(tmp_path / "file"))
+    assert (tmp_path / "file").read_text() == "keep me"
+    with pytest.raises(InvalidInput, match="cannot listen on .*pick another --uds path"):
+        unix_socket(str(tmp_path / ("x" * 120)))
+
+
 def test_each_server_has_its_own_metrics_registry(model_dir):
     from prometheus_client import generate_latest
 
@@ -299,7 +344,7 @@ def test_32_concurrent_streams_some_disconnecting(server):
         return finish, usage.completion_tokens
 
     async def main():
-        aclient = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0)
+        aclient = server.openai(KEY, aio=True)
         return await asyncio.gather(*(one(aclient, i) for i in range(32)))
 
     def errors(m):
@@ -322,8 +367,8 @@ def test_32_concurrent_streams_some_disconnecting(server):
 
 def _post(server, body, key=KEY, raw=None):
     headers = {"Authorization": f"Bearer {key}"} if key else {}
-    r = httpx.post(server.url + "/v1/completions", content=raw if raw is not None else json.dumps(body),
-                   headers={**headers, "Content-Type": "application/json"})
+    r = server.http.post("/v1/completions", content=raw if raw is not None else json.dumps(body),
+                         headers={**headers, "Content-Type": "application/json"})
     err = r.json()["error"]
     assert set(err) == {"message", "type", "param", "code"} and err["message"]
     return r.status_code, err
@@ -355,8 +400,8 @@ def test_bad_requests_get_openai_errors(server):
     assert status == 401 and err["code"] == "invalid_api_key"
     assert _post(server, None, raw=b"x" * (9 << 20))[0] == 413
     with pytest.raises(openai.AuthenticationError):
-        openai.OpenAI(base_url=server.url + "/v1", api_key="nope", max_retries=0).models.list()
-    assert httpx.get(server.url + "/health").status_code == 200  # still serving
+        server.openai("nope").models.list()
+    assert server.http.get("/health").status_code == 200  # still serving
 
 
 def test_full_queue_429_and_sigterm_drains(model_dir, tmp_path):

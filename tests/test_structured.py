@@ -67,14 +67,14 @@ TEMPLATE = ("{% if tools %}<s>system: tools:{% for t in tools %} {{ t.function |
 def server(model_dir, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("server")
     s = ServerProc(model_dir, tmp / "server.log", tmp / "cache", "--max-model-len", "1024", "--max-num-seqs", "16",
-                   "--max-num-batched-tokens", "64", name=NAME)
+                   "--max-num-batched-tokens", "64", name=NAME, uds=tmp / "quantkit.sock")  # on a Unix socket
     yield s
     assert s.stop() == 0
 
 
 @pytest.fixture
 def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+    return server.openai()
 
 
 class Address(pydantic.BaseModel):
@@ -226,7 +226,7 @@ def test_16_concurrent_mixed_streams_and_metrics(server):
     before = server.metrics()
 
     async def main():
-        client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+        client = server.openai(aio=True)
 
         async def one(i):
             extra = {"response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": SCHEMA}}} \

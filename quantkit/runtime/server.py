@@ -801,9 +801,51 @@ def _token_text(codec, t: int) -> str:
     return codec.decode([t])
 
 
-def serve(path: Path, host: str = "127.0.0.1", port: int = 8000, **options) -> int:
+def unix_socket(path: str) -> socket.socket:
+    """A listening Unix socket at `path`, mode 0600 from its creation. A socket file already there is refused
+    while a server answers on it, and replaced when stale (its server gone without removing it); any other
+    file is refused. InvalidInput says what to do."""
+    import os
+    import stat
+
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        mode = None
+    except OSError as e:
+        raise InvalidInput(f"cannot listen on {path}: {e.strerror or e}; pick another --uds path") from None
+    if mode is not None:
+        if not stat.S_ISSOCK(mode):
+            raise InvalidInput(f"cannot listen on {path}: a file that is not a socket is there; pick another "
+                               "--uds path")
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            probe.connect(path)
+            raise InvalidInput(f"cannot listen on {path}: another server is listening there; stop it or pick "
+                               "another --uds path")
+        except (ConnectionRefusedError, FileNotFoundError):
+            os.unlink(path)  # stale: nothing accepts on it
+        except OSError as e:
+            raise InvalidInput(f"cannot listen on {path}: {e.strerror or e}; pick another --uds path") from None
+        finally:
+            probe.close()
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    umask = os.umask(0o177)  # the socket is born 0600: no moment at which others may connect
+    try:
+        sock.bind(path)
+    except OSError as e:
+        sock.close()
+        raise InvalidInput(f"cannot listen on {path}: {e.strerror or e}; pick another --uds path") from None
+    finally:
+        os.umask(umask)
+    sock.listen(2048)
+    return sock
+
+
+def serve(path: Path, host: str = "127.0.0.1", port: int = 8000, uds: str | None = None, **options) -> int:
     """Runs the server until SIGTERM/SIGINT; returns the exit code (0 after a clean shutdown, 1 when the
-    model could not be loaded). `options` go to Server; `grace` (seconds) bounds the drain on shutdown."""
+    model could not be loaded). `uds`: listen on this Unix socket path instead of host:port (removed at exit).
+    `options` go to Server; `grace` (seconds) bounds the drain on shutdown."""
     import uvicorn
 
     import jax
@@ -827,17 +869,21 @@ def serve(path: Path, host: str = "127.0.0.1", port: int = 8000, **options) -> i
         TextCodec(path)  # process 0's checks in its order: a checkpoint it refuses stops every process alike
         server.runner()[1].follow()
         return 0
-    try:
-        sock = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
-    except OSError as e:
-        raise InvalidInput(f"cannot listen on {host}:{port}: {e.strerror or e}; pick another --port") from None
-    # accepted connections inherit TCP_NODELAY: a stream's small chunks must not wait for the client's
-    # delayed ACK (measured: first token 43 ms late without it)
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    if uds is not None:
+        sock = unix_socket(uds)
+        address = f"unix:{uds}"
+    else:
+        try:
+            sock = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
+        except OSError as e:
+            raise InvalidInput(f"cannot listen on {host}:{port}: {e.strerror or e}; pick another --port") from None
+        # accepted connections inherit TCP_NODELAY: a stream's small chunks must not wait for the client's
+        # delayed ACK (measured: first token 43 ms late without it)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        address = f"http://{host}:{sock.getsockname()[1]}"
     logging.basicConfig(format="%(message)s", stream=sys.stderr)
-    bound = sock.getsockname()[1]
-    print(f"quantkit serve: http://{host}:{bound} (model '{server.name}'; GET /ready turns 200 once it is "
-          f"loaded and compiled)", file=sys.stderr, flush=True)
+    print(f"quantkit serve: {address} (model '{server.name}'; GET /ready turns 200 once it is loaded and "
+          f"compiled)", file=sys.stderr, flush=True)
     config = uvicorn.Config(server.app, log_level="warning", access_log=False, timeout_graceful_shutdown=grace,
                             lifespan="on")
     http = uvicorn.Server(config)
@@ -845,7 +891,11 @@ def serve(path: Path, host: str = "127.0.0.1", port: int = 8000, **options) -> i
     # uvicorn re-raises the signal that stopped it once it is done; a no-op handler makes that a clean exit
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
-    http.run(sockets=[sock])
+    try:
+        http.run(sockets=[sock])
+    finally:
+        if uds is not None:
+            Path(uds).unlink(missing_ok=True)
     if server.engine is not None:  # the engine thread has seen `stop`; then the other processes may end
         server.engine_thread.join()
         server.engine.runner.stop()
