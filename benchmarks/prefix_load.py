@@ -11,6 +11,7 @@ errors, and the prefix-cache hit and query tokens from the server's /metrics (de
 
 Usage: .venv/bin/python benchmarks/prefix_load.py --vllm /tmp/vllmvenv/bin/vllm [--models tiny mid] [--vllm-no-cache]
 (vLLM venv: docs/benchmarks.md, "Installing the peers"; without --vllm only quantkit is measured; models per serve_load.py.)
+--uds and --tpu as serve_load.py's: quantkit on a Unix socket in --dir, on the machine's TPU.
 """
 
 from __future__ import annotations
@@ -26,7 +27,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -65,11 +65,11 @@ def workload(path: Path, n: int, system_tokens: int, own_tokens: int) -> tuple[l
                          "warmup": len(codec.encode(warm))}
 
 
-def prefix_counters(base: str, server: str) -> tuple[float, float]:
+def prefix_counters(at: serve_load.Address, server: str) -> tuple[float, float]:
     """(queries, hits) in prompt tokens from /metrics, summed over label sets."""
     want = METRICS[server]
     vals = dict.fromkeys(want, 0.0)
-    for line in httpx.get(f"{base}/metrics", timeout=10).text.splitlines():
+    for line in at.request("GET", "/metrics", timeout=10).text.splitlines():
         if line.startswith("#") or not line.strip():
             continue
         name = line.split("{")[0].split()[0]
@@ -78,13 +78,13 @@ def prefix_counters(base: str, server: str) -> tuple[float, float]:
     return vals[want[0]], vals[want[1]]
 
 
-def measure(base: str, server: str, model: str, texts: list[str], warm: str, args) -> dict:
-    asyncio.run(serve_load.load(base, model, 1, [warm], args.out_tokens))  # no system prompt: the prefix cache stays cold
+def measure(at: serve_load.Address, server: str, model: str, texts: list[str], warm: str, args) -> dict:
+    asyncio.run(serve_load.load(at, model, 1, [warm], args.out_tokens))  # no system prompt: the prefix cache stays cold
     time.sleep(1)  # let the server's counters settle (vLLM records stats after it streams the last chunk)
-    q0, h0 = prefix_counters(base, server)
-    r = asyncio.run(serve_load.load(base, model, args.concurrency, texts, args.out_tokens))
+    q0, h0 = prefix_counters(at, server)
+    r = asyncio.run(serve_load.load(at, model, args.concurrency, texts, args.out_tokens))
     time.sleep(1)
-    q1, h1 = prefix_counters(base, server)
+    q1, h1 = prefix_counters(at, server)
     r["prefix_query_tokens"], r["prefix_hit_tokens"] = q1 - q0, h1 - h0
     return r
 
@@ -102,13 +102,15 @@ def main() -> None:
     ap.add_argument("--max-num-seqs", type=int, default=8)
     ap.add_argument("--dir", default="/tmp/qk-serve-bench")
     ap.add_argument("--port", type=int, default=8331)
+    ap.add_argument("--uds", action="store_true", help="quantkit on a Unix socket in --dir (no TCP)")
+    ap.add_argument("--tpu", action="store_true", help="quantkit on this machine's TPU (else the CPU)")
     args = ap.parse_args()
     work = Path(args.dir)
     work.mkdir(parents=True, exist_ok=True)
     report = {"machine": f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}",
               "requests": args.requests, "concurrency": args.concurrency, "out_tokens": args.out_tokens,
               "max_model_len": MAX_LEN, "max_num_seqs": args.max_num_seqs, "models": {}}
-    base = f"http://127.0.0.1:{args.port}"
+    qk, tcp = serve_load.addresses(args, ["quantkit"])["quantkit"], serve_load.Address(args.port)
     for name in args.models:
         path = serve_load.build(work, name)
         texts, warm, counts = workload(path, args.requests, args.system_tokens, args.own_tokens)
@@ -123,19 +125,19 @@ def main() -> None:
         for server, label, flags in configs:
             log = work / f"prefix-{server}-{name}-{'off' if flags and flags[0].startswith('--no') else 'on'}.log"
             if server == "quantkit":
-                cmd = [str(ROOT / ".venv/bin/quantkit"), "serve", str(path), "--port", str(args.port),
-                       "--max-model-len", str(MAX_LEN), "--max-num-seqs", str(args.max_num_seqs),
-                       "--served-model-name", name, *flags]
-                p = serve_load.Proc(cmd, {"JAX_PLATFORMS": "cpu", "QUANTKIT_JAX_CACHE": str(cache)},
-                                    base + "/ready", log)
+                at = qk
+                cmd = serve_load.quantkit_serve(path, at, "--max-model-len", str(MAX_LEN), "--max-num-seqs",
+                                                str(args.max_num_seqs), "--served-model-name", name, *flags)
+                p = serve_load.Proc(cmd, serve_load.server_env(args, cache), "/ready", log, address=at)
             else:
                 cmd = [args.vllm, "serve", str(path), "--host", "127.0.0.1", "--port", str(args.port),
                        "--max-model-len", str(MAX_LEN), "--max-num-seqs", str(args.max_num_seqs), "--dtype",
                        "bfloat16", "--served-model-name", name, *flags]
+                at = tcp
                 p = serve_load.Proc(cmd, {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "1"},
-                                    base + "/v1/models", log)
+                                    "/v1/models", log, address=at)
             try:
-                r = measure(base, server, name, texts, warm, args)
+                r = measure(at, server, name, texts, warm, args)
             finally:
                 p.stop()
             r["ready_s"] = p.ready_s

@@ -10,6 +10,8 @@ tokens/s over the wall time, time to first token and time per output token p50/p
 
 Usage: .venv/bin/python benchmarks/serve_load.py --vllm /tmp/vllmvenv/bin/vllm [--models tiny tiny-w4a16 mid mid-w4a16]
 (vLLM venv: docs/benchmarks.md, "Installing the peers"; without --vllm only quantkit is measured.)
+--uds: quantkit's servers listen on Unix sockets in --dir instead of loopback ports (a TPU VM without TCP);
+--tpu: they run on the machine's TPU (JAX_PLATFORMS left to `serve`), not on the CPU.
 
 --structured: structured outputs instead, on the default model (assets/tiny-llama): 16 concurrent clients,
 64 requests of 64 tokens, unconstrained and under a JSON schema (an array of at least 64 short strings, so
@@ -101,18 +103,58 @@ def prompts(n: int) -> list[str]:
     return [" ".join("".join(rng.choice(SYLLABLES, size=2)) for _ in range(rng.integers(20, 40))) for _ in range(n)]
 
 
+class Address:
+    """Where a quantkit server listens: a loopback TCP port, or a Unix socket (`uds`)."""
+
+    def __init__(self, port: int, uds: str | None = None):
+        self.port, self.uds = port, uds
+        self.base = "http://localhost" if uds else f"http://127.0.0.1:{port}"
+
+    def flags(self) -> list[str]:
+        return ["--uds", self.uds] if self.uds else ["--port", str(self.port)]
+
+    def transport(self, aio: bool = False, **kw):
+        kind = httpx.AsyncHTTPTransport if aio else httpx.HTTPTransport
+        if self.uds:
+            return kind(uds=self.uds, **kw)
+        # TCP_NODELAY: without it httpx's separate header and body writes meet the server's delayed ACK and
+        # every request waits ~40 ms before the server sees its body
+        return kind(socket_options=[(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)], **kw)
+
+    def request(self, method: str, path: str, **kw) -> httpx.Response:
+        with httpx.Client(transport=self.transport(), timeout=kw.pop("timeout", 600)) as c:
+            return c.request(method, self.base + path, **kw)
+
+
+def addresses(args, names: list[str]) -> dict[str, Address]:
+    """An address a server: ports from --port on, or with --uds a socket each in --dir."""
+    Path(args.dir).mkdir(parents=True, exist_ok=True)
+    return {n: Address(args.port + i, str(Path(args.dir) / f"qk-{i}.sock") if args.uds else None)
+            for i, n in enumerate(names)}
+
+
+def quantkit_serve(path, address: Address, *flags: str) -> list[str]:
+    return [sys.executable, "-m", "quantkit.cli", "serve", str(path), *address.flags(), *flags]
+
+
+def server_env(args, cache: Path) -> dict:
+    return {"QUANTKIT_JAX_CACHE": str(cache), **({} if args.tpu else {"JAX_PLATFORMS": "cpu"})}
+
+
 class Proc:
     """A server process; `ready_s` = spawn to first successful readiness probe."""
 
-    def __init__(self, cmd: list[str], env: dict, probe: str, log: Path, timeout: float = 900):
+    def __init__(self, cmd: list[str], env: dict, probe: str, log: Path, timeout: float = 900,
+                 address: Address | None = None):
         self.log = open(log, "w")
+        address = address or Address(0)
         t0 = time.monotonic()
         self.p = subprocess.Popen(cmd, env={**os.environ, **env}, stdout=self.log, stderr=subprocess.STDOUT)
         while time.monotonic() - t0 < timeout:
             if self.p.poll() is not None:
                 raise RuntimeError(f"{cmd[0]} exited {self.p.returncode}; see {log}")
             try:
-                if httpx.get(probe, timeout=2).status_code == 200:
+                if address.request("GET", probe, timeout=2).status_code == 200:
                     self.ready_s = time.monotonic() - t0
                     return
             except httpx.HTTPError:
@@ -155,19 +197,16 @@ async def one(client: httpx.AsyncClient, url: str, model: str, prompt: str, out:
         out.append(("error", type(e).__name__))
 
 
-async def load(base: str, model: str, concurrency: int, texts: list[str], max_tokens: int = OUT_TOKENS,
+async def load(address: Address, model: str, concurrency: int, texts: list[str], max_tokens: int = OUT_TOKENS,
                extra: dict | None = None) -> dict:
     """The prompts `texts` sent by `concurrency` clients, in order; latency and throughput figures."""
     out: list = []
     queue = list(texts)
-    # TCP_NODELAY: without it httpx's separate header and body writes meet the server's delayed ACK and
-    # every request waits ~40 ms before the server sees its body
-    transport = httpx.AsyncHTTPTransport(socket_options=[(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)],
-                                         limits=httpx.Limits(max_connections=concurrency + 4))
+    transport = address.transport(aio=True, limits=httpx.Limits(max_connections=concurrency + 4))
     async with httpx.AsyncClient(timeout=600, transport=transport) as client:
         async def worker():
             while queue:
-                await one(client, f"{base}/v1/completions", model, queue.pop(0), out, max_tokens, extra)
+                await one(client, f"{address.base}/v1/completions", model, queue.pop(0), out, max_tokens, extra)
 
         t0 = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
@@ -185,11 +224,11 @@ async def load(base: str, model: str, concurrency: int, texts: list[str], max_to
             "tpot_p50_ms": pct(tpot, 0.5), "tpot_p99_ms": pct(tpot, 0.99)}
 
 
-def measure(base: str, model: str, runs: int) -> list[dict]:
-    asyncio.run(load(base, model, 4, prompts(8)))  # warm-up traffic (also lets vLLM settle)
+def measure(address: Address, model: str, runs: int) -> list[dict]:
+    asyncio.run(load(address, model, 4, prompts(8)))  # warm-up traffic (also lets vLLM settle)
     rows = []
     for conc, n in ((1, 12), (16, 64)):
-        results = [asyncio.run(load(base, model, conc, prompts(n))) for _ in range(runs)]
+        results = [asyncio.run(load(address, model, conc, prompts(n))) for _ in range(runs)]
         best = sorted(results, key=lambda r: r["tok_s"])[len(results) // 2]  # the median run
         best["tok_s_runs"] = [round(r["tok_s"]) for r in results]
         rows.append(best)
@@ -203,6 +242,8 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--dir", default="/tmp/qk-serve-bench")
     ap.add_argument("--port", type=int, default=8311)
+    ap.add_argument("--uds", action="store_true", help="quantkit's servers on Unix sockets in --dir (no TCP)")
+    ap.add_argument("--tpu", action="store_true", help="quantkit's servers on this machine's TPU (else the CPU)")
     ap.add_argument("--structured", action="store_true", help="structured outputs vs unconstrained (see above)")
     ap.add_argument("--speculative", action="store_true", help="speculative decoding vs plain (see above)")
     ap.add_argument("--spec-config", nargs="+", default=[
@@ -220,30 +261,31 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     report = {"machine": f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}",
               "out_tokens": OUT_TOKENS, "max_model_len": MAX_LEN, "models": {}}
-    base = f"http://127.0.0.1:{args.port}"
+    at = addresses(args, ["quantkit"])["quantkit"]
     for name in args.models:
         path = build(work, name)
         entry = report["models"][name] = {}
         cache = Path(tempfile.mkdtemp(prefix="qk-jax-cache-"))
-        qk = [str(ROOT / ".venv/bin/quantkit"), "serve", str(path), "--port", str(args.port), "--max-model-len",
-              str(MAX_LEN), "--max-num-seqs", "16", "--served-model-name", name]
-        env = {"JAX_PLATFORMS": "cpu", "QUANTKIT_JAX_CACHE": str(cache)}
+        qk = quantkit_serve(path, at, "--max-model-len", str(MAX_LEN), "--max-num-seqs", "16",
+                            "--served-model-name", name)
+        env = server_env(args, cache)
         starts = []
         for attempt in ("cold", "warm"):
-            p = Proc(qk, env, base + "/ready", work / f"quantkit-{name}-{attempt}.log")
+            p = Proc(qk, env, "/ready", work / f"quantkit-{name}-{attempt}.log", address=at)
             starts.append(p.ready_s)
             if attempt == "warm":
-                entry["quantkit"] = measure(base, name, args.runs)
+                entry["quantkit"] = measure(at, name, args.runs)
             p.stop()
         entry["quantkit_ready_s"] = {"cold": starts[0], "warm": starts[1]}
         shutil.rmtree(cache, ignore_errors=True)
         if args.vllm:
             cmd = [args.vllm, "serve", str(path), "--host", "127.0.0.1", "--port", str(args.port),
                    "--max-model-len", str(MAX_LEN), "--dtype", "bfloat16", "--served-model-name", name]
-            p = Proc(cmd, {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "1"}, base + "/v1/models",
-                     work / f"vllm-{name}.log")
+            tcp = Address(args.port)
+            p = Proc(cmd, {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "1"}, "/v1/models",
+                     work / f"vllm-{name}.log", address=tcp)
             entry["vllm_ready_s"] = p.ready_s
-            entry["vllm"] = measure(base, name, args.runs)
+            entry["vllm"] = measure(tcp, name, args.runs)
             p.stop()
         print(json.dumps({name: entry}, indent=1), flush=True)
     (work / "results.json").write_text(json.dumps(report, indent=1))
@@ -257,27 +299,26 @@ def structured(args) -> None:
     """The --structured mode (module docstring)."""
     import re
 
-    base, name = f"http://127.0.0.1:{args.port}", "tiny-llama"
+    at, name = addresses(args, ["quantkit"])["quantkit"], "tiny-llama"
     cache = Path(tempfile.mkdtemp(prefix="qk-jax-cache-"))
-    p = Proc([str(ROOT / ".venv/bin/quantkit"), "serve", str(ROOT / "assets/tiny-llama"), "--port", str(args.port),
-              "--max-model-len", str(MAX_LEN), "--max-num-seqs", "16", "--served-model-name", name],
-             {"JAX_PLATFORMS": "cpu", "QUANTKIT_JAX_CACHE": str(cache)}, base + "/ready",
-             Path(args.dir) / "quantkit-structured.log")
+    p = Proc(quantkit_serve(ROOT / "assets/tiny-llama", at, "--max-model-len", str(MAX_LEN), "--max-num-seqs", "16",
+                            "--served-model-name", name),
+             server_env(args, cache), "/ready", Path(args.dir) / "quantkit-structured.log", address=at)
     extra = {"response_format": {"type": "json_schema", "json_schema": {"name": "words", "schema": SCHEMA}}}
 
     def metric(key: str) -> float:
-        m = re.search(rf"^{key} ([0-9.e+-]+)$", httpx.get(base + "/metrics").text, re.M)
+        m = re.search(rf"^{key} ([0-9.e+-]+)$", at.request("GET", "/metrics").text, re.M)
         return float(m.group(1))
 
     try:
-        asyncio.run(load(base, name, 4, prompts(8)))  # warm-up
-        asyncio.run(load(base, name, 4, prompts(8), extra=extra))
+        asyncio.run(load(at, name, 4, prompts(8)))  # warm-up
+        asyncio.run(load(at, name, 4, prompts(8), extra=extra))
         runs = {"unconstrained": [], "json_schema": []}
         steps0, secs0 = metric("quantkit_structured_mask_steps_total"), metric("quantkit_structured_mask_seconds_total")
         masks0 = metric("quantkit_structured_masks_total")
         for _ in range(args.runs):
             for kind in runs:
-                runs[kind].append(asyncio.run(load(base, name, 16, prompts(64), extra=extra if kind != "unconstrained"
+                runs[kind].append(asyncio.run(load(at, name, 16, prompts(64), extra=extra if kind != "unconstrained"
                                                    else None)))
         steps = metric("quantkit_structured_mask_steps_total") - steps0
         secs = metric("quantkit_structured_mask_seconds_total") - secs0
@@ -327,17 +368,18 @@ def speculative(args) -> None:
     for c in args.spec_config:
         method = json.loads(c)["method"]
         specs[method if method not in specs else f"{method}-{len(specs) + 1}"] = c
-    ports = {k: args.port + i for i, k in enumerate(["plain", *specs])}
+    ports = addresses(args, ["plain", *specs])
     flags = {"plain": [], **{k: ["--speculative-config", c] for k, c in specs.items()}}
     procs, caches = {}, []
-    for kind, port in ports.items():
+    for kind, at in ports.items():
         caches.append(Path(tempfile.mkdtemp(prefix="qk-jax-cache-")))
-        procs[kind] = Proc([str(ROOT / ".venv/bin/quantkit"), "serve", model, "--port", str(port), "--max-model-len",
-                            "2048", "--max-num-seqs", "16", "--served-model-name", name, *flags[kind]],
-                           {"JAX_PLATFORMS": "cpu", "QUANTKIT_JAX_CACHE": str(caches[-1])},
-                           f"http://127.0.0.1:{port}/ready", Path(args.dir) / f"quantkit-{kind}.log")
+        procs[kind] = Proc(quantkit_serve(model, at, "--max-model-len", "2048", "--max-num-seqs", "16",
+                                          "--served-model-name", name, *flags[kind]),
+                           server_env(args, caches[-1]), "/ready", Path(args.dir) / f"quantkit-{kind}.log",
+                           address=at)
+
     def metric(kind: str, key: str) -> float:
-        text = httpx.get(f"http://127.0.0.1:{ports[kind]}/metrics").text
+        text = ports[kind].request("GET", "/metrics").text
         m = re.search(rf"^{re.escape(key)}(?:{{[^}}]*}})? ([0-9.e+-]+)$", text, re.M)
         return float(m.group(1))
 
@@ -352,25 +394,24 @@ def speculative(args) -> None:
         # both servers, so that both hold the same prefixes in their caches
         edits = []
         for text in base:
-            made = {httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=600, json={
+            made = {at.request("POST", "/v1/completions", json={
                 "model": name, "prompt": text, "max_tokens": OUT_TOKENS, "temperature": 0}).json()["choices"][0]["text"]
-                for port in ports.values()}
+                for at in ports.values()}
             head = "\n".join(text.splitlines()[:2]) + "\n"
             edits.append(text + min(made) + "\n\n\n" + head)
         workloads = {"code-edit": (edits, None), "random": (prompts(64), None),
                      "random, temperature 1": (prompts(64), {"temperature": 1.0, "seed": 0})}
         workloads = {k: v for k, v in workloads.items() if k in chosen}
-        for kind, port in ports.items():  # warm-up traffic
-            asyncio.run(load(f"http://127.0.0.1:{port}", name, 4, (edits or prompts(8))[:8]))
+        for at in ports.values():  # warm-up traffic
+            asyncio.run(load(at, name, 4, (edits or prompts(8))[:8]))
         rows = []
         for wl, (texts, extra) in workloads.items():
             for conc, n in ((1, 8), (16, 64)):
                 runs = {k: [] for k in ports}
                 before = counts()
                 for _ in range(args.runs):
-                    for kind, port in ports.items():
-                        runs[kind].append(asyncio.run(load(f"http://127.0.0.1:{port}", name, conc, texts[:n],
-                                                           extra=extra)))
+                    for kind, at in ports.items():
+                        runs[kind].append(asyncio.run(load(at, name, conc, texts[:n], extra=extra)))
                 after = counts()
                 med = {k: sorted(rs, key=lambda r: r["tok_s"])[len(rs) // 2] for k, rs in runs.items()}
                 d = {k: [a - b for a, b in zip(after[k], before[k])] for k in specs}
