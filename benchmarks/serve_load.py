@@ -6,7 +6,9 @@ and `mid` = a ~190M Llama (16 layers, hidden 1024), each dense bf16 and W4A16 g1
 quantkit serves W4A16 on CPU with its weights dequantized once at load, `Runner.weights`).
 Load: N concurrent streaming clients (async httpx, SSE parsed by hand, the same client for both servers)
 send a fixed number of /v1/completions requests with 64 output tokens (temperature 0); reported: output
-tokens/s over the wall time, time to first token and time per output token p50/p99, errors.
+tokens/s over the wall time, time to first token and time per output token p50/p99, errors, and quantkit's
+engine a step (its /metrics): the host's milliseconds outside read-backs, and those it waited on a read-back
+(the device still running the step; where ~0, the device waited for the host instead).
 
 Usage: .venv/bin/python benchmarks/serve_load.py --vllm /tmp/vllmvenv/bin/vllm [--models tiny tiny-w4a16 mid mid-w4a16]
 (vLLM venv: docs/benchmarks.md, "Installing the peers"; without --vllm only quantkit is measured.)
@@ -224,13 +226,32 @@ async def load(address: Address, model: str, concurrency: int, texts: list[str],
             "tpot_p50_ms": pct(tpot, 0.5), "tpot_p99_ms": pct(tpot, 0.99)}
 
 
-def measure(address: Address, model: str, runs: int) -> list[dict]:
+ENGINE = ("quantkit_engine_steps_total", "quantkit_engine_host_seconds_total",
+          "quantkit_engine_readback_wait_seconds_total")
+
+
+def engine_counters(address: Address) -> list[float]:
+    """quantkit's engine counters (steps, host seconds, read-back wait seconds) from /metrics."""
+    import re
+
+    text = address.request("GET", "/metrics").text
+    return [float(re.search(rf"^{k} ([0-9.e+-]+)$", text, re.M).group(1)) for k in ENGINE]
+
+
+def measure(address: Address, model: str, runs: int, engine: bool = False) -> list[dict]:
+    """Each concurrency's median run; `engine` (quantkit): also its steps and, a step, the host's ms outside
+    read-backs and the ms it waited on them (the device still busy), over all the runs."""
     asyncio.run(load(address, model, 4, prompts(8)))  # warm-up traffic (also lets vLLM settle)
     rows = []
     for conc, n in ((1, 12), (16, 64)):
+        before = engine_counters(address) if engine else None
         results = [asyncio.run(load(address, model, conc, prompts(n))) for _ in range(runs)]
         best = sorted(results, key=lambda r: r["tok_s"])[len(results) // 2]  # the median run
         best["tok_s_runs"] = [round(r["tok_s"]) for r in results]
+        if engine:
+            steps, host, wait = (a - b for a, b in zip(engine_counters(address), before))
+            best |= {"steps": steps, "host_ms_a_step": host / max(steps, 1) * 1e3,
+                     "wait_ms_a_step": wait / max(steps, 1) * 1e3}
         rows.append(best)
     return rows
 
@@ -274,7 +295,7 @@ def main() -> None:
             p = Proc(qk, env, "/ready", work / f"quantkit-{name}-{attempt}.log", address=at)
             starts.append(p.ready_s)
             if attempt == "warm":
-                entry["quantkit"] = measure(at, name, args.runs)
+                entry["quantkit"] = measure(at, name, args.runs, engine=True)
             p.stop()
         entry["quantkit_ready_s"] = {"cold": starts[0], "warm": starts[1]}
         shutil.rmtree(cache, ignore_errors=True)
@@ -440,14 +461,15 @@ def speculative(args) -> None:
 def print_table(report: dict) -> None:
     print(f"\nmachine: {report['machine']}; {report['out_tokens']} output tokens per request, temperature 0")
     print("| model | server | concurrency | output tok/s (median of runs) | TTFT p50 / p99 ms | TPOT p50 / p99 ms "
-          "| errors |")
-    print("|---|---|---|---|---|---|---|")
+          "| errors | engine: host / read-back wait ms a step |")
+    print("|---|---|---|---|---|---|---|---|")
     for name, e in report["models"].items():
         for server in ("quantkit", "vllm"):
             for r in e.get(server, []):
+                steps = f"{r['host_ms_a_step']:.2f} / {r['wait_ms_a_step']:.2f}" if "steps" in r else "-"
                 print(f"| {name} | {server} | {r['concurrency']} | {r['tok_s']:.0f} {r['tok_s_runs']} | "
                       f"{r['ttft_p50_ms']:.0f} / {r['ttft_p99_ms']:.0f} | {r['tpot_p50_ms']:.1f} / "
-                      f"{r['tpot_p99_ms']:.1f} | {r['errors']} |")
+                      f"{r['tpot_p99_ms']:.1f} | {r['errors']} | {steps} |")
         s = e["quantkit_ready_s"]
         print(f"| {name} | quantkit start-to-ready | cold {s['cold']:.1f} s, warm {s['warm']:.1f} s "
               f"({s['cold'] / s['warm']:.1f}x) | vLLM {e.get('vllm_ready_s', float('nan')):.1f} s | | | |")

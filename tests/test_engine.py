@@ -428,3 +428,42 @@ def test_data_parallel_pools_keep_each_devices_pages_and_states_apart():
     pools.release(0)
     pools.release(3)
     assert pools.used == 0 and pools.cached_pages == 2
+
+
+def test_host_time_and_read_back_waits_are_told_apart(model, monkeypatch):
+    """The engine counts its steps, its host seconds and the seconds it waits on a step's outputs apart
+    (/metrics: quantkit_engine_*): with every read-back made 20 ms slower, the waits hold those 20 ms and the
+    host seconds do not, and host + waits make up the loop's wall time."""
+    import time
+
+    import jax
+
+    engine = Engine(Runner(model, max_model_len=64, max_num_seqs=2, page_size=8, max_num_batched_tokens=16))
+    engine.submit(Request(_prompts(1)[0], 4))
+    while engine.busy():  # compiles every program this load runs
+        engine.step()
+    engine.steps = engine.host_seconds = engine.wait_seconds = 0
+    runs = [0]
+    run = engine.runner.run
+
+    def counted(*a, **kw):
+        runs[0] += 1
+        return run(*a, **kw)
+
+    get = jax.device_get
+
+    def slow_get(x):
+        time.sleep(0.02)
+        return get(x)
+
+    monkeypatch.setattr(engine.runner, "run", counted)
+    monkeypatch.setattr(jax, "device_get", slow_get)
+    engine.submit(Request(_prompts(1, 1)[0], 6))
+    t = time.perf_counter()
+    while engine.busy():
+        engine.step()
+    wall = time.perf_counter() - t
+    assert engine.steps == runs[0] >= 6
+    assert engine.wait_seconds >= 0.02 * engine.steps  # a read-back a step
+    assert 0 < engine.host_seconds < wall - 0.02 * engine.steps
+    assert engine.host_seconds + engine.wait_seconds == pytest.approx(wall, rel=0.05)

@@ -265,6 +265,9 @@ def test_metrics_count_sequences_in_prometheus_format(server, client):
     for name in ("prompt_tokens_total", "generation_tokens_total"):
         assert delta(f"quantkit_{name}") == delta(f"vllm:{name}" + label)
     assert delta('quantkit_requests_total{route="/v1/completions",status="200"}') == 1
+    # at least a step a generated token of the longer request (5), each with host time spent on it
+    assert delta("quantkit_engine_steps_total") >= 5 and delta("quantkit_engine_host_seconds_total") > 0
+    assert delta("quantkit_engine_readback_wait_seconds_total") >= 0
     assert delta('quantkit_requests_total{route="/v1/chat/completions",status="200"}') == 1
     used, total = m["quantkit_kv_pages_used"], m["quantkit_kv_pages_total"]
     assert m["vllm:kv_cache_usage_perc" + label] == m["vllm:gpu_cache_usage_perc" + label] == used / total

@@ -171,6 +171,9 @@ class Engine:
         self.prefix_queries = self.prefix_hits = 0  # prompt tokens looked up / found cached
         # structured outputs: constrained sequences, masks computed, steps that computed one, their seconds
         self.constrained, self.masks, self.mask_steps, self.mask_seconds = 0, 0, 0, 0.0
+        # steps dispatched; host seconds in `step` outside read-backs; seconds waiting on a read-back (the
+        # device still running the step read): where that wait is ~0, the device waited for the host instead
+        self.steps, self.host_seconds, self.wait_seconds = 0, 0.0, 0.0
         self.budget = runner.max_num_batched_tokens
         self.free_slots = list(range(runner.max_num_seqs))[::-1]
         self.waiting: deque[Request] = deque()
@@ -240,6 +243,7 @@ class Engine:
                 self._finish(r, "abort")
         for r in [r for r in self.running if r.id in aborts]:
             self._finish(r, "abort")
+        t0, waited = time.perf_counter(), self.wait_seconds
         masks, collected = self.masks, False
         follows = self._follows()
         if self.inflight is not None and not follows and any(d for *_, d in self.inflight[1]):
@@ -290,6 +294,8 @@ class Engine:
         if previous is not None:
             self._collect(*previous)
         self.mask_steps += self.masks > masks
+        self.steps += bool(rows)
+        self.host_seconds += time.perf_counter() - t0 - (self.wait_seconds - waited)
         return bool(rows) or previous is not None or collected
 
     def _schedule(self, follows: bool = False) -> list[tuple[Request, Row, bool]]:
@@ -519,7 +525,9 @@ class Engine:
         rejected ones wrote is overwritten later); then the next masks of the constrained rows, all at once
         (a sequence whose constraint allows nothing more ends there)."""
         # a draft head's proposals stay on the device; the n-gram lookup's come back, to tell which it found
+        t = time.perf_counter()
         out = jax.device_get(out[:7 if self.device_lookup else 6])
+        self.wait_seconds += time.perf_counter() - t
         if len(out) >= 6:  # step.verify_rows: [S, k + 1] a row, `count` of them real
             toks, counts, lps, top_ids, top_lps, offered = out[:6]
         else:

@@ -144,6 +144,13 @@ class Metrics:
                 (CounterMetricFamily, "structured_mask_seconds", e.mask_seconds if e else 0.0,
                  "Host seconds spent computing structured-output masks (per step: divide by structured_mask_steps).",
                  []),
+                (CounterMetricFamily, "engine_steps", e.steps if e else 0, "Steps the engine dispatched.", []),
+                (CounterMetricFamily, "engine_host_seconds", e.host_seconds if e else 0.0,
+                 "Host seconds the engine spent scheduling, dispatching and delivering, read-back waits left out "
+                 "(per step: divide by engine_steps).", []),
+                (CounterMetricFamily, "engine_readback_wait_seconds", e.wait_seconds if e else 0.0,
+                 "Seconds the engine waited for a step's outputs: the device still running it (where ~0, the "
+                 "device waited for the host).", []),
                 (CounterMetricFamily, "spec_decode_num_drafts", e.drafts if e else 0,
                  "Speculative decoding: sequence rows verified with drafts.", ["spec_decode_num_drafts"]),
                 (CounterMetricFamily, "spec_decode_num_draft_tokens", e.draft_tokens if e else 0,
