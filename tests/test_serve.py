@@ -318,6 +318,39 @@ def test_unix_socket_replaces_a_stale_one_and_refuses_other_files(tmp_path):
         unix_socket(str(tmp_path / ("x" * 120)))
 
 
+def test_a_killed_servers_socket_is_replaced_at_the_next_start(model_dir, tmp_path):
+    """SIGKILL leaves the socket file behind; the next `serve --uds` on that path replaces it and answers
+    /health there while it loads, and SIGTERM removes the file."""
+    sock, env = tmp_path / "s.sock", {**os.environ, "JAX_PLATFORMS": "cpu", "QUANTKIT_JAX_CACHE": str(tmp_path)}
+
+    def start(log):
+        p = subprocess.Popen([sys.executable, "-m", "quantkit.cli", "serve", str(model_dir), "--uds", str(sock)],
+                             env=env, stdout=subprocess.DEVNULL, stderr=open(log, "w"))
+        deadline = time.monotonic() + 60
+        while f"unix:{sock}" not in log.read_text():
+            assert p.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.1)
+        return p
+
+    first = start(tmp_path / "first.log")
+    first.kill()
+    first.wait(30)
+    assert sock.is_socket()  # stale: nothing accepts on it
+    second = start(tmp_path / "second.log")
+    with httpx.Client(transport=httpx.HTTPTransport(uds=str(sock))) as c:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                assert c.get("http://localhost/health").status_code == 200
+                break
+            except httpx.TransportError:
+                assert time.monotonic() < deadline
+                time.sleep(0.1)
+    second.send_signal(signal.SIGTERM)
+    second.wait(60)
+    assert not sock.exists()
+
+
 def test_each_server_has_its_own_metrics_registry(model_dir):
     from prometheus_client import generate_latest
 
