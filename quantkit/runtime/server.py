@@ -815,25 +815,26 @@ def unix_socket(path: str) -> socket.socket:
     import os
     import stat
 
+    def refused(why, do: str = "pick another --uds path") -> InvalidInput:
+        return InvalidInput(f"cannot listen on {path}: {getattr(why, 'strerror', None) or why}; {do}")
+
     try:
         mode = os.lstat(path).st_mode
     except FileNotFoundError:
         mode = None
     except OSError as e:
-        raise InvalidInput(f"cannot listen on {path}: {e.strerror or e}; pick another --uds path") from None
+        raise refused(e) from None
     if mode is not None:
         if not stat.S_ISSOCK(mode):
-            raise InvalidInput(f"cannot listen on {path}: a file that is not a socket is there; pick another "
-                               "--uds path")
+            raise refused("a file that is not a socket is there")
         probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             probe.connect(path)
-            raise InvalidInput(f"cannot listen on {path}: another server is listening there; stop it or pick "
-                               "another --uds path")
+            raise refused("another server is listening there", "stop it or pick another --uds path")
         except (ConnectionRefusedError, FileNotFoundError):
             os.unlink(path)  # stale: nothing accepts on it
         except OSError as e:
-            raise InvalidInput(f"cannot listen on {path}: {e.strerror or e}; pick another --uds path") from None
+            raise refused(e) from None
         finally:
             probe.close()
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -842,7 +843,7 @@ def unix_socket(path: str) -> socket.socket:
         sock.bind(path)
     except OSError as e:
         sock.close()
-        raise InvalidInput(f"cannot listen on {path}: {e.strerror or e}; pick another --uds path") from None
+        raise refused(e) from None
     finally:
         os.umask(umask)
     sock.listen(2048)
