@@ -64,6 +64,10 @@ OUT_TOKENS, MAX_LEN = 64, 512
 
 
 def build(work: Path, name: str) -> Path:
+    if name == "default":  # the embedded default model, as `quantkit serve` users first meet it
+        return ROOT / "assets/tiny-llama"
+    if name == "llama3-8b-w4a16":  # Llama-3-8B's config, W4A16 g128 as `convert` writes it, the default model's
+        return _shape(work / name)  # tokenizer: served with --load-format dummy (random weights)
     import make_tiny_model
 
     base = name.removesuffix("-w4a16")
@@ -79,6 +83,24 @@ def build(work: Path, name: str) -> Path:
         subprocess.run([str(ROOT / ".venv/bin/quantkit"), "convert", str(dense), str(q), "--scheme", "W4A16",
                         "--force"], check=True, capture_output=True)
     return q
+
+
+def _shape(out: Path) -> Path:
+    """A model directory without weights: Llama-3-8B's config.json with a W4A16 g128 quantization_config
+    (lm_head left bf16) and the default model's tokenizer (its ids are a subset of the 128,256)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from plan_table import LLAMA3_8B
+
+    from quantkit.formats.ct_writer import writable_config
+    from quantkit.formats.hf import GROUP_IGNORE
+
+    out.mkdir(parents=True, exist_ok=True)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(ROOT / "assets/tiny-llama" / f, out / f)
+    cfg = {**LLAMA3_8B, "bos_token_id": 1, "eos_token_id": 2,
+           "quantization_config": writable_config("W4A16", 128, ["lm_head", *GROUP_IGNORE])}
+    (out / "config.json").write_text(json.dumps(cfg, indent=1))
+    return out
 
 
 def _qwen3_5(out: Path, shape: dict) -> None:
@@ -176,7 +198,7 @@ class Proc:
 async def one(client: httpx.AsyncClient, url: str, model: str, prompt: str, out: list, max_tokens: int = OUT_TOKENS,
               extra: dict | None = None) -> None:
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}, **(extra or {})}
+            "stream_options": {"include_usage": True}, "ignore_eos": True, **(extra or {})}
     t0 = time.perf_counter()
     first = last = None
     tokens = 0
@@ -227,7 +249,7 @@ async def load(address: Address, model: str, concurrency: int, texts: list[str],
 
 
 ENGINE = ("quantkit_engine_steps_total", "quantkit_engine_host_seconds_total",
-          "quantkit_engine_readback_wait_seconds_total")
+          "quantkit_engine_readback_wait_seconds_total", "quantkit_engine_readbacks_ready_total")
 
 
 def engine_counters(address: Address) -> list[float]:
@@ -238,20 +260,22 @@ def engine_counters(address: Address) -> list[float]:
     return [float(re.search(rf"^{k} ([0-9.e+-]+)$", text, re.M).group(1)) for k in ENGINE]
 
 
-def measure(address: Address, model: str, runs: int, engine: bool = False) -> list[dict]:
-    """Each concurrency's median run; `engine` (quantkit): also its steps and, a step, the host's ms outside
-    read-backs and the ms it waited on them (the device still busy), over all the runs."""
+def measure(address: Address, model: str, runs: int, engine: bool = False, levels=(1, 16)) -> list[dict]:
+    """Each concurrency's median run (`levels`: 12 requests at 1, 4 a client at more); `engine` (quantkit): also
+    its steps and, a step, the host's ms outside read-backs, the ms it waited on them (the device still busy)
+    and the share of read-backs that found their step finished (only then can the device have idled), over
+    all the runs."""
     asyncio.run(load(address, model, 4, prompts(8)))  # warm-up traffic (also lets vLLM settle)
     rows = []
-    for conc, n in ((1, 12), (16, 64)):
+    for conc, n in ((c, 12 if c == 1 else 4 * c) for c in levels):
         before = engine_counters(address) if engine else None
         results = [asyncio.run(load(address, model, conc, prompts(n))) for _ in range(runs)]
         best = sorted(results, key=lambda r: r["tok_s"])[len(results) // 2]  # the median run
         best["tok_s_runs"] = [round(r["tok_s"]) for r in results]
         if engine:
-            steps, host, wait = (a - b for a, b in zip(engine_counters(address), before))
+            steps, host, wait, ready = (a - b for a, b in zip(engine_counters(address), before))
             best |= {"steps": steps, "host_ms_a_step": host / max(steps, 1) * 1e3,
-                     "wait_ms_a_step": wait / max(steps, 1) * 1e3}
+                     "wait_ms_a_step": wait / max(steps, 1) * 1e3, "ready_share": ready / max(steps, 1)}
         rows.append(best)
     return rows
 
@@ -264,7 +288,10 @@ def main() -> None:
     ap.add_argument("--dir", default="/tmp/qk-serve-bench")
     ap.add_argument("--port", type=int, default=8311)
     ap.add_argument("--uds", action="store_true", help="quantkit's servers on Unix sockets in --dir (no TCP)")
-    ap.add_argument("--tpu", action="store_true", help="quantkit's servers on this machine's TPU (else the CPU)")
+    ap.add_argument("--tpu", action="store_true", help="quantkit's servers on this machine's TPU (else the CPU), "
+                    "one at a time (one process holds the chip), each started once")
+    ap.add_argument("--concurrency", default="1,16", help="concurrent clients, e.g. 1,16,64 (--max-num-seqs: the "
+                    "largest)")
     ap.add_argument("--structured", action="store_true", help="structured outputs vs unconstrained (see above)")
     ap.add_argument("--speculative", action="store_true", help="speculative decoding vs plain (see above)")
     ap.add_argument("--spec-config", nargs="+", default=[
@@ -283,21 +310,23 @@ def main() -> None:
     report = {"machine": f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}",
               "out_tokens": OUT_TOKENS, "max_model_len": MAX_LEN, "models": {}}
     at = addresses(args, ["quantkit"])["quantkit"]
+    levels = [int(c) for c in args.concurrency.split(",")]
     for name in args.models:
         path = build(work, name)
         entry = report["models"][name] = {}
         cache = Path(tempfile.mkdtemp(prefix="qk-jax-cache-"))
-        qk = quantkit_serve(path, at, "--max-model-len", str(MAX_LEN), "--max-num-seqs", "16",
-                            "--served-model-name", name)
+        qk = quantkit_serve(path, at, "--max-model-len", str(MAX_LEN), "--max-num-seqs", str(max(16, *levels)),
+                            "--served-model-name", name, *(["--load-format", "dummy"] if name.startswith("llama3")
+                                                           else []))
         env = server_env(args, cache)
         starts = []
-        for attempt in ("cold", "warm"):
+        for attempt in ("cold",) if args.tpu else ("cold", "warm"):  # the chip's minutes: one start
             p = Proc(qk, env, "/ready", work / f"quantkit-{name}-{attempt}.log", address=at)
             starts.append(p.ready_s)
-            if attempt == "warm":
-                entry["quantkit"] = measure(at, name, args.runs, engine=True)
+            if attempt == "warm" or args.tpu:
+                entry["quantkit"] = measure(at, name, args.runs, engine=True, levels=levels)
             p.stop()
-        entry["quantkit_ready_s"] = {"cold": starts[0], "warm": starts[1]}
+        entry["quantkit_ready_s"] = dict(zip(("cold", "warm"), starts))
         shutil.rmtree(cache, ignore_errors=True)
         if args.vllm:
             cmd = [args.vllm, "serve", str(path), "--host", "127.0.0.1", "--port", str(args.port),
@@ -306,7 +335,7 @@ def main() -> None:
             p = Proc(cmd, {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "1"}, "/v1/models",
                      work / f"vllm-{name}.log", address=tcp)
             entry["vllm_ready_s"] = p.ready_s
-            entry["vllm"] = measure(tcp, name, args.runs)
+            entry["vllm"] = measure(tcp, name, args.runs, levels=levels)
             p.stop()
         print(json.dumps({name: entry}, indent=1), flush=True)
     (work / "results.json").write_text(json.dumps(report, indent=1))
@@ -391,59 +420,63 @@ def speculative(args) -> None:
         specs[method if method not in specs else f"{method}-{len(specs) + 1}"] = c
     ports = addresses(args, ["plain", *specs])
     flags = {"plain": [], **{k: ["--speculative-config", c] for k, c in specs.items()}}
-    procs, caches = {}, []
-    for kind, at in ports.items():
-        caches.append(Path(tempfile.mkdtemp(prefix="qk-jax-cache-")))
-        procs[kind] = Proc(quantkit_serve(model, at, "--max-model-len", "2048", "--max-num-seqs", "16",
-                                          "--served-model-name", name, *flags[kind]),
-                           server_env(args, caches[-1]), "/ready", Path(args.dir) / f"quantkit-{kind}.log",
-                           address=at)
+    # the servers up at once: all, alternating run by run; on the chip one at a time (one process holds it)
+    groups = [[k] for k in ports] if args.tpu else [list(ports)]
 
     def metric(kind: str, key: str) -> float:
         text = ports[kind].request("GET", "/metrics").text
         m = re.search(rf"^{re.escape(key)}(?:{{[^}}]*}})? ([0-9.e+-]+)$", text, re.M)
         return float(m.group(1))
 
-    def counts() -> dict:
+    def counts(kinds) -> dict:
         return {kind: tuple(metric(kind, f"vllm:spec_decode_num_{k}_total")
-                            for k in ("drafts", "draft_tokens", "accepted_tokens")) for kind in specs}
+                            for k in ("drafts", "draft_tokens", "accepted_tokens")) for kind in kinds if kind in specs}
 
     chosen = args.workloads or ["code-edit", "random", "random, temperature 1"]
-    try:
-        base = code_prompts(64) if "code-edit" in chosen else []
-        # each function, the model's own greedy continuation of it, then the function's start again; asked of
-        # both servers, so that both hold the same prefixes in their caches
-        edits = []
-        for text in base:
-            made = {at.request("POST", "/v1/completions", json={
-                "model": name, "prompt": text, "max_tokens": OUT_TOKENS, "temperature": 0}).json()["choices"][0]["text"]
-                for at in ports.values()}
-            head = "\n".join(text.splitlines()[:2]) + "\n"
-            edits.append(text + min(made) + "\n\n\n" + head)
-        workloads = {"code-edit": (edits, None), "random": (prompts(64), None),
-                     "random, temperature 1": (prompts(64), {"temperature": 1.0, "seed": 0})}
-        workloads = {k: v for k, v in workloads.items() if k in chosen}
-        for at in ports.values():  # warm-up traffic
-            asyncio.run(load(at, name, 4, (edits or prompts(8))[:8]))
-        rows = []
-        for wl, (texts, extra) in workloads.items():
-            for conc, n in ((1, 8), (16, 64)):
-                runs = {k: [] for k in ports}
-                before = counts()
-                for _ in range(args.runs):
-                    for kind, at in ports.items():
-                        runs[kind].append(asyncio.run(load(at, name, conc, texts[:n], extra=extra)))
-                after = counts()
-                med = {k: sorted(rs, key=lambda r: r["tok_s"])[len(rs) // 2] for k, rs in runs.items()}
-                d = {k: [a - b for a, b in zip(after[k], before[k])] for k in specs}
-                rows.append((wl, conc, med, runs, d))
-                print(json.dumps({"workload": wl, "concurrency": conc, **{k: [round(r["tok_s"]) for r in rs]
-                                                                          for k, rs in runs.items()}}), flush=True)
-    finally:
-        for p in procs.values():
-            p.stop()
-        for c in caches:
-            shutil.rmtree(c, ignore_errors=True)
+    base = code_prompts(64) if "code-edit" in chosen else []
+    edits = None
+    results: dict = {}  # (workload, concurrency) -> ({kind: runs}, {kind: count differences})
+    for group in groups:
+        procs, caches = {}, []
+        try:
+            for kind in group:
+                caches.append(Path(tempfile.mkdtemp(prefix="qk-jax-cache-")))
+                procs[kind] = Proc(quantkit_serve(model, ports[kind], "--max-model-len", "2048", "--max-num-seqs", "16",
+                                                  "--served-model-name", name, *flags[kind]),
+                                   server_env(args, caches[-1]), "/ready", Path(args.dir) / f"quantkit-{kind}.log",
+                                   address=ports[kind])
+            if edits is None:
+                # each function, the model's own greedy continuation of it, then the function's start again;
+                # asked of every server (greedy: the same text), so that all hold the same prefixes in their caches
+                edits = []
+                for text in base:
+                    made = {ports[k].request("POST", "/v1/completions", json={
+                        "model": name, "prompt": text, "max_tokens": OUT_TOKENS, "temperature": 0}).json()[
+                        "choices"][0]["text"] for k in group}
+                    head = "\n".join(text.splitlines()[:2]) + "\n"
+                    edits.append(text + min(made) + "\n\n\n" + head)
+            workloads = {"code-edit": (edits, None), "random": (prompts(64), None),
+                         "random, temperature 1": (prompts(64), {"temperature": 1.0, "seed": 0})}
+            for kind in group:  # warm-up traffic
+                asyncio.run(load(ports[kind], name, 4, (edits or prompts(8))[:8]))
+            for wl, (texts, extra) in ((k, v) for k, v in workloads.items() if k in chosen):
+                for conc, n in ((1, 8), (16, 64)):
+                    runs, diffs = results.setdefault((wl, conc), ({}, {}))
+                    before = counts(group)
+                    for _ in range(args.runs):
+                        for kind in group:
+                            runs.setdefault(kind, []).append(asyncio.run(load(ports[kind], name, conc, texts[:n],
+                                                                              extra=extra)))
+                    diffs |= {k: [a - b for a, b in zip(v, before[k])] for k, v in counts(group).items()}
+                    print(json.dumps({"workload": wl, "concurrency": conc, **{k: [round(r["tok_s"]) for r in runs[k]]
+                                                                              for k in group}}), flush=True)
+        finally:
+            for p in procs.values():
+                p.stop()
+            for c in caches:
+                shutil.rmtree(c, ignore_errors=True)
+    rows = [(wl, conc, {k: sorted(rs, key=lambda r: r["tok_s"])[len(rs) // 2] for k, rs in runs.items()}, runs, d)
+            for (wl, conc), (runs, d) in results.items()]
     print(f"machine: {platform.machine()}, {os.cpu_count()} cores; {name}, {OUT_TOKENS} output tokens a request, "
           f"{args.runs} runs alternating; speculative: {'; '.join(specs.values())}")
     print("| workload | concurrency | method | plain tok/s (median; runs) | speculative tok/s (median; runs) | ratio | "
@@ -461,18 +494,20 @@ def speculative(args) -> None:
 def print_table(report: dict) -> None:
     print(f"\nmachine: {report['machine']}; {report['out_tokens']} output tokens per request, temperature 0")
     print("| model | server | concurrency | output tok/s (median of runs) | TTFT p50 / p99 ms | TPOT p50 / p99 ms "
-          "| errors | engine: host / read-back wait ms a step |")
+          "| errors | engine: host / read-back wait ms a step / read-backs found ready |")
     print("|---|---|---|---|---|---|---|---|")
     for name, e in report["models"].items():
         for server in ("quantkit", "vllm"):
             for r in e.get(server, []):
-                steps = f"{r['host_ms_a_step']:.2f} / {r['wait_ms_a_step']:.2f}" if "steps" in r else "-"
+                steps = f"{r['host_ms_a_step']:.2f} / {r['wait_ms_a_step']:.2f} / {r['ready_share']:.0%}" \
+                    if "steps" in r else "-"
                 print(f"| {name} | {server} | {r['concurrency']} | {r['tok_s']:.0f} {r['tok_s_runs']} | "
                       f"{r['ttft_p50_ms']:.0f} / {r['ttft_p99_ms']:.0f} | {r['tpot_p50_ms']:.1f} / "
                       f"{r['tpot_p99_ms']:.1f} | {r['errors']} | {steps} |")
         s = e["quantkit_ready_s"]
-        print(f"| {name} | quantkit start-to-ready | cold {s['cold']:.1f} s, warm {s['warm']:.1f} s "
-              f"({s['cold'] / s['warm']:.1f}x) | vLLM {e.get('vllm_ready_s', float('nan')):.1f} s | | | |")
+        warm = f", warm {s['warm']:.1f} s ({s['cold'] / s['warm']:.1f}x)" if "warm" in s else ""
+        print(f"| {name} | quantkit start-to-ready | cold {s['cold']:.1f} s{warm} | vLLM "
+              f"{e.get('vllm_ready_s', float('nan')):.1f} s | | | |")
 
 
 if __name__ == "__main__":

@@ -42,7 +42,7 @@ from tpu_gmm import device_ops, open_run  # noqa: E402
 from quantkit.kernels.tiling import CHIPS  # noqa: E402
 from quantkit.plan import _quantization  # noqa: E402
 from quantkit.quant.qtensor import BITS, QTensor  # noqa: E402
-from quantkit.runtime.loader import LoadedModel, abstract  # noqa: E402
+from quantkit.runtime.loader import LoadedModel, abstract, random_weights  # noqa: E402
 from quantkit.runtime.models import from_hf  # noqa: E402
 from quantkit.runtime.step import Row, Runner  # noqa: E402
 
@@ -51,38 +51,6 @@ PROMPT, STEPS = 128, 16
 CONFIGS = {"W4A16": (LLAMA3_8B, "W4A16", 128, "auto"), "W8A16": (LLAMA3_8B, "W8A16", -1, "auto"),
            "W8A8": (LLAMA3_8B, "W8A8", -1, "auto"), "bf16": (LLAMA3_8B, "DENSE", 128, "auto"),
            "W4A16-fp8kv": (LLAMA3_8B, "W4A16", 128, "fp8"), "moe": (QWEN3_30B_A3B, "W4A16", 128, "auto")}
-
-
-def random_weights(shapes):
-    """Device arrays for the weight tree `shapes` (ShapeDtypeStructs; QTensors of them): integer values over
-    their type's range, scales 1/400, norms 1, the rest N(0, 0.02); a stacked array repeats its first slice.
-    One jitted program makes the whole tree (made leaf by leaf, every eager op compiled anew: ~150 s)."""
-
-    def fill(s, kind, key):
-        one = s.shape[1:] if len(s.shape) == 3 else s.shape
-        if kind == "values" and jnp.issubdtype(s.dtype, jnp.integer):
-            lo, hi = (-8, 8) if s.dtype == jnp.int4 else (-128, 128)
-            x = jax.random.randint(key, one, lo, hi, jnp.int32).astype(s.dtype)
-        elif kind == "scales":
-            x = jnp.full(one, 1 / 400, s.dtype)
-        elif kind == "norm":
-            x = jnp.ones(one, s.dtype)
-        else:
-            x = (jax.random.normal(key, one, jnp.float32) * 0.02).astype(s.dtype)
-        return jnp.broadcast_to(x, s.shape)
-
-    def make():
-        key = iter(jax.random.split(jax.random.key(0), 4096))
-
-        def leaf(path, s):
-            if isinstance(s, QTensor):
-                return s.with_arrays({f: fill(a, f if f in ("values", "scales") else "other", next(key))
-                                      for f, a in s.arrays.items()})
-            return fill(s, "norm" if "norm" in jax.tree_util.keystr(path) else "other", next(key))
-
-        return jax.tree_util.tree_map_with_path(leaf, shapes, is_leaf=lambda x: isinstance(x, QTensor))
-
-    return jax.jit(make)()
 
 
 def weight_bytes(params, experts: float = 1.0) -> int:

@@ -109,6 +109,63 @@ def _vpu_kernel(x_ref, q_ref, s_ref, o_ref, acc_ref, *, tk, nk, group):
         o_ref[...] = acc_ref[0:1, :].astype(o_ref.dtype)
 
 
+def _stream_kernel(x_ref, *refs, nw, chunks, nbuf, cn, group, compute):
+    """Manual DMA: the weights' column slabs [k, cn] (and their scale slabs) streamed through `nbuf` VMEM
+    buffers, each slab's output columns computed whole (all k) as soon as it lands; several weights (q, k, v)
+    one continuous stream."""
+    q_hbm, s_hbm, outs = refs[:nw], refs[nw:2 * nw], refs[2 * nw:3 * nw]
+    qbuf, sbuf, sem = refs[3 * nw:]
+    k = x_ref.shape[1]
+
+    def copy(i):
+        j, c = chunks[i]
+        slot = i % nbuf
+        return (pltpu.make_async_copy(q_hbm[j].at[:, pl.ds(c * cn, cn)], qbuf.at[slot], sem.at[0, slot]),
+                pltpu.make_async_copy(s_hbm[j].at[:, pl.ds(c * cn, cn)], sbuf.at[slot], sem.at[1, slot]))
+
+    for i in range(min(nbuf, len(chunks))):
+        for cp in copy(i):
+            cp.start()
+    for i, (j, c) in enumerate(chunks):
+        slot = i % nbuf
+        for cp in copy(i):
+            cp.wait()
+        if compute:  # 16 groups an iteration: their bf16 scale rows one aligned block
+            def body(r, acc):
+                s16 = sbuf[slot, pl.ds(pl.multiple_of(r * 16, 16), 16), :].astype(jnp.float32)
+                for j in range(16):
+                    rows = pl.ds(pl.multiple_of((r * 16 + j) * group, group), group)
+                    p = jnp.dot(x_ref[:, rows], qbuf[slot, rows, :].astype(jnp.bfloat16),
+                                preferred_element_type=jnp.float32)
+                    acc = acc + p * s16[j:j + 1, :]
+                return acc
+            acc = jax.lax.fori_loop(0, k // group // 16, body, jnp.zeros((x_ref.shape[0], cn), jnp.float32))
+        else:
+            acc = jnp.broadcast_to(qbuf[slot, 0:1, :].astype(jnp.float32), (x_ref.shape[0], cn))
+        outs[j][:, pl.ds(c * cn, cn)] = acc.astype(outs[j].dtype)
+        if i + nbuf < len(chunks):
+            for cp in copy(i + nbuf):
+                cp.start()
+
+
+@functools.partial(jax.jit, static_argnames=("cn", "nbuf", "compute", "interpret"))
+def stream(x, qs, ss, *, cn=256, nbuf=3, compute=True, interpret=False):
+    """x [m, k] bf16 against weights qs[j] [k, n_j] int4 with g128 scales ss[j]: one call, outputs per weight."""
+    m, k = x.shape
+    nw = len(qs)
+    chunks = tuple((j, c) for j, q in enumerate(qs) for c in range(q.shape[1] // cn))
+    return pl.pallas_call(
+        functools.partial(_stream_kernel, nw=nw, chunks=chunks, nbuf=nbuf, cn=cn, group=128, compute=compute),
+        out_shape=[jax.ShapeDtypeStruct((m, q.shape[1]), jnp.bfloat16) for q in qs],
+        in_specs=[pl.BlockSpec(memory_space=pltpu.VMEM)] + [pl.BlockSpec(memory_space=pl.ANY)] * (2 * nw),
+        out_specs=[pl.BlockSpec(memory_space=pltpu.VMEM)] * nw,
+        scratch_shapes=[pltpu.VMEM((nbuf, k, cn), qs[0].dtype), pltpu.VMEM((nbuf, k // 128, cn), ss[0].dtype),
+                        pltpu.SemaphoreType.DMA((2, nbuf))],
+        compiler_params=pltpu.CompilerParams(vmem_limit_bytes=100 << 20),
+        name="variant", interpret=interpret,
+    )(x, *qs, *ss)
+
+
 @functools.partial(jax.jit, static_argnames=("mode", "tk", "tn", "group", "const", "n"))
 def variant(x, q, s, *, mode, tk, tn, group=128, const=False, n=0):
     """One variant's call; `const`: q (and s) hold one tile, read once, used at every step of the n x k grid."""
@@ -159,9 +216,13 @@ def main():
                     "with --controls: post and dma_only only")
     ap.add_argument("--controls", action="store_true", help="dense shapes only: where a call's time goes (DMA, "
                     "int4 conversion, the MXU in either orientation)")
+    ap.add_argument("--stream", action="store_true", help="the manual-DMA column-slab stream beside production, "
+                    "one weight and q+k+v / gate+up as one stream")
     a = ap.parse_args()
     _, log = open_run(a.out)
     rng = np.random.default_rng(0)
+    if a.stream:
+        return stream_table(rng, log, a.shapes.split(",") if a.shapes else (), prod=not a.tiles)
 
     shapes = {"q/o": (4096, 4096), "k/v": (4096, 1024), "gate/up": (4096, 14336), "down": (14336, 4096)}
     for name, (k, n) in shapes.items():
@@ -247,6 +308,63 @@ def main():
                         floor_us=round(floor * 1e6, 2), ratio=round(t / floor, 3), wall=round(time.perf_counter() - t0, 1))
                 except Exception as e:  # noqa: BLE001
                     log(shape=name, tokens=tokens, variant=label, error=f"{type(e).__name__}: {str(e)[:300]}")
+
+
+def stream_table(rng, log, only=(), prod=True):
+    def w(k, n):
+        return make_qtensor(rng.integers(-8, 8, (1, k, n)).astype(np.int8),
+                            jnp.asarray(rng.uniform(0.5, 2, (1, k // 128, n)) / 64, jnp.bfloat16), "int4", 128)
+
+    qo, kv, gu, dn = w(4096, 4096), w(4096, 1024), w(4096, 14336), w(14336, 4096)
+    sets = {"q/o": [qo], "k/v": [kv], "down": [dn], "q+k+v": [qo, kv, kv], "gate+up": [gu, gu]}
+    for m in (8, 64):
+        for name, ws in sets.items():
+            if only and name not in only:
+                continue
+            k = ws[0].shape[1]
+            x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+            floor = (sum(a.shape[1] * a.shape[2] / 2 + a.scales.nbytes for a in ws) + m * k * 2
+                     + sum(m * a.shape[2] * 2 for a in ws)) / HBM
+            refs = [np.asarray(jnp.dot(x.astype(jnp.float32), (a.values[0].astype(jnp.float32).reshape(k // 128, 128, -1)
+                    * a.scales[0].astype(jnp.float32)[:, None]).reshape(k, -1), precision=jax.lax.Precision.HIGHEST))
+                    for a in ws]
+            qs, ss = [a.values[0] for a in ws], [a.scales[0] for a in ws]
+            sizes = jnp.array([m], jnp.int32)
+            runs = []
+            if not prod:
+                pass
+            elif name == "gate+up":
+                runs.append(("prod pair", lambda x, a, b: gmm_v2(x, a, sizes, chip="v5e", up=b, gate="silu"), (x, ws[0], ws[1]), "gmm_v2"))
+            else:
+                for i, a in enumerate(ws):
+                    runs.append((f"prod {i}", lambda x, a: gmm_v2(x, a, sizes, chip="v5e"), (x, a), "gmm_v2"))
+            for cn, nbuf, compute in ((256, 2, True), (256, 3, True), (512, 2, True), (512, 3, True), (128, 4, True),
+                                      (512, 3, False)):
+                runs.append((f"stream cn{cn} buf{nbuf}" + ("" if compute else " dma_only"),
+                             functools.partial(lambda x, qs, ss, **kw: stream(x, qs, ss, **kw)[0], cn=cn, nbuf=nbuf,
+                                               compute=compute), (x, qs, ss), "variant"))
+            prod_total = 0.0
+            for label, fn, args, match in runs:
+                try:
+                    t0 = time.perf_counter()
+                    res = fn(*args)
+                    err = None
+                    if label.startswith("stream") and "dma_only" not in label:
+                        outs = stream(x, qs, ss, cn=int(label.split()[1][2:]), nbuf=int(label.split()[2][3:]))
+                        err = max(float(np.linalg.norm(np.asarray(o, np.float32) - r) / np.linalg.norm(r))
+                                  for o, r in zip(outs, refs))
+                    elif label.startswith("prod") and name != "gate+up":
+                        r = refs[int(label.split()[1])]
+                        err = float(np.linalg.norm(np.asarray(res, np.float32) - r) / np.linalg.norm(r))
+                    t = per_call(fn, args, match=match)
+                    if label.startswith("prod"):
+                        prod_total += t
+                    log(shape=name, m=m, variant=label, us=round(t * 1e6, 2), floor_us=round(floor * 1e6, 2),
+                        ratio=round(t / floor, 3), err=err, wall=round(time.perf_counter() - t0, 1))
+                except Exception as e:  # noqa: BLE001
+                    log(shape=name, m=m, variant=label, error=f"{type(e).__name__}: {str(e)[:300]}")
+            log(shape=name, m=m, variant="prod total", us=round(prod_total * 1e6, 2), floor_us=round(floor * 1e6, 2),
+                ratio=round(prod_total / floor, 3))
 
 
 if __name__ == "__main__":

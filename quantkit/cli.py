@@ -246,6 +246,11 @@ def convert(
     _emit(report, json_out, _print_convert)
 
 
+class LoadFormat(str, Enum):  # vLLM's --load-format values quantkit takes
+    auto = "auto"
+    dummy = "dummy"
+
+
 class KvCacheDtype(str, Enum):  # runtime/cache.py KV_CACHE_DTYPES (vLLM's names)
     auto = "auto"
     bf16 = "bf16"
@@ -535,6 +540,10 @@ def serve(
     num_processes: NumProcessesOption = None,
     process_id: ProcessIdOption = None,
     speculative_config: SpecOption = None,
+    load_format: Annotated[LoadFormat, typer.Option(help="auto: the checkpoint's weights; dummy: random weights "
+                                                         "of the types config.json's quantization_config names, "
+                                                         "no safetensors read (vLLM's; for measuring a model's "
+                                                         "shape without its weights).")] = LoadFormat.auto,
 ) -> None:
     """Serve PATH over an OpenAI-compatible HTTP API (completions and chat, streaming, logprobs).
 
@@ -548,6 +557,7 @@ def serve(
               quantkit serve assets/tiny-llama --speculative-config
                   '{"method": "eagle3", "model": "assets/tiny-llama-eagle3", "num_speculative_tokens": 3}'
               quantkit serve models/tiny-llama-W4A16 --uds /tmp/quantkit.sock   (no TCP: a TPU VM, a sandbox)
+              quantkit serve ./llama-3-8b-shape --load-format dummy   (config.json, tokenizer; random weights)
               curl localhost:8000/v1/completions -H 'Content-Type: application/json'
                    -d '{"model": "tiny-llama-W4A16", "prompt": "Hello", "max_tokens": 16}'
               curl --unix-socket /tmp/quantkit.sock http://localhost/v1/models
@@ -561,7 +571,8 @@ def serve(
                    max_num_seqs=max_num_seqs, api_key=api_key, max_num_batched_tokens=max_num_batched_tokens, max_waiting=max_waiting,
                    grace=grace, enable_prefix_caching=enable_prefix_caching,
                    kv_cache_dtype=kv_cache_dtype.value, tp=tp, ep=enable_expert_parallel, dp=data_parallel_size,
-                   distributed=(coordinator_address, num_processes, process_id), speculative=speculative)
+                   distributed=(coordinator_address, num_processes, process_id), speculative=speculative,
+                   load_format=load_format.value)
     except (QuantkitError, Exception) as e:  # noqa: BLE001 - one line, never a traceback
         raise _fail(e) from None
     raise typer.Exit(code)

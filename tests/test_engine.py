@@ -433,7 +433,8 @@ def test_data_parallel_pools_keep_each_devices_pages_and_states_apart():
 def test_host_time_and_read_back_waits_are_told_apart(model, monkeypatch):
     """The engine counts its steps, its host seconds and the seconds it waits on a step's outputs apart
     (/metrics: quantkit_engine_*): with every read-back made 20 ms slower, the waits hold those 20 ms and the
-    host seconds do not, and host + waits make up the loop's wall time."""
+    host seconds do not, and host + waits make up the loop's wall time; with every step finished before the
+    host comes for it, each read-back counts as found ready (quantkit_engine_readbacks_ready)."""
     import time
 
     import jax
@@ -467,3 +468,10 @@ def test_host_time_and_read_back_waits_are_told_apart(model, monkeypatch):
     assert engine.wait_seconds >= 0.02 * engine.steps  # a read-back a step
     assert 0 < engine.host_seconds < wall - 0.02 * engine.steps
     assert engine.host_seconds + engine.wait_seconds == pytest.approx(wall, rel=0.05)
+    # every step finished before the host reads it back (run waits for it): each read-back found it ready
+    engine.ready_readbacks = engine.steps = 0
+    monkeypatch.setattr(engine.runner, "run", lambda *a, **kw: jax.block_until_ready(counted(*a, **kw)))
+    engine.submit(Request(_prompts(1, 2)[0], 6))
+    while engine.busy():
+        engine.step()
+    assert engine.ready_readbacks == engine.steps >= 6

@@ -571,3 +571,44 @@ def test_place_row_major_keeps_row_major_arrays_and_converts_others(seed):
     assert kept is x
     assert fixed.format.layout.major_to_minor == (0, 1, 2)
     np.testing.assert_array_equal(np.asarray(fixed, np.float32), np.asarray(x, np.float32))
+
+
+def test_dummy_load_format_builds_the_weight_tree_the_checkpoint_loads(tmp_path):
+    """`--load-format dummy` (loader.dummy) from config.json alone: the same tree as the loader reading the
+    converted checkpoint (every leaf's shape and dtype, each QTensor's type, group and arrays), random values
+    over the type's range, and a model that runs; the serve CLI refuses it with several devices, one line."""
+    import shutil
+    import subprocess
+    import sys
+
+    from quantkit.convert import convert
+    from quantkit.runtime.loader import dummy
+    from quantkit.runtime.step import Row
+
+    torch.manual_seed(0)
+    family("qwen3_moe").to(torch.bfloat16).save_pretrained(tmp_path / "moe")  # bf16 scales, as published
+    convert(tmp_path / "moe", tmp_path / "q", "W4A16", 32)
+    (tmp_path / "shape").mkdir()
+    shutil.copy(tmp_path / "q" / "config.json", tmp_path / "shape" / "config.json")
+    real, fake = load(tmp_path / "q"), dummy(tmp_path / "shape")
+
+    def described(params):
+        leaves = jax.tree_util.tree_flatten_with_path(params, is_leaf=lambda x: isinstance(x, QTensor))[0]
+        return {jax.tree_util.keystr(p): (w.qtype, w.group, {f: (a.shape, a.dtype) for f, a in w.arrays.items()})
+                if isinstance(w, QTensor) else (w.shape, w.dtype) for p, w in leaves}
+
+    assert described(fake.params) == described(real.params)
+    experts = fake.params["layers"]["full"]["experts_gate"]
+    values = np.asarray(experts.values.astype(jnp.int32))
+    assert experts.qtype == "int4" and values.min() == -8 and values.max() == 7
+    runner = Runner(fake, max_model_len=64, max_num_seqs=2, page_size=16, max_num_batched_tokens=32)
+    runner.pool.reserve(0, 0, 8)
+    out = runner.run(runner.batch([Row(0, 0, 8, list(range(3, 11)))]))
+    assert np.isfinite(np.asarray(out[2] if isinstance(out, tuple) else out, np.float32)).all()
+
+    cli = [sys.executable, "-m", "quantkit.cli", "serve", str(tmp_path / "shape")]
+    for flags, message in ((["--load-format", "dummy", "--tp", "2"], "--load-format dummy serves on one device"),
+                           ([], "no .safetensors files")):
+        r = subprocess.run(cli + flags, capture_output=True, text=True, env={**__import__("os").environ,
+                                                                            "JAX_PLATFORMS": "cpu"}, timeout=120)
+        assert r.returncode != 0 and message in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr

@@ -174,6 +174,9 @@ class Engine:
         # steps dispatched; host seconds in `step` outside read-backs; seconds waiting on a read-back (the
         # device still running the step read): where that wait is ~0, the device waited for the host instead
         self.steps, self.host_seconds, self.wait_seconds = 0, 0.0, 0.0
+        # read-backs whose step had finished before the host came for it: only after those can the device have
+        # waited for the next step (the engine dispatches a step before it reads the previous one back)
+        self.ready_readbacks = 0
         self.budget = runner.max_num_batched_tokens
         self.free_slots = list(range(runner.max_num_seqs))[::-1]
         self.waiting: deque[Request] = deque()
@@ -525,8 +528,9 @@ class Engine:
         rejected ones wrote is overwritten later); then the next masks of the constrained rows, all at once
         (a sequence whose constraint allows nothing more ends there)."""
         # a draft head's proposals stay on the device; the n-gram lookup's come back, to tell which it found
-        t = time.perf_counter()
-        out = jax.device_get(out[:7 if self.device_lookup else 6])
+        t, out = time.perf_counter(), out[:7 if self.device_lookup else 6]
+        self.ready_readbacks += all(x.is_ready() for x in out)  # computed already: the device may have idled
+        out = jax.device_get(out)
         self.wait_seconds += time.perf_counter() - t
         if len(out) >= 6:  # step.verify_rows: [S, k + 1] a row, `count` of them real
             toks, counts, lps, top_ids, top_lps, offered = out[:6]

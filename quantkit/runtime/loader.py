@@ -14,17 +14,18 @@ import jax.numpy as jnp
 import numpy as np
 
 from quantkit.errors import InvalidInput, Unsupported
-from quantkit.formats.compressed_tensors import QuantConfig, activation_qtype, weight_qtype
+from quantkit.formats.compressed_tensors import QuantConfig, activation_qtype, quantization_config_of, weight_qtype
 from quantkit.formats.ct_writer import divisor_hint
 from quantkit.formats.ct_tensors import (KV_SCALES, input_rotation, kernel_layout, kernel_shapes, kv_head_scales,
                                         logical_shape, stored_transforms, transform_size)
-from quantkit.formats.hf import Checkpoint, group_modules
+from quantkit.formats.hf import Checkpoint, group_modules, read_json
 from quantkit.quant.qtensor import STORAGE, QTensor, check_qtensor
 from quantkit.runtime.config import ModelConfig
 from quantkit.runtime.family import Slot
 from quantkit.runtime.layout import lane_widths, skeleton
+from quantkit.runtime.models import from_hf
 from quantkit.runtime.sharding import AXIS, expert_rows, group_sharding, place_row_major, shardings
-from quantkit.runtime.validate import validate_checkpoint
+from quantkit.runtime.validate import config_findings, validate_checkpoint
 
 
 
@@ -339,6 +340,57 @@ def load(path: str | Path, dtype=jnp.bfloat16, check: bool = True, mesh=None, ep
                      for kind in cfg.paged_kinds}
     return LoadedModel(path, cfg, params, jnp.dtype(dtype), kv_scales, mesh, ep and mesh is not None,
                        dp and mesh is not None)
+
+
+def random_weights(shapes: dict) -> dict:
+    """Device arrays for the weight tree `shapes` (ShapeDtypeStructs; QTensors of them), made by one jitted
+    program (leaf by leaf, every eager op compiles anew: ~150 s for a Llama-3-8B shape): integer values over
+    their type's range, other values and dense weights N(0, 0.02), scales 1/400, norms 1; a stacked array
+    repeats its first slice (fp8 and e2m1 codes come out of the same integers' bits: valid codes)."""
+
+    def fill(s, kind, key):
+        one = s.shape[1:] if len(s.shape) == 3 else s.shape
+        if kind == "values" and jnp.issubdtype(s.dtype, jnp.integer):
+            lo, hi = (-8, 8) if s.dtype == jnp.int4 else (-128, 128)
+            x = jax.random.randint(key, one, lo, hi, jnp.int32).astype(s.dtype)
+        elif kind == "scales":
+            x = jnp.full(one, 1 / 400, s.dtype)
+        elif kind == "norm":
+            x = jnp.ones(one, s.dtype)
+        else:
+            x = (jax.random.normal(key, one, jnp.float32) * 0.02).astype(s.dtype)
+        return jnp.broadcast_to(x, s.shape)
+
+    def make():
+        leaves, tree = jax.tree_util.tree_flatten_with_path(shapes, is_leaf=lambda x: isinstance(x, QTensor))
+        keys = iter(jax.random.split(jax.random.key(0), len(leaves) * 8))
+
+        def leaf(path, s):
+            if isinstance(s, QTensor):
+                return s.with_arrays({f: fill(a, f if f in ("values", "scales") else "other", next(keys))
+                                      for f, a in s.arrays.items()})
+            return fill(s, "norm" if "norm" in jax.tree_util.keystr(path) else "other", next(keys))
+
+        return jax.tree_util.tree_unflatten(tree, [leaf(p, s) for p, s in leaves])
+
+    return jax.jit(make)()
+
+
+def dummy(path: str | Path, dtype=jnp.bfloat16) -> LoadedModel:
+    """vLLM's `--load-format dummy`: the model PATH's config.json describes, its weights random (`random_weights`)
+    in the types its quantization_config gives them, on one device; no safetensors file is read. For
+    measuring published shapes without their weights (benchmarks/serve_load.py on the TPU)."""
+    path = Path(path)
+    where = path / "config.json"
+    if not where.is_file():
+        raise InvalidInput(f"{path}: no config.json (--load-format dummy needs the model's config.json)")
+    raw = read_json(where)
+    qraw, qc = quantization_config_of(raw, str(where))
+    refused = [message for severity, message in config_findings(qraw, qc) if severity == "unsupported"]
+    if refused:
+        raise Unsupported(f"{where}: {refused[0]}")
+    cfg = from_hf(raw)
+    return LoadedModel(path, cfg, place_row_major(random_weights(abstract(cfg, qc, dtype))), jnp.dtype(dtype))
 
 
 def densify(params: dict, dtype) -> dict:

@@ -151,6 +151,9 @@ class Metrics:
                 (CounterMetricFamily, "engine_readback_wait_seconds", e.wait_seconds if e else 0.0,
                  "Seconds the engine waited for a step's outputs: the device still running it (where ~0, the "
                  "device waited for the host).", []),
+                (CounterMetricFamily, "engine_readbacks_ready", e.ready_readbacks if e else 0,
+                 "Read-backs that found their step already finished: only before the next of those steps can the "
+                 "device have idled (the engine dispatches a step before reading the previous one back).", []),
                 (CounterMetricFamily, "spec_decode_num_drafts", e.drafts if e else 0,
                  "Speculative decoding: sequence rows verified with drafts.", ["spec_decode_num_drafts"]),
                 (CounterMetricFamily, "spec_decode_num_draft_tokens", e.draft_tokens if e else 0,
@@ -210,8 +213,9 @@ class Server:
                  max_num_seqs: int = 16, api_key: str | None = None,
                  max_num_batched_tokens: int = MAX_NUM_BATCHED_TOKENS,
                  max_waiting: int = 256, enable_prefix_caching: bool = True, kv_cache_dtype: str = "auto",
-                 mesh=None, ep: bool = False, speculative=None, dp: bool = False):
+                 mesh=None, ep: bool = False, speculative=None, dp: bool = False, load_format: str = "auto"):
         self.prefix_caching, self.kv_cache_dtype = enable_prefix_caching, kv_cache_dtype
+        self.load_format = load_format  # "auto": the checkpoint's weights; "dummy": random ones (loader.dummy)
         self.speculative = speculative  # runtime/speculative.SpeculativeConfig, or None
         self.mesh, self.ep, self.dp = mesh, ep, dp  # runtime/sharding.py (dp: the mesh is data parallel)
         self.path, self.name = Path(path), served_model_name or Path(path).name
@@ -237,12 +241,13 @@ class Server:
     def runner(self):
         """(model, Runner) as the flags say; every process of a multi-process run builds the same."""
         from quantkit.runtime.engine import enable_compilation_cache
-        from quantkit.runtime.loader import load
+        from quantkit.runtime.loader import dummy, load
         from quantkit.runtime.speculative import drafter_for
 
         enable_compilation_cache()
-        model = load(self.path, mesh=self.mesh, ep=self.ep, dp=self.dp,
-                     mtp=self.speculative is not None and self.speculative.method == "mtp")
+        model = dummy(self.path) if self.load_format == "dummy" else \
+            load(self.path, mesh=self.mesh, ep=self.ep, dp=self.dp,
+                 mtp=self.speculative is not None and self.speculative.method == "mtp")
         limit = min(self.max_model_len or 2048, model.cfg.max_position_embeddings)
         return model, Runner(model, max_model_len=limit, max_num_seqs=self.max_num_seqs,
                              max_num_batched_tokens=self.max_num_batched_tokens, kv_cache_dtype=self.kv_cache_dtype,
@@ -866,9 +871,13 @@ def serve(path: Path, host: str = "127.0.0.1", port: int = 8000, uds: str | None
     path = Path(path)
     if not (path / "config.json").is_file():
         raise InvalidInput(f"{path}: not a model directory (no config.json)")
-    # what the loader would refuse, refused from the headers before the address is announced: one line
-    validate_checkpoint(Checkpoint.open(path)).raise_first(path)
     dp = options.pop("dp", 1)
+    if options.get("load_format") == "dummy":
+        if dp > 1 or options.get("tp", 1) > 1 or options.get("distributed", (None,))[0] or options.get("speculative"):
+            raise InvalidInput("--load-format dummy serves on one device without a draft model: drop --tp, "
+                               "--data-parallel-size, the multi-host flags and --speculative-config")
+    else:  # what the loader would refuse, refused from the headers before the address is announced: one line
+        validate_checkpoint(Checkpoint.open(path)).raise_first(path)
     mesh = start(options.pop("tp", 1), *options.pop("distributed", (None, None, None)), dp=dp)
     server = Server(path, mesh=mesh, dp=dp > 1, **options)
     if jax.process_index() > 0:  # process 0 serves HTTP and schedules; this one runs each step it broadcasts
