@@ -475,3 +475,51 @@ def test_host_time_and_read_back_waits_are_told_apart(model, monkeypatch):
     while engine.busy():
         engine.step()
     assert engine.ready_readbacks == engine.steps >= 6
+
+
+def test_ready_after_the_smallest_bucket_and_the_rest_compiled_ahead(model):
+    """`warmup(ahead=True)` runs only the smallest bucket's program and holds the step budget to it: a
+    30-token prompt then runs in steps of at most 8 tokens, and its tokens equal those of an engine warmed
+    whole; `compile_ahead` compiles the rest without running them, the budget grows to the largest bucket,
+    and a step of that bucket then compiles nothing (its jit's cache holds it)."""
+    import jax
+
+    prompt = list(np.random.default_rng(3).integers(3, 128, 30))
+    # (3 slots: other shapes, so that its programs are not the ones the engine below must compile itself)
+    whole = Engine(Runner(model, max_model_len=64, max_num_seqs=3, page_size=8, max_num_batched_tokens=32))
+    whole.warmup()
+    ref = whole.submit(Request(list(prompt), 6))
+    while whole.busy():
+        whole.step()
+
+    engine = Engine(Runner(model, max_model_len=64, max_num_seqs=2, page_size=8, max_num_batched_tokens=32),
+                    prefix_caching=False)  # (the second request's prompt runs again)
+    rest = engine.warmup(ahead=True)
+    assert rest == [(16, "step"), (32, "step")] and engine.budget == 8
+    sizes, run = [], engine.runner.run
+
+    def recorded(batch, *a, **kw):
+        sizes.append(batch["tokens"].shape[-1])
+        return run(batch, *a, **kw)
+
+    engine.runner.run = recorded
+    req = engine.submit(Request(list(prompt), 6))
+    while engine.busy():
+        engine.step()
+    assert max(sizes) == 8 and req.out == ref.out
+    engine.compile_ahead(rest, quiet=0)
+    assert engine.budget == 32
+    compiles, sizes[:] = [], []
+
+    def listen(name, *_, **__):
+        if name.endswith("backend_compile_duration"):
+            compiles.append(name)
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        req = engine.submit(Request(list(prompt), 6))
+        while engine.busy():
+            engine.step()
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+    assert 32 in sizes and compiles == [] and req.out == ref.out

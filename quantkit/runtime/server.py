@@ -119,6 +119,9 @@ class Metrics:
                  ["num_requests_running"]),
                 (GaugeMetricFamily, "num_requests_waiting", len(e.waiting) if e else 0,
                  "Sequences queued for a slot.", ["num_requests_waiting"]),
+                (GaugeMetricFamily, "programs_compiled", self.server.programs[0],
+                 "Step programs compiled (a ready server compiles its larger token buckets while it serves).", []),
+                (GaugeMetricFamily, "programs", self.server.programs[1], "Step programs the server runs.", []),
                 (GaugeMetricFamily, "kv_pages_used", used, "KV cache pages in use.", []),
                 (GaugeMetricFamily, "kv_pages_total", total, "KV cache pages.", []),
                 (GaugeMetricFamily, "kv_pages_cached", e.pool.cached_pages if e else 0,
@@ -223,6 +226,7 @@ class Server:
         self.max_num_batched_tokens, self.max_waiting = max_num_batched_tokens, max_waiting
         self.engine: Engine | None = None
         self.engine_thread: threading.Thread | None = None
+        self.programs = [0, 0]  # step programs compiled, of all the server runs
         self.started = int(time.time())  # /v1/models' `created`
         self.codec = None
         self.status = "starting"
@@ -278,17 +282,25 @@ class Server:
             def progress(done: int, total: int) -> None:
                 self.status = f"compiling {done}/{total} shapes"
 
-            engine.warmup(progress, structured=jax.process_count() == 1 and not self.dp)
+            # one process: ready after the smallest bucket's programs, the rest compiled while serving (several
+            # processes run every step together and compile each program on first use, all of them at once)
+            one = jax.process_count() == 1
+            rest = engine.warmup(progress, structured=one and not self.dp, ahead=one)
+            self.programs = [len(engine.programs(structured=one and not self.dp)) - len(rest)] * 2
+            self.programs[1] += len(rest)
             self.engine_thread = threading.Thread(target=engine.run, args=(self.stop,), name="engine", daemon=True)
             self.engine_thread.start()
             self.engine, self.status = engine, "ready"
+            if rest:
+                threading.Thread(target=self._compile_ahead, args=(engine, rest, t0), name="compile",
+                                 daemon=True).start()
             r = engine.runner
             each = r.max_num_seqs // r.dp
             devices = "1 device" if r.mesh is None else f"{r.dp} devices, data parallel ({each} sequence" \
                 f"{'s' if each > 1 else ''} each)" if r.dp > 1 else f"{r.tp} devices"
             devices += " (experts split whole)" if r.ep and r.mesh is not None else ""
             log.warning("ready in %.1f s: %s on %s, max_model_len %d, max_num_seqs %d, KV cache %s, prefix caching "
-                        "%s, %d token buckets compiled (%s)",
+                        "%s, %d token buckets (%s)",
                         time.monotonic() - t0, self.name, devices, limit,
                         self.max_num_seqs, r.kv_dtype, ("on" if not r.layout.snapshots else
                         f"on (Gated DeltaNet states: {r.layout.snapshots} snapshots at page-aligned prompt chunk "
@@ -296,12 +308,26 @@ class Server:
                         "off (Gated DeltaNet states: one process only)" if self.prefix_caching else "off",
                         len(engine.shapes()), "for structured outputs each also as two halves" if not self.speculative
                         else f"each verifying up to {self.speculative.k} {self.speculative.method} drafts a sequence")
+            if rest:
+                log.warning("%d of %d programs compiled (steps of up to %d tokens until more are); the rest compile "
+                            "while serving (/ready, /metrics: quantkit_programs_compiled)", *self.programs,
+                            engine.budget)
         except Exception as e:  # noqa: BLE001 - reported as one line, the process then exits 1
             self.failed = f"{type(e).__name__}: {e}" if not isinstance(e, InvalidInput) else str(e)
             self.status = "failed"
             log.error("error: cannot serve %s: %s", self.path, self.failed)
             if self.on_failure is not None:
                 self.on_failure()
+
+    def _compile_ahead(self, engine: Engine, rest: list, t0: float) -> None:
+        """The programs the ready server did not compile yet (engine.compile_ahead), on this thread."""
+        done = self.programs[0]
+        try:
+            engine.compile_ahead(rest, lambda i, n: self.programs.__setitem__(0, done + i))
+            log.warning("all %d programs compiled, %.1f s after start", self.programs[1], time.monotonic() - t0)
+        except Exception as e:  # noqa: BLE001 - the budget stays where it is; serving goes on
+            log.error("compiling ahead stopped: %s: %s (steps stay within %d tokens)", type(e).__name__, e,
+                      engine.budget)
 
     @asynccontextmanager
     async def _lifespan(self, app):
@@ -316,7 +342,9 @@ class Server:
 
     async def ready(self, request: HttpRequest):
         ok = self.engine is not None
-        return JSONResponse({"status": self.status}, status_code=200 if ok else 503)
+        compiled, total = self.programs
+        return JSONResponse({"status": self.status, "programs_compiled": compiled, "programs": total},
+                            status_code=200 if ok else 503)
 
     async def prometheus(self, request: HttpRequest):
         return Response(generate_latest(self.metrics.registry), media_type="text/plain; version=0.0.4; charset=utf-8")
@@ -900,7 +928,7 @@ def serve(path: Path, host: str = "127.0.0.1", port: int = 8000, uds: str | None
         address = f"http://{host}:{sock.getsockname()[1]}"
     logging.basicConfig(format="%(message)s", stream=sys.stderr)
     print(f"quantkit serve: {address} (model '{server.name}'; GET /ready turns 200 once it is loaded and "
-          f"compiled)", file=sys.stderr, flush=True)
+          f"its first programs compiled)", file=sys.stderr, flush=True)
     config = uvicorn.Config(server.app, log_level="warning", access_log=False, timeout_graceful_shutdown=grace,
                             lifespan="on")
     http = uvicorn.Server(config)

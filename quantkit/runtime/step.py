@@ -749,6 +749,22 @@ class Runner:
             decode = np.diff(batch["cu_q_lens"]).max() <= 1
         return self._call(VERIFY if drafting else DECODE if decode and DECODE in self._programs else STEP, batch)
 
+    def compile(self, t: int, kind: str) -> None:
+        """Compiles bucket t's program of `kind` ("step", "split": the forward and sampling of a split step,
+        "verify", "decode"; Engine.warmup's kinds) without running it, from the cache's and last tokens'
+        shapes, so that any thread can (a server compiles its larger buckets while it serves): the program's
+        first call then finds it compiled (its jit's cache, and the persistent one)."""
+        batch = self.empty(t)
+        kv, last = (jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), x)
+                    for x in (self.kv, self.last))
+        if kind != "split":
+            self._programs[{"step": STEP, "verify": VERIFY, "decode": DECODE}[kind]].lower(
+                self.params, kv, last, batch).compile()
+            return
+        forward = self._forward.lower(self.params, kv, last, batch).compile()
+        self._sample.lower(forward.out_info[0], last, {"sampling": batch["sampling"], "kv_lens": batch["kv_lens"],
+                                                       "slot": batch["slot"]}).compile()
+
     def run_split(self, batch: dict, sampling: Callable[[], dict]):
         """One step as two programs: the forward (dispatched at once), then the sampling with the arrays
         `sampling()` returns, called while the device runs the forward (a structured-output step computes its
