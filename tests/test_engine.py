@@ -481,7 +481,7 @@ def test_ready_after_the_smallest_bucket_and_the_rest_compiled_ahead(model):
     """`warmup(ahead=True)` runs only the smallest bucket's program and holds the step budget to it: a
     30-token prompt then runs in steps of at most 8 tokens, and its tokens equal those of an engine warmed
     whole; `compile_ahead` compiles the rest without running them, the budget grows to the largest bucket,
-    and a step of that bucket then compiles nothing (its jit's cache holds it)."""
+    and a step of that bucket, plain or split (structured outputs), then compiles nothing."""
     import jax
 
     prompt = list(np.random.default_rng(3).integers(3, 128, 30))
@@ -494,8 +494,8 @@ def test_ready_after_the_smallest_bucket_and_the_rest_compiled_ahead(model):
 
     engine = Engine(Runner(model, max_model_len=64, max_num_seqs=2, page_size=8, max_num_batched_tokens=32),
                     prefix_caching=False)  # (the second request's prompt runs again)
-    rest = engine.warmup(ahead=True)
-    assert rest == [(16, "step"), (32, "step")] and engine.budget == 8
+    rest = engine.warmup(ahead=True, structured=True)
+    assert rest == [(16, "step"), (16, "split"), (32, "step"), (32, "split")] and engine.budget == 8
     sizes, run = [], engine.runner.run
 
     def recorded(batch, *a, **kw):
@@ -520,6 +520,8 @@ def test_ready_after_the_smallest_bucket_and_the_rest_compiled_ahead(model):
         req = engine.submit(Request(list(prompt), 6))
         while engine.busy():
             engine.step()
+        batch = engine.runner.empty(32)  # a structured-output step's two programs
+        jax.block_until_ready(engine.runner.run_split(batch, lambda: batch["sampling"]))
     finally:
         jax.monitoring.unregister_event_duration_listener(listen)
     assert 32 in sizes and compiles == [] and req.out == ref.out

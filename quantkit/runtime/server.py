@@ -285,9 +285,10 @@ class Server:
             # one process: ready after the smallest bucket's programs, the rest compiled while serving (several
             # processes run every step together and compile each program on first use, all of them at once)
             one = jax.process_count() == 1
-            rest = engine.warmup(progress, structured=one and not self.dp, ahead=one)
-            self.programs = [len(engine.programs(structured=one and not self.dp)) - len(rest)] * 2
-            self.programs[1] += len(rest)
+            structured = one and not self.dp
+            rest = engine.warmup(progress, structured=structured, ahead=one)
+            total = len(engine.programs(structured))
+            self.programs = [total - len(rest), total]
             self.engine_thread = threading.Thread(target=engine.run, args=(self.stop,), name="engine", daemon=True)
             self.engine_thread.start()
             self.engine, self.status = engine, "ready"
