@@ -77,20 +77,6 @@ def test_health_before_ready_then_models(server, client):
     assert server.launched - 5 <= listed[0].created <= time.time()  # when this server started, not 0
 
 
-def test_ready_after_the_first_bucket_and_the_rest_compiled_while_serving(server, client):
-    """/ready turns 200 once the smallest token bucket's programs are compiled, and counts the rest, which
-    compile while the server serves, in /ready and /metrics until all are: 7 buckets (8 .. 512 tokens),
-    each a step and a structured-output split step."""
-    first = server.http.get("/ready").json()
-    assert first["status"] == "ready" and first["programs"] == 14 and first["programs_compiled"] >= 2
-    deadline = time.monotonic() + 300
-    while (r := server.http.get("/ready").json())["programs_compiled"] < r["programs"]:
-        assert time.monotonic() < deadline, r
-        time.sleep(0.5)
-    m = server.metrics()
-    assert m["quantkit_programs_compiled"] == m["quantkit_programs"] == 14
-
-
 def test_completion_logprobs_match_the_runtime(server, client, model_dir):
     import jax.numpy as jnp
 
@@ -288,6 +274,21 @@ def test_metrics_count_sequences_in_prometheus_format(server, client):
     assert m["vllm:num_requests_running" + label] == m["quantkit_num_requests_running"] == 0
     assert m["vllm:num_requests_waiting" + label] == 0
     assert m["vllm:prefix_cache_queries_total" + label] == m["quantkit_prefix_cache_queries_total"] > 0
+
+
+def test_ready_after_the_first_bucket_and_the_rest_compiled_while_serving(server, client):
+    """/ready turns 200 once the smallest token bucket's programs are compiled, and counts the rest, which
+    compile while the server serves, in /ready and /metrics until all are: 7 buckets (8 .. 512 tokens),
+    each a step and a structured-output split step. (After the module server's other tests: its programs
+    compile while they run.)"""
+    first = server.http.get("/ready").json()
+    assert first["status"] == "ready" and first["programs"] == 14 and first["programs_compiled"] >= 2
+    deadline = time.monotonic() + 300
+    while (r := server.http.get("/ready").json())["programs_compiled"] < r["programs"]:
+        assert time.monotonic() < deadline, r
+        time.sleep(0.5)
+    m = server.metrics()
+    assert m["quantkit_programs_compiled"] == m["quantkit_programs"] == 14
 
 
 def test_unix_socket_owner_only_and_a_second_server_refused(server, model_dir):
