@@ -291,6 +291,17 @@ def test_ready_after_the_first_bucket_and_the_rest_compiled_while_serving(server
     assert m["quantkit_programs_compiled"] == m["quantkit_programs"] == 14
 
 
+def test_sigterm_while_compiling_ahead_exits_cleanly(model_dir, tmp_path):
+    """A server stopped while its thread compiles the larger buckets (SIGTERM 1.5 s after /ready answers, past
+    the half second of quiet it waits, with an empty compilation cache: a program takes seconds) exits 0 once
+    the program being compiled is done (exiting under it aborted the process), and says nothing of it."""
+    s = ServerProc(model_dir, tmp_path / "server.log", tmp_path / "cache", name=NAME, uds=tmp_path / "s.sock")
+    time.sleep(1.5)
+    assert s.http.get("/ready").json()["programs_compiled"] < 14
+    assert s.stop() == 0, (tmp_path / "server.log").read_text()
+    assert "Traceback" not in (tmp_path / "server.log").read_text()
+
+
 def test_unix_socket_owner_only_and_a_second_server_refused(server, model_dir):
     """The socket is 0600; a second `serve` on the same path while the first answers there exits 1 with one
     line (before loading anything), and the first server goes on answering."""

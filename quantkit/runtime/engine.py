@@ -703,16 +703,20 @@ class Engine:
         return runs[len(now):]
 
     def compile_ahead(self, rest: list[tuple[int, str]], progress: Callable[[int, int], None] | None = None,
-                      quiet: float = 0.5, patience: float = 2.0) -> None:
+                      quiet: float = 0.5, patience: float = 2.0, stop: threading.Event | None = None) -> None:
         """Compiles the programs `rest` (`warmup(ahead=True)`'s) bucket by bucket, smallest first, without running
         them (on another thread than `run`'s); after each bucket's last one the step budget grows to that bucket,
         so a step never takes a bucket not yet compiled (a longer prompt meanwhile runs in chunks). Each
         program waits until the engine has been idle for `quiet` seconds or busy for `patience`: tracing a
         program holds the interpreter, and a compile the cores, which made a first request's 16 tokens 6x
-        slower (0.44 against 0.07 s on this 2-core CPU); a load that lasts gets the larger buckets anyway."""
+        slower (0.44 against 0.07 s on this 2-core CPU); a load that lasts gets the larger buckets anyway.
+        `stop` set: returns before the next program (a server shutting down)."""
+        stop = stop or threading.Event()
         for i, (t, kind) in enumerate(rest):
-            while time.monotonic() - self.since[1] < (patience if self.since[0] else quiet):
+            while time.monotonic() - self.since[1] < (patience if self.since[0] else quiet) and not stop.is_set():
                 time.sleep(0.01)
+            if stop.is_set():
+                return
             self.runner.compile(t, kind)
             if i + 1 == len(rest) or rest[i + 1][0] != t:
                 self.budget = min(self.runner.max_num_batched_tokens, t)

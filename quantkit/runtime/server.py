@@ -227,6 +227,7 @@ class Server:
         self.engine: Engine | None = None
         self.engine_thread: threading.Thread | None = None
         self.programs = [0, 0]  # step programs compiled, of all the server runs
+        self.compile_thread: threading.Thread | None = None  # compiling the rest while serving (`_compile_ahead`)
         self.started = int(time.time())  # /v1/models' `created`
         self.codec = None
         self.status = "starting"
@@ -293,8 +294,9 @@ class Server:
             self.engine_thread.start()
             self.engine, self.status = engine, "ready"
             if rest:
-                threading.Thread(target=self._compile_ahead, args=(engine, rest, t0), name="compile",
-                                 daemon=True).start()
+                self.compile_thread = threading.Thread(target=self._compile_ahead, args=(engine, rest, t0),
+                                                       name="compile", daemon=True)
+                self.compile_thread.start()
             r = engine.runner
             each = r.max_num_seqs // r.dp
             devices = "1 device" if r.mesh is None else f"{r.dp} devices, data parallel ({each} sequence" \
@@ -324,8 +326,9 @@ class Server:
         """The programs the ready server did not compile yet (engine.compile_ahead), on this thread."""
         done = self.programs[0]
         try:
-            engine.compile_ahead(rest, lambda i, n: self.programs.__setitem__(0, done + i))
-            log.warning("all %d programs compiled, %.1f s after start", self.programs[1], time.monotonic() - t0)
+            engine.compile_ahead(rest, lambda i, n: self.programs.__setitem__(0, done + i), stop=self.stop)
+            if not self.stop.is_set():
+                log.warning("all %d programs compiled, %.1f s after start", self.programs[1], time.monotonic() - t0)
         except Exception as e:  # noqa: BLE001 - the budget stays where it is; serving goes on
             log.error("compiling ahead stopped: %s: %s (steps stay within %d tokens)", type(e).__name__, e,
                       engine.budget)
@@ -944,5 +947,7 @@ def serve(path: Path, host: str = "127.0.0.1", port: int = 8000, uds: str | None
             Path(uds).unlink(missing_ok=True)
     if server.engine is not None:  # the engine thread has seen `stop`; then the other processes may end
         server.engine_thread.join()
+        if server.compile_thread is not None:  # it returns after the program it compiles (exiting mid-compile
+            server.compile_thread.join()       # can abort the process)
         server.engine.runner.stop()
     return 1 if server.failed else 0
