@@ -218,11 +218,12 @@ def main():
                     "int4 conversion, the MXU in either orientation)")
     ap.add_argument("--stream", action="store_true", help="the manual-DMA column-slab stream beside production, "
                     "one weight and q+k+v / gate+up as one stream")
+    ap.add_argument("--no-prod", action="store_true", help="--stream: without production's figures")
     a = ap.parse_args()
     _, log = open_run(a.out)
     rng = np.random.default_rng(0)
     if a.stream:
-        return stream_table(rng, log, a.shapes.split(",") if a.shapes else (), prod=not a.tiles)
+        return stream_table(rng, log, a.shapes.split(",") if a.shapes else (), prod=not a.no_prod)
 
     shapes = {"q/o": (4096, 4096), "k/v": (4096, 1024), "gate/up": (4096, 14336), "down": (14336, 4096)}
     for name, (k, n) in shapes.items():
@@ -331,11 +332,9 @@ def stream_table(rng, log, only=(), prod=True):
             qs, ss = [a.values[0] for a in ws], [a.scales[0] for a in ws]
             sizes = jnp.array([m], jnp.int32)
             runs = []
-            if not prod:
-                pass
-            elif name == "gate+up":
+            if prod and name == "gate+up":
                 runs.append(("prod pair", lambda x, a, b: gmm_v2(x, a, sizes, chip="v5e", up=b, gate="silu"), (x, ws[0], ws[1]), "gmm_v2"))
-            else:
+            elif prod:
                 for i, a in enumerate(ws):
                     runs.append((f"prod {i}", lambda x, a: gmm_v2(x, a, sizes, chip="v5e"), (x, a), "gmm_v2"))
             for cn, nbuf, compute in ((256, 2, True), (256, 3, True), (512, 2, True), (512, 3, True), (128, 4, True),
